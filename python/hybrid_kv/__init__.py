@@ -1,0 +1,1 @@
+"""hybrid-kv: a KV-cache manager for hybrid LLMs."""

@@ -1,0 +1,334 @@
+//! Chained block hashing: `hash(block i) = H(hash(block i-1), token ids of block i, extra keys)`,
+//! with the first block chained to a per-seed "none hash" (vLLM's `NONE_HASH`).
+//!
+//! The input of `H` is an unambiguous byte string: the 16-byte parent, the token count, the
+//! tokens as little-endian `u32`, then tagged, length-prefixed extra keys (LoRA name, multimodal
+//! inputs overlapping the block with their offset relative to the block start, and the cache salt
+//! on the first block only). The default `H` is XXH3-128; SHA-256 and BLAKE3 are truncated to 128
+//! bits. Results depend only on the algorithm, the seed and the input, so they are stable across
+//! processes and machines.
+
+use crate::error::{CoreError, Result};
+use crate::types::BlockHash;
+use sha2::Digest;
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
+pub enum HashAlgo {
+    #[default]
+    Xxh3,
+    Sha256,
+    Blake3,
+}
+
+impl HashAlgo {
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "xxh3" | "xxh3_128" | "xxhash" => Ok(HashAlgo::Xxh3),
+            "sha256" => Ok(HashAlgo::Sha256),
+            "blake3" => Ok(HashAlgo::Blake3),
+            other => Err(CoreError::InvalidArgument(format!(
+                "unknown hash algorithm {other:?} (expected 'xxh3', 'sha256' or 'blake3')"
+            ))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            HashAlgo::Xxh3 => "xxh3",
+            HashAlgo::Sha256 => "sha256",
+            HashAlgo::Blake3 => "blake3",
+        }
+    }
+
+    #[inline]
+    pub fn digest(self, bytes: &[u8]) -> BlockHash {
+        match self {
+            HashAlgo::Xxh3 => BlockHash(xxhash_rust::xxh3::xxh3_128(bytes)),
+            HashAlgo::Sha256 => {
+                let d = sha2::Sha256::digest(bytes);
+                BlockHash(u128::from_le_bytes(d[..16].try_into().expect("32-byte digest")))
+            }
+            HashAlgo::Blake3 => {
+                let d = blake3::hash(bytes);
+                BlockHash(u128::from_le_bytes(d.as_bytes()[..16].try_into().expect("32 bytes")))
+            }
+        }
+    }
+}
+
+/// A multimodal input occupying `length` prompt positions from `offset`, identified by a
+/// content hash or id chosen by the caller.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MmInput {
+    pub identifier: String,
+    pub offset: usize,
+    pub length: usize,
+}
+
+/// Per-request keys mixed into the block hashes.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ExtraKeys {
+    /// Per-tenant isolation: mixed into the first block, so the whole chain differs.
+    pub cache_salt: Option<String>,
+    pub lora_name: Option<String>,
+    /// Sorted by offset.
+    pub mm_inputs: Vec<MmInput>,
+}
+
+impl ExtraKeys {
+    pub fn new(
+        cache_salt: Option<String>,
+        lora_name: Option<String>,
+        mut mm_inputs: Vec<MmInput>,
+    ) -> Result<Self> {
+        if let Some(bad) = mm_inputs.iter().find(|m| m.length == 0) {
+            return Err(CoreError::InvalidArgument(format!(
+                "multimodal input {:?} has length 0",
+                bad.identifier
+            )));
+        }
+        mm_inputs.sort_by_key(|m| m.offset);
+        Ok(ExtraKeys {
+            cache_salt: cache_salt.filter(|s| !s.is_empty()),
+            lora_name,
+            mm_inputs,
+        })
+    }
+
+    fn is_empty(&self) -> bool {
+        self.cache_salt.is_none() && self.lora_name.is_none() && self.mm_inputs.is_empty()
+    }
+}
+
+/// A token id as accepted from callers: `u32`, or signed/wider integers in `0..2^32`.
+pub trait TokenId: Copy {
+    fn to_u32(self) -> Option<u32>;
+    /// The id as `u32`, for values already checked with [`TokenId::to_u32`].
+    fn as_u32(self) -> u32;
+}
+
+impl TokenId for u32 {
+    #[inline]
+    fn as_u32(self) -> u32 {
+        self as u32
+    }
+    #[inline]
+    fn to_u32(self) -> Option<u32> {
+        Some(self)
+    }
+}
+
+impl TokenId for i32 {
+    #[inline]
+    fn as_u32(self) -> u32 {
+        self as u32
+    }
+    #[inline]
+    fn to_u32(self) -> Option<u32> {
+        u32::try_from(self).ok()
+    }
+}
+
+impl TokenId for i64 {
+    #[inline]
+    fn as_u32(self) -> u32 {
+        self as u32
+    }
+    #[inline]
+    fn to_u32(self) -> Option<u32> {
+        u32::try_from(self).ok()
+    }
+}
+
+impl TokenId for u64 {
+    #[inline]
+    fn as_u32(self) -> u32 {
+        self as u32
+    }
+    #[inline]
+    fn to_u32(self) -> Option<u32> {
+        u32::try_from(self).ok()
+    }
+}
+
+/// Checks every token id is in `0..2^32`; reports the first that is not.
+pub fn check_tokens<T: TokenId>(tokens: &[T]) -> Result<()> {
+    if tokens.iter().all(|t| t.to_u32().is_some()) {
+        return Ok(());
+    }
+    let pos = tokens.iter().position(|t| t.to_u32().is_none()).unwrap_or(0);
+    Err(CoreError::InvalidArgument(format!(
+        "token id at position {pos} is outside [0, 2^32)"
+    )))
+}
+
+/// Hashes token sequences into chained block hashes.
+#[derive(Clone, Debug)]
+pub struct BlockHasher {
+    algo: HashAlgo,
+    block_size: usize,
+    none_hash: BlockHash,
+}
+
+pub const MAX_BLOCK_SIZE: usize = 1 << 20;
+
+impl BlockHasher {
+    pub fn new(block_size: usize, algo: HashAlgo, seed: &str) -> Result<Self> {
+        if block_size == 0 || block_size > MAX_BLOCK_SIZE {
+            return Err(CoreError::InvalidArgument(format!(
+                "block_size must be in 1..={MAX_BLOCK_SIZE}, got {block_size}"
+            )));
+        }
+        let mut seed_bytes = b"hybrid-kv/none-hash/".to_vec();
+        seed_bytes.extend_from_slice(seed.as_bytes());
+        Ok(BlockHasher {
+            algo,
+            block_size,
+            none_hash: algo.digest(&seed_bytes),
+        })
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn algo(&self) -> HashAlgo {
+        self.algo
+    }
+
+    /// The parent of a sequence's first block.
+    pub fn none_hash(&self) -> BlockHash {
+        self.none_hash
+    }
+
+    /// Appends to `out` the hashes of the full blocks of `tokens`, where `tokens[0]` is at
+    /// sequence position `start` (a multiple of the block size) and `parent` is the hash of the
+    /// block before it (`None` at the start of a sequence). Trailing partial tokens are ignored.
+    pub fn hash_blocks<T: TokenId>(
+        &self,
+        parent: Option<BlockHash>,
+        tokens: &[T],
+        start: usize,
+        extra: &ExtraKeys,
+        out: &mut Vec<BlockHash>,
+    ) -> Result<()> {
+        let bs = self.block_size;
+        if start % bs != 0 {
+            return Err(CoreError::InvalidArgument(format!(
+                "start {start} is not a multiple of the block size {bs}"
+            )));
+        }
+        let num_full = tokens.len() / bs;
+        check_tokens(&tokens[..num_full * bs])?;
+        out.reserve(num_full);
+        let mut parent = parent.unwrap_or(self.none_hash);
+        let mut buf: Vec<u8> = Vec::with_capacity(20 + 4 * bs + 64);
+        let mut mm_next = 0;
+        for (i, block) in tokens.chunks_exact(bs).enumerate() {
+            buf.clear();
+            buf.extend_from_slice(&parent.0.to_le_bytes());
+            buf.extend_from_slice(&(bs as u32).to_le_bytes());
+            for &t in block {
+                buf.extend_from_slice(&t.as_u32().to_le_bytes());
+            }
+            if !extra.is_empty() {
+                let block_start = start + i * bs;
+                mm_next = encode_extra(&mut buf, extra, block_start, block_start + bs, mm_next);
+            }
+            parent = self.algo.digest(&buf);
+            out.push(parent);
+        }
+        Ok(())
+    }
+}
+
+fn push_str(buf: &mut Vec<u8>, tag: u8, s: &str) {
+    buf.push(tag);
+    buf.extend_from_slice(&(s.len() as u64).to_le_bytes());
+    buf.extend_from_slice(s.as_bytes());
+}
+
+/// Encodes the extra keys of the block `[start, end)`; returns where the next block's scan of
+/// the (sorted) multimodal inputs starts.
+fn encode_extra(buf: &mut Vec<u8>, extra: &ExtraKeys, start: usize, end: usize, from: usize) -> usize {
+    if let Some(lora) = &extra.lora_name {
+        push_str(buf, b'L', lora);
+    }
+    let mut next = from;
+    for (k, mm) in extra.mm_inputs.iter().enumerate().skip(from) {
+        if mm.offset >= end {
+            break;
+        }
+        let mm_end = mm.offset + mm.length;
+        if mm_end <= start {
+            if k == next {
+                next += 1;
+            }
+            continue;
+        }
+        push_str(buf, b'M', &mm.identifier);
+        buf.extend_from_slice(&(mm.offset as i64 - start as i64).to_le_bytes());
+        if mm_end <= end && k == next {
+            next += 1;
+        }
+    }
+    if start == 0 {
+        if let Some(salt) = &extra.cache_salt {
+            push_str(buf, b'S', salt);
+        }
+    }
+    next
+}
+
+/// An incrementally extended hash chain over a growing token sequence.
+#[derive(Clone, Debug)]
+pub struct BlockHashChain {
+    hasher: BlockHasher,
+    extra: ExtraKeys,
+    tokens: Vec<u32>,
+    hashes: Vec<BlockHash>,
+}
+
+impl BlockHashChain {
+    pub fn new(hasher: BlockHasher, extra: ExtraKeys) -> Self {
+        BlockHashChain {
+            hasher,
+            extra,
+            tokens: Vec::new(),
+            hashes: Vec::new(),
+        }
+    }
+
+    pub fn hasher(&self) -> &BlockHasher {
+        &self.hasher
+    }
+
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    pub fn hashes(&self) -> &[BlockHash] {
+        &self.hashes
+    }
+
+    /// Appends tokens and hashes every block they complete; returns how many hashes were added.
+    /// Rejects the whole call (nothing appended) if any token id is out of range.
+    pub fn extend<T: TokenId>(&mut self, tokens: &[T]) -> Result<usize> {
+        check_tokens(tokens)?;
+        self.tokens.extend(tokens.iter().map(|t| t.as_u32()));
+        let bs = self.hasher.block_size;
+        let done = self.hashes.len() * bs;
+        let before = self.hashes.len();
+        let full_end = self.tokens.len() / bs * bs;
+        if full_end > done {
+            let parent = self.hashes.last().copied();
+            let (tokens, hashes) = (&self.tokens[done..full_end], &mut self.hashes);
+            self.hasher
+                .hash_blocks(parent, tokens, done, &self.extra, hashes)?;
+        }
+        Ok(self.hashes.len() - before)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,187 @@
+//! Per-block reference counts and the free order: the lock-free heart of the pool.
+//!
+//! Each block has one `AtomicU64` packing its reference count (low 32 bits) and an epoch (high 32
+//! bits). The epoch moves on every time the block leaves the free order (claimed by an allocation
+//! or revived by `touch`), so "revive" and "claim for reuse" race on one CAS from
+//! `(ref 0, epoch e)` and exactly one wins; the loser sees a new epoch.
+//!
+//! `free_count` counts free blocks that nobody has reserved. Allocations reserve first (all or
+//! nothing) and then claim that many entries; a revive reserves one unit. A freed block's entry is
+//! pushed before its unit is published, so the valid entries in the free order always number at
+//! least `free_count` plus the outstanding reservations: a reserving thread always finds its blocks.
+
+use super::free_order::{entry_epoch, entry_id, pack_entry, FreeOrder};
+use crate::error::{CoreError, Result};
+use crate::sync::{spin_wait, AtomicU64, AtomicUsize, Ordering};
+use crate::types::BlockId;
+
+#[inline]
+fn refs(state: u64) -> u32 {
+    state as u32
+}
+
+#[inline]
+fn epoch(state: u64) -> u32 {
+    (state >> 32) as u32
+}
+
+#[inline]
+fn pack(refs: u32, epoch: u32) -> u64 {
+    ((epoch as u64) << 32) | refs as u64
+}
+
+pub(crate) struct BlockStates {
+    state: Box<[AtomicU64]>,
+    free_count: AtomicUsize,
+    order: FreeOrder,
+}
+
+impl BlockStates {
+    /// Block 0 is the null block (never free); blocks `1..num_blocks` start free in id order.
+    pub(crate) fn new(num_blocks: usize) -> Self {
+        BlockStates {
+            state: (0..num_blocks).map(|_| AtomicU64::new(0)).collect(),
+            free_count: AtomicUsize::new(num_blocks.saturating_sub(1)),
+            order: FreeOrder::new(num_blocks, (1..num_blocks as u32).map(|id| pack_entry(id, 0))),
+        }
+    }
+
+    #[inline]
+    pub(crate) fn num_free(&self) -> usize {
+        self.free_count.load(Ordering::Acquire)
+    }
+
+    #[inline]
+    pub(crate) fn ref_count(&self, id: BlockId) -> u32 {
+        refs(self.state[id as usize].load(Ordering::Acquire))
+    }
+
+    /// Whether a free-order entry still stands for a free block.
+    #[inline]
+    fn is_valid(state: &[AtomicU64], entry: u64) -> bool {
+        state[entry_id(entry) as usize].load(Ordering::Acquire) == pack(0, entry_epoch(entry))
+    }
+
+    /// Reserves `n` free blocks, or reports how many are free.
+    pub(crate) fn reserve(&self, n: usize) -> std::result::Result<(), usize> {
+        self.free_count
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |free| free.checked_sub(n))
+            .map(|_| ())
+    }
+
+    /// Claims `n` previously reserved blocks from the front of the free order (ref 0 → 1).
+    pub(crate) fn claim_reserved(&self, n: usize, out: &mut Vec<BlockId>) {
+        let mut claimed = 0;
+        while claimed < n {
+            let Some(entry) = self.order.pop() else {
+                // Valid entries exist (see the module comment); they are either being pushed
+                // or briefly held by a compaction.
+                spin_wait();
+                continue;
+            };
+            let (id, e) = (entry_id(entry), entry_epoch(entry));
+            if self.state[id as usize]
+                .compare_exchange(
+                    pack(0, e),
+                    pack(1, e.wrapping_add(1)),
+                    Ordering::AcqRel,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
+            {
+                out.push(id);
+                claimed += 1;
+            }
+        }
+    }
+
+    /// Takes one more reference to `id`, reviving it from the free order if it was free.
+    pub(crate) fn acquire(&self, id: BlockId) -> Result<()> {
+        let cell = &self.state[id as usize];
+        let mut s = cell.load(Ordering::Acquire);
+        loop {
+            if refs(s) == 0 {
+                if self.reserve(1).is_err() {
+                    return Err(CoreError::Evicted(id));
+                }
+                match cell.compare_exchange(
+                    s,
+                    pack(1, epoch(s).wrapping_add(1)),
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                ) {
+                    Ok(_) => return Ok(()),
+                    Err(actual) => {
+                        self.free_count.fetch_add(1, Ordering::AcqRel);
+                        s = actual;
+                    }
+                }
+            } else {
+                if refs(s) == u32::MAX {
+                    return Err(CoreError::RefCountOverflow { id, ref_cnt: refs(s) });
+                }
+                match cell.compare_exchange_weak(s, s + 1, Ordering::AcqRel, Ordering::Acquire) {
+                    Ok(_) => return Ok(()),
+                    Err(actual) => s = actual,
+                }
+            }
+        }
+    }
+
+    /// Drops one reference. Returns the free-order entry to publish when it reached zero.
+    pub(crate) fn release(&self, id: BlockId) -> Result<Option<u64>> {
+        let cell = &self.state[id as usize];
+        let mut s = cell.load(Ordering::Acquire);
+        loop {
+            if refs(s) == 0 {
+                return Err(CoreError::DoubleFree(id));
+            }
+            match cell.compare_exchange_weak(s, s - 1, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => {
+                    return Ok((refs(s) == 1).then(|| pack_entry(id, epoch(s))));
+                }
+                Err(actual) => s = actual,
+            }
+        }
+    }
+
+    /// Undoes a `release` of the same call (used when a later block of a batch is rejected).
+    pub(crate) fn unrelease(&self, id: BlockId) {
+        let cell = &self.state[id as usize];
+        let mut s = cell.load(Ordering::Acquire);
+        while let Err(actual) =
+            cell.compare_exchange_weak(s, s + 1, Ordering::AcqRel, Ordering::Acquire)
+        {
+            s = actual;
+        }
+    }
+
+    /// Publishes released blocks: `front` ahead of everything (given order kept), `back` at the
+    /// tail, then makes them available to reservations.
+    pub(crate) fn publish(&self, front: &[u64], back: &[u64]) {
+        let state = &self.state[..];
+        let valid = |entry| Self::is_valid(state, entry);
+        if !front.is_empty() {
+            self.order.push_front(front, valid);
+        }
+        if !back.is_empty() {
+            self.order.push_back(back, valid);
+        }
+        self.free_count.fetch_add(front.len() + back.len(), Ordering::AcqRel);
+    }
+
+    /// Free blocks front to back. Only while no other thread uses the pool.
+    pub(crate) fn free_order(&self) -> Vec<BlockId> {
+        self.order
+            .snapshot()
+            .into_iter()
+            .filter(|&entry| Self::is_valid(&self.state, entry))
+            .map(entry_id)
+            .collect()
+    }
+
+    #[cfg(test)]
+    pub(crate) fn physical_len(&self) -> usize {
+        self.order.physical_len()
+    }
+}

@@ -1,0 +1,212 @@
+use super::*;
+
+fn h(x: u128) -> BlockHash {
+    BlockHash(x)
+}
+
+fn cache(pool: &BlockPool, blocks: &[BlockId], hashes: &[u128], group: GroupId) {
+    let hashes: Vec<BlockHash> = hashes.iter().map(|&x| h(x)).collect();
+    pool.cache_full_blocks(blocks, &hashes, group, StoreInfo::default())
+        .unwrap();
+}
+
+#[test]
+fn initial_free_order_is_ids_one_to_n_minus_one() {
+    let pool = BlockPool::new(6).unwrap();
+    assert_eq!(pool.free_order(), vec![1, 2, 3, 4, 5]);
+    assert_eq!(pool.num_free_blocks(), 5);
+    assert_eq!(pool.usage(), 0.0);
+}
+
+#[test]
+fn free_order_matches_vllm_worked_example() {
+    // The observable check of the issue: uncached frees go in front (LIFO), cached ones at the
+    // back (LRU), touched cached blocks leave the order.
+    let pool = BlockPool::new(11).unwrap();
+    assert_eq!(pool.get_new_blocks(4).unwrap(), vec![1, 2, 3, 4]);
+    cache(&pool, &[1, 2, 3], &[11, 12, 13], 0);
+    pool.touch(&[1, 2, 3]).unwrap();
+    assert_eq!(pool.get_new_blocks(1).unwrap(), vec![5]);
+    pool.free_blocks(&[4, 3, 2, 1]).unwrap();
+    pool.free_blocks(&[5, 3, 2, 1]).unwrap();
+    let expected = vec![5, 4, 6, 7, 8, 9, 10, 3, 2, 1];
+    assert_eq!(pool.free_order(), expected);
+    assert_eq!(pool.get_new_blocks(10).unwrap(), expected);
+    assert_eq!(pool.num_free_blocks(), 0);
+}
+
+#[test]
+fn get_new_blocks_is_all_or_nothing() {
+    let pool = BlockPool::new(4).unwrap();
+    let err = pool.get_new_blocks(4).unwrap_err();
+    assert_eq!(err, CoreError::NotEnoughFreeBlocks { requested: 4, free: 3 });
+    assert_eq!(pool.free_order(), vec![1, 2, 3]);
+    assert_eq!(pool.get_new_blocks(0).unwrap(), Vec::<BlockId>::new());
+}
+
+#[test]
+fn null_block_is_never_handed_out_and_ignored_by_free_and_touch() {
+    let pool = BlockPool::new(3).unwrap();
+    let blocks = pool.get_new_blocks(2).unwrap();
+    assert!(!blocks.contains(&NULL_BLOCK));
+    pool.touch(&[NULL_BLOCK]).unwrap();
+    pool.free_blocks(&[NULL_BLOCK, blocks[0], NULL_BLOCK]).unwrap();
+    assert_eq!(pool.num_free_blocks(), 1);
+    assert_eq!(pool.ref_count(NULL_BLOCK).unwrap(), 0);
+}
+
+#[test]
+fn reusing_a_cached_block_evicts_its_key_and_reports_it() {
+    let pool = BlockPool::with_options(3, true, true).unwrap();
+    let blocks = pool.get_new_blocks(2).unwrap();
+    cache(&pool, &blocks, &[7, 8], 3);
+    assert_eq!(pool.lookup(h(7), 3), Some(blocks[0]));
+    assert_eq!(pool.lookup(h(7), 2), None, "groups are cached independently");
+    pool.free_blocks(&[blocks[1], blocks[0]]).unwrap();
+    assert_eq!(pool.lookup(h(8), 3), Some(blocks[1]), "free cached block stays findable");
+    let events = pool.take_events();
+    assert_eq!(events.len(), 1);
+    assert!(matches!(&events[0], KvEvent::BlockStored { block_hashes, group_id: 3, .. }
+        if block_hashes == &vec![h(7), h(8)]));
+    // LRU: blocks[1] was freed first, so it is evicted first.
+    assert_eq!(pool.get_new_blocks(1).unwrap(), vec![blocks[1]]);
+    assert_eq!(pool.lookup(h(8), 3), None);
+    assert_eq!(pool.num_cached_keys(), 1);
+    assert_eq!(
+        pool.take_events(),
+        vec![KvEvent::BlockRemoved { block_hash: h(8), group_id: 3 }]
+    );
+}
+
+#[test]
+fn touch_revives_a_cached_block_out_of_the_free_order() {
+    let pool = BlockPool::new(4).unwrap();
+    let blocks = pool.get_new_blocks(3).unwrap();
+    cache(&pool, &blocks[..1], &[1], 0);
+    pool.free_blocks(&[1, 2, 3]).unwrap();
+    assert_eq!(pool.free_order(), vec![2, 3, 1], "uncached in front in given order");
+    pool.touch(&[1]).unwrap();
+    assert_eq!(pool.ref_count(1).unwrap(), 1);
+    assert_eq!(pool.free_order(), vec![2, 3]);
+    assert_eq!(pool.num_free_blocks(), 2);
+    assert_eq!(pool.lookup(h(1), 0), Some(1));
+}
+
+#[test]
+fn duplicates_of_identical_content_are_allowed() {
+    let pool = BlockPool::new(4).unwrap();
+    let blocks = pool.get_new_blocks(2).unwrap();
+    cache(&pool, &blocks[..1], &[5], 0);
+    cache(&pool, &blocks[1..], &[5], 0);
+    assert_eq!(pool.num_cached_keys(), 1);
+    assert_eq!(pool.lookup(h(5), 0), Some(blocks[0]), "first inserted wins");
+    pool.evict_blocks(&blocks[..1]).unwrap();
+    assert_eq!(pool.lookup(h(5), 0), Some(blocks[1]));
+    pool.evict_blocks(&blocks[1..]).unwrap();
+    assert_eq!(pool.lookup(h(5), 0), None);
+    assert_eq!(pool.num_cached_keys(), 0);
+}
+
+#[test]
+fn get_cached_block_needs_every_group() {
+    let pool = BlockPool::new(4).unwrap();
+    let blocks = pool.get_new_blocks(2).unwrap();
+    cache(&pool, &blocks[..1], &[9], 0);
+    assert_eq!(pool.get_cached_block(h(9), &[0, 1]), None);
+    cache(&pool, &blocks[1..], &[9], 1);
+    assert_eq!(pool.get_cached_block(h(9), &[0, 1]), Some(blocks.clone()));
+}
+
+#[test]
+fn double_free_is_rejected_and_changes_nothing() {
+    let pool = BlockPool::new(5).unwrap();
+    let blocks = pool.get_new_blocks(2).unwrap();
+    let order = pool.free_order();
+    let err = pool.free_blocks(&[blocks[0], blocks[1], blocks[1]]).unwrap_err();
+    assert_eq!(err, CoreError::DoubleFree(blocks[1]));
+    assert_eq!(pool.free_order(), order);
+    assert_eq!(pool.ref_count(blocks[0]).unwrap(), 1);
+    assert_eq!(pool.ref_count(blocks[1]).unwrap(), 1);
+    assert_eq!(pool.num_free_blocks(), 2);
+    assert_eq!(pool.free_blocks(&[4]).unwrap_err(), CoreError::DoubleFree(4));
+}
+
+#[test]
+fn out_of_range_ids_are_rejected_and_change_nothing() {
+    let pool = BlockPool::new(5).unwrap();
+    let blocks = pool.get_new_blocks(2).unwrap();
+    let bad = CoreError::InvalidBlockId { id: 5, num_blocks: 5 };
+    assert_eq!(pool.free_blocks(&[blocks[0], 5]).unwrap_err(), bad);
+    assert_eq!(pool.touch(&[blocks[0], 5]).unwrap_err(), bad);
+    assert_eq!(pool.evict_blocks(&[5]).unwrap_err(), bad);
+    assert_eq!(pool.ref_count(blocks[0]).unwrap(), 1);
+    assert_eq!(pool.num_free_blocks(), 2);
+}
+
+#[test]
+fn caching_a_free_block_is_rejected() {
+    let pool = BlockPool::new(5).unwrap();
+    let err = pool
+        .cache_full_blocks(&[2], &[h(1)], 0, StoreInfo::default())
+        .unwrap_err();
+    assert_eq!(err, CoreError::NotInUse(2));
+    assert_eq!(pool.num_cached_keys(), 0);
+    let err = pool
+        .cache_full_blocks(&[2, 3], &[h(1)], 0, StoreInfo::default())
+        .unwrap_err();
+    assert_eq!(err, CoreError::LengthMismatch { blocks: 2, hashes: 1 });
+}
+
+#[test]
+fn reset_prefix_cache_is_refused_while_blocks_are_in_use() {
+    let pool = BlockPool::with_options(4, true, true).unwrap();
+    let blocks = pool.get_new_blocks(2).unwrap();
+    cache(&pool, &blocks, &[1, 2], 0);
+    assert!(!pool.reset_prefix_cache());
+    assert_eq!(pool.num_cached_keys(), 2);
+    pool.free_blocks(&blocks).unwrap();
+    let order = pool.free_order();
+    assert!(pool.reset_prefix_cache());
+    assert_eq!(pool.num_cached_keys(), 0);
+    assert_eq!(pool.lookup(h(1), 0), None);
+    assert_eq!(pool.free_order(), order, "reset keeps the free order");
+    assert_eq!(pool.take_events().last(), Some(&KvEvent::AllBlocksCleared));
+}
+
+#[test]
+fn with_caching_off_every_free_goes_to_the_front() {
+    let pool = BlockPool::with_options(4, false, false).unwrap();
+    let blocks = pool.get_new_blocks(3).unwrap();
+    cache(&pool, &blocks, &[1, 2, 3], 0);
+    assert_eq!(pool.num_cached_keys(), 0);
+    pool.free_blocks(&[3, 1]).unwrap();
+    assert_eq!(pool.free_order(), vec![3, 1]);
+}
+
+#[test]
+fn pool_size_limits_are_errors() {
+    assert!(matches!(BlockPool::new(1), Err(CoreError::PoolTooSmall(1))));
+    assert!(matches!(BlockPool::new(MAX_BLOCKS + 1), Err(CoreError::PoolTooLarge(_))));
+}
+
+#[test]
+fn stale_entries_are_compacted_and_order_is_kept() {
+    // Revive and free the same cached blocks many times: each cycle leaves a stale entry.
+    let pool = BlockPool::new(8).unwrap();
+    let blocks = pool.get_new_blocks(7).unwrap();
+    cache(&pool, &blocks, &[1, 2, 3, 4, 5, 6, 7], 0);
+    pool.free_blocks(&blocks).unwrap();
+    for _ in 0..100 {
+        pool.touch(&[3, 5]).unwrap();
+        pool.free_blocks(&[5, 3]).unwrap();
+    }
+    assert!(pool.states.physical_len() <= 2 * 8 + 8 + 2);
+    assert_eq!(pool.free_order(), vec![1, 2, 4, 6, 7, 5, 3]);
+    assert_eq!(pool.num_free_blocks(), 7);
+}
+
+#[test]
+fn pool_is_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<BlockPool>();
+}

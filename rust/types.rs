@@ -1,0 +1,78 @@
+//! Identifiers shared by every part of the core.
+
+use std::fmt;
+
+/// Index of a block in the pool. Block 0 is the permanent null block.
+pub type BlockId = u32;
+
+/// Index of a KV cache group (a set of layers that share block ids).
+pub type GroupId = u32;
+
+/// The null block: stands for a slot that needs no memory (e.g. tokens that fell out of a
+/// sliding window). Never handed out, never counted as free.
+pub const NULL_BLOCK: BlockId = 0;
+
+/// A 128-bit chained block hash (see [`crate::hashing`]).
+#[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct BlockHash(pub u128);
+
+impl BlockHash {
+    /// The hash as 16 big-endian bytes.
+    pub fn to_be_bytes(self) -> [u8; 16] {
+        self.0.to_be_bytes()
+    }
+
+    /// The (low, high) 64-bit halves, the form used to pass hashes to numpy.
+    pub fn to_parts(self) -> (u64, u64) {
+        (self.0 as u64, (self.0 >> 64) as u64)
+    }
+
+    /// Inverse of [`BlockHash::to_parts`].
+    pub fn from_parts(lo: u64, hi: u64) -> Self {
+        BlockHash(((hi as u128) << 64) | lo as u128)
+    }
+}
+
+impl fmt::Debug for BlockHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "BlockHash({:032x})", self.0)
+    }
+}
+
+/// A prefix-cache key: the same content in different groups is cached independently.
+#[derive(Copy, Clone, PartialEq, Eq, Hash, Debug, PartialOrd, Ord)]
+pub struct CacheKey {
+    pub hash: BlockHash,
+    pub group: GroupId,
+}
+
+/// What the pool reports to a KV-event consumer (vLLM's `kv_events`).
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum KvEvent {
+    /// Blocks newly entered into the prefix cache by one `cache_full_blocks` call.
+    BlockStored {
+        block_hashes: Vec<BlockHash>,
+        parent_block_hash: Option<BlockHash>,
+        token_ids: Vec<u32>,
+        block_size: u32,
+        group_id: GroupId,
+    },
+    /// One cache key removed (eviction on reuse, explicit eviction).
+    BlockRemoved {
+        block_hash: BlockHash,
+        group_id: GroupId,
+    },
+    /// The whole prefix cache was reset.
+    AllBlocksCleared,
+}
+
+/// Optional event payload for [`crate::pool::BlockPool::cache_full_blocks`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StoreInfo<'a> {
+    /// Hash of the block before the first newly cached one (`None` at the start of a prompt).
+    pub parent_block_hash: Option<BlockHash>,
+    /// Token ids covered by the newly cached blocks.
+    pub token_ids: &'a [u32],
+    /// Tokens per block of the group.
+    pub block_size: u32,
+}
