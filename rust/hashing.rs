@@ -46,11 +46,15 @@ impl HashAlgo {
             HashAlgo::Xxh3 => BlockHash(xxhash_rust::xxh3::xxh3_128(bytes)),
             HashAlgo::Sha256 => {
                 let d = sha2::Sha256::digest(bytes);
-                BlockHash(u128::from_le_bytes(d[..16].try_into().expect("32-byte digest")))
+                BlockHash(u128::from_le_bytes(
+                    d[..16].try_into().expect("32-byte digest"),
+                ))
             }
             HashAlgo::Blake3 => {
                 let d = blake3::hash(bytes);
-                BlockHash(u128::from_le_bytes(d.as_bytes()[..16].try_into().expect("32 bytes")))
+                BlockHash(u128::from_le_bytes(
+                    d.as_bytes()[..16].try_into().expect("32 bytes"),
+                ))
             }
         }
     }
@@ -110,7 +114,7 @@ pub trait TokenId: Copy {
 impl TokenId for u32 {
     #[inline]
     fn as_u32(self) -> u32 {
-        self as u32
+        self
     }
     #[inline]
     fn to_u32(self) -> Option<u32> {
@@ -156,7 +160,10 @@ pub fn check_tokens<T: TokenId>(tokens: &[T]) -> Result<()> {
     if tokens.iter().all(|t| t.to_u32().is_some()) {
         return Ok(());
     }
-    let pos = tokens.iter().position(|t| t.to_u32().is_none()).unwrap_or(0);
+    let pos = tokens
+        .iter()
+        .position(|t| t.to_u32().is_none())
+        .unwrap_or(0);
     Err(CoreError::InvalidArgument(format!(
         "token id at position {pos} is outside [0, 2^32)"
     )))
@@ -250,7 +257,13 @@ fn push_str(buf: &mut Vec<u8>, tag: u8, s: &str) {
 
 /// Encodes the extra keys of the block `[start, end)`; returns where the next block's scan of
 /// the (sorted) multimodal inputs starts.
-fn encode_extra(buf: &mut Vec<u8>, extra: &ExtraKeys, start: usize, end: usize, from: usize) -> usize {
+fn encode_extra(
+    buf: &mut Vec<u8>,
+    extra: &ExtraKeys,
+    start: usize,
+    end: usize,
+    from: usize,
+) -> usize {
     if let Some(lora) = &extra.lora_name {
         push_str(buf, b'L', lora);
     }
@@ -330,5 +343,5 @@ impl BlockHashChain {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests;

@@ -22,7 +22,10 @@ fn chain_depends_on_every_earlier_block() {
     let a: Vec<u32> = (0..12).collect();
     let mut b = a.clone();
     b[0] = 99;
-    let (ha, hb) = (hashes(&h, &a, &Default::default()), hashes(&h, &b, &Default::default()));
+    let (ha, hb) = (
+        hashes(&h, &a, &Default::default()),
+        hashes(&h, &b, &Default::default()),
+    );
     assert!(ha.iter().zip(&hb).all(|(x, y)| x != y));
 }
 
@@ -32,7 +35,10 @@ fn same_prefix_gives_same_hashes() {
     let a: Vec<u32> = (0..12).collect();
     let mut b = a.clone();
     b[9] = 1000;
-    let (ha, hb) = (hashes(&h, &a, &Default::default()), hashes(&h, &b, &Default::default()));
+    let (ha, hb) = (
+        hashes(&h, &a, &Default::default()),
+        hashes(&h, &b, &Default::default()),
+    );
     assert_eq!(ha[..2], hb[..2]);
     assert_ne!(ha[2], hb[2]);
 }
@@ -63,15 +69,31 @@ fn salt_changes_the_whole_chain_and_lora_every_block() {
     let h = hasher(4);
     let tokens: Vec<u32> = (0..8).collect();
     let plain = hashes(&h, &tokens, &ExtraKeys::default());
-    let salted = hashes(&h, &tokens, &ExtraKeys::new(Some("a".into()), None, vec![]).unwrap());
-    let salted_b = hashes(&h, &tokens, &ExtraKeys::new(Some("b".into()), None, vec![]).unwrap());
-    let lora = hashes(&h, &tokens, &ExtraKeys::new(None, Some("a".into()), vec![]).unwrap());
+    let salted = hashes(
+        &h,
+        &tokens,
+        &ExtraKeys::new(Some("a".into()), None, vec![]).unwrap(),
+    );
+    let salted_b = hashes(
+        &h,
+        &tokens,
+        &ExtraKeys::new(Some("b".into()), None, vec![]).unwrap(),
+    );
+    let lora = hashes(
+        &h,
+        &tokens,
+        &ExtraKeys::new(None, Some("a".into()), vec![]).unwrap(),
+    );
     for v in [&salted, &salted_b, &lora] {
         assert!(v.iter().zip(&plain).all(|(x, y)| x != y));
     }
     assert!(salted.iter().zip(&salted_b).all(|(x, y)| x != y));
     // An empty salt is no salt.
-    let empty = hashes(&h, &tokens, &ExtraKeys::new(Some(String::new()), None, vec![]).unwrap());
+    let empty = hashes(
+        &h,
+        &tokens,
+        &ExtraKeys::new(Some(String::new()), None, vec![]).unwrap(),
+    );
     assert_eq!(empty, plain);
 }
 
@@ -81,8 +103,16 @@ fn multimodal_inputs_change_only_blocks_they_overlap_and_after() {
     let tokens = vec![0u32; 16];
     let plain = hashes(&h, &tokens, &ExtraKeys::default());
     let mm = |id: &str, offset| {
-        ExtraKeys::new(None, None, vec![MmInput { identifier: id.into(), offset, length: 3 }])
-            .unwrap()
+        ExtraKeys::new(
+            None,
+            None,
+            vec![MmInput {
+                identifier: id.into(),
+                offset,
+                length: 3,
+            }],
+        )
+        .unwrap()
     };
     let a = hashes(&h, &tokens, &mm("img-a", 6));
     let b = hashes(&h, &tokens, &mm("img-b", 6));
@@ -91,7 +121,16 @@ fn multimodal_inputs_change_only_blocks_they_overlap_and_after() {
     assert_ne!(a[1], b[1], "identifier is hashed in");
     let shifted = hashes(&h, &tokens, &mm("img-a", 5));
     assert_ne!(a[1], shifted[1], "offset is hashed in");
-    assert!(ExtraKeys::new(None, None, vec![MmInput { identifier: "x".into(), offset: 0, length: 0 }]).is_err());
+    assert!(ExtraKeys::new(
+        None,
+        None,
+        vec![MmInput {
+            identifier: "x".into(),
+            offset: 0,
+            length: 0
+        }]
+    )
+    .is_err());
 }
 
 #[test]
@@ -102,7 +141,11 @@ fn algorithms_and_seeds_give_different_but_stable_hashes() {
         for seed in ["s1", "s2"] {
             let h = BlockHasher::new(16, algo, seed).unwrap();
             let a = hashes(&h, &tokens, &ExtraKeys::default());
-            let b = hashes(&BlockHasher::new(16, algo, seed).unwrap(), &tokens, &ExtraKeys::default());
+            let b = hashes(
+                &BlockHasher::new(16, algo, seed).unwrap(),
+                &tokens,
+                &ExtraKeys::default(),
+            );
             assert_eq!(a, b);
             assert!(!seen.contains(&a[0]));
             seen.push(a[0]);
@@ -124,7 +167,10 @@ fn known_answer_for_the_default_hash_is_stable() {
         buf.extend_from_slice(&t.to_le_bytes());
     }
     let expected = BlockHash(xxhash_rust::xxh3::xxh3_128(&buf));
-    assert_eq!(hashes(&h, &[1, 2, 3, 4], &ExtraKeys::default()), vec![expected]);
+    assert_eq!(
+        hashes(&h, &[1, 2, 3, 4], &ExtraKeys::default()),
+        vec![expected]
+    );
 }
 
 #[test]
@@ -132,16 +178,25 @@ fn signed_and_wide_inputs_hash_like_u32_and_bad_ids_are_rejected() {
     let h = hasher(2);
     let mut a = Vec::new();
     let mut b = Vec::new();
-    h.hash_blocks(None, &[1i32, 2, 3, 4], 0, &ExtraKeys::default(), &mut a).unwrap();
-    h.hash_blocks(None, &[1i64, 2, 3, 4], 0, &ExtraKeys::default(), &mut b).unwrap();
+    h.hash_blocks(None, &[1i32, 2, 3, 4], 0, &ExtraKeys::default(), &mut a)
+        .unwrap();
+    h.hash_blocks(None, &[1i64, 2, 3, 4], 0, &ExtraKeys::default(), &mut b)
+        .unwrap();
     assert_eq!(a, b);
     let mut out = Vec::new();
-    assert!(h.hash_blocks(None, &[1i64, -2], 0, &ExtraKeys::default(), &mut out).is_err());
-    assert!(h.hash_blocks(None, &[1i64, 1 << 40], 0, &ExtraKeys::default(), &mut out).is_err());
+    assert!(h
+        .hash_blocks(None, &[1i64, -2], 0, &ExtraKeys::default(), &mut out)
+        .is_err());
+    assert!(h
+        .hash_blocks(None, &[1i64, 1 << 40], 0, &ExtraKeys::default(), &mut out)
+        .is_err());
     assert!(out.is_empty());
     let mut chain = BlockHashChain::new(h, ExtraKeys::default());
     assert!(chain.extend(&[1i64, -1]).is_err());
-    assert!(chain.tokens().is_empty(), "a rejected append changes nothing");
+    assert!(
+        chain.tokens().is_empty(),
+        "a rejected append changes nothing"
+    );
     assert!(BlockHasher::new(0, HashAlgo::Xxh3, "").is_err());
     assert!(HashAlgo::parse("md5").is_err());
 }

@@ -89,6 +89,8 @@ impl CacheMap {
         let result = map.compute(key, |entry| -> Operation<Holders, ()> {
             match entry {
                 None => Operation::Insert(Holders::One(id)),
+                Some((_, Holders::One(first))) if *first == id => Operation::Abort(()),
+                Some((_, Holders::Many(ids))) if ids.contains(&id) => Operation::Abort(()),
                 Some((_, Holders::One(first))) => {
                     Operation::Insert(Holders::Many(vec![*first, id].into_boxed_slice()))
                 }
@@ -113,10 +115,11 @@ impl CacheMap {
                 Some((_, Holders::One(held))) if *held == id => Operation::Remove,
                 Some((_, Holders::Many(ids))) if ids.contains(&id) => {
                     let rest: Vec<BlockId> = ids.iter().copied().filter(|&b| b != id).collect();
-                    Operation::Insert(match rest.as_slice() {
-                        [only] => Holders::One(*only),
-                        _ => Holders::Many(rest.into_boxed_slice()),
-                    })
+                    match rest.as_slice() {
+                        [] => Operation::Remove,
+                        [only] => Operation::Insert(Holders::One(*only)),
+                        _ => Operation::Insert(Holders::Many(rest.into_boxed_slice())),
+                    }
                 }
                 _ => Operation::Abort(()),
             }

@@ -45,8 +45,9 @@ impl KeySlot {
         }
     }
 
-    /// Sets the key if the block has none; `false` if it already has one.
-    fn set(&self, key: CacheKey) -> bool {
+    /// Sets the key if the block has none; `false` if it already has one. `publish` runs before
+    /// the key can be taken again, so a map entry is inserted before it can be removed.
+    fn set(&self, key: CacheKey, publish: impl FnOnce(CacheKey)) -> bool {
         if self
             .state
             .compare_exchange(KEY_NONE, KEY_WRITING, Ordering::Acquire, Ordering::Relaxed)
@@ -58,6 +59,7 @@ impl KeySlot {
         self.lo.store(lo, Ordering::Relaxed);
         self.hi.store(hi, Ordering::Relaxed);
         self.group.store(key.group, Ordering::Relaxed);
+        publish(key);
         self.state.store(KEY_SET, Ordering::Release);
         true
     }
@@ -250,8 +252,11 @@ impl BlockPool {
                 continue;
             }
             if let Err(err) = self.states.acquire(id) {
-                let taken: Vec<BlockId> =
-                    blocks[..k].iter().copied().filter(|&b| b != NULL_BLOCK).collect();
+                let taken: Vec<BlockId> = blocks[..k]
+                    .iter()
+                    .copied()
+                    .filter(|&b| b != NULL_BLOCK)
+                    .collect();
                 self.free_blocks(&taken)?;
                 return Err(err);
             }
@@ -290,11 +295,10 @@ impl BlockPool {
                 continue;
             }
             let key = CacheKey { hash, group };
-            if self.keys[id as usize].set(key) {
-                self.map.insert(key, id);
-                if self.events.is_some() {
-                    stored.push(hash);
-                }
+            if self.keys[id as usize].set(key, |key| self.map.insert(key, id))
+                && self.events.is_some()
+            {
+                stored.push(hash);
             }
         }
         if let Some(events) = &self.events {
@@ -376,5 +380,8 @@ impl BlockPool {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests;
+
+#[cfg(all(test, loom))]
+mod loom_tests;

@@ -137,7 +137,11 @@ impl RefBlockPool {
         self.check_ids(blocks)?;
         for &id in blocks.iter().filter(|&&id| id != NULL_BLOCK) {
             if self.ref_cnt[id as usize] == 0 {
-                let pos = self.free.iter().position(|&b| b == id).expect("free block in queue");
+                let pos = self
+                    .free
+                    .iter()
+                    .position(|&b| b == id)
+                    .expect("free block in queue");
                 self.free.remove(pos);
             }
             self.ref_cnt[id as usize] += 1;
@@ -193,7 +197,9 @@ impl RefBlockPool {
     }
 
     pub fn lookup(&self, hash: BlockHash, group: GroupId) -> Option<BlockId> {
-        self.map.get(&CacheKey { hash, group }).map(|holders| holders[0])
+        self.map
+            .get(&CacheKey { hash, group })
+            .map(|holders| holders[0])
     }
 
     pub fn get_cached_block(&self, hash: BlockHash, groups: &[GroupId]) -> Option<Vec<BlockId>> {

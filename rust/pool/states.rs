@@ -42,7 +42,10 @@ impl BlockStates {
         BlockStates {
             state: (0..num_blocks).map(|_| AtomicU64::new(0)).collect(),
             free_count: AtomicUsize::new(num_blocks.saturating_sub(1)),
-            order: FreeOrder::new(num_blocks, (1..num_blocks as u32).map(|id| pack_entry(id, 0))),
+            order: FreeOrder::new(
+                num_blocks,
+                (1..num_blocks as u32).map(|id| pack_entry(id, 0)),
+            ),
         }
     }
 
@@ -65,7 +68,9 @@ impl BlockStates {
     /// Reserves `n` free blocks, or reports how many are free.
     pub(crate) fn reserve(&self, n: usize) -> std::result::Result<(), usize> {
         self.free_count
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |free| free.checked_sub(n))
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |free| {
+                free.checked_sub(n)
+            })
             .map(|_| ())
     }
 
@@ -118,7 +123,10 @@ impl BlockStates {
                 }
             } else {
                 if refs(s) == u32::MAX {
-                    return Err(CoreError::RefCountOverflow { id, ref_cnt: refs(s) });
+                    return Err(CoreError::RefCountOverflow {
+                        id,
+                        ref_cnt: refs(s),
+                    });
                 }
                 match cell.compare_exchange_weak(s, s + 1, Ordering::AcqRel, Ordering::Acquire) {
                     Ok(_) => return Ok(()),
@@ -167,7 +175,8 @@ impl BlockStates {
         if !back.is_empty() {
             self.order.push_back(back, valid);
         }
-        self.free_count.fetch_add(front.len() + back.len(), Ordering::AcqRel);
+        self.free_count
+            .fetch_add(front.len() + back.len(), Ordering::AcqRel);
     }
 
     /// Free blocks front to back. Only while no other thread uses the pool.
@@ -180,7 +189,7 @@ impl BlockStates {
             .collect()
     }
 
-    #[cfg(test)]
+    #[cfg(all(test, not(loom)))]
     pub(crate) fn physical_len(&self) -> usize {
         self.order.physical_len()
     }

@@ -39,7 +39,13 @@ fn free_order_matches_vllm_worked_example() {
 fn get_new_blocks_is_all_or_nothing() {
     let pool = BlockPool::new(4).unwrap();
     let err = pool.get_new_blocks(4).unwrap_err();
-    assert_eq!(err, CoreError::NotEnoughFreeBlocks { requested: 4, free: 3 });
+    assert_eq!(
+        err,
+        CoreError::NotEnoughFreeBlocks {
+            requested: 4,
+            free: 3
+        }
+    );
     assert_eq!(pool.free_order(), vec![1, 2, 3]);
     assert_eq!(pool.get_new_blocks(0).unwrap(), Vec::<BlockId>::new());
 }
@@ -50,7 +56,8 @@ fn null_block_is_never_handed_out_and_ignored_by_free_and_touch() {
     let blocks = pool.get_new_blocks(2).unwrap();
     assert!(!blocks.contains(&NULL_BLOCK));
     pool.touch(&[NULL_BLOCK]).unwrap();
-    pool.free_blocks(&[NULL_BLOCK, blocks[0], NULL_BLOCK]).unwrap();
+    pool.free_blocks(&[NULL_BLOCK, blocks[0], NULL_BLOCK])
+        .unwrap();
     assert_eq!(pool.num_free_blocks(), 1);
     assert_eq!(pool.ref_count(NULL_BLOCK).unwrap(), 0);
 }
@@ -61,20 +68,33 @@ fn reusing_a_cached_block_evicts_its_key_and_reports_it() {
     let blocks = pool.get_new_blocks(2).unwrap();
     cache(&pool, &blocks, &[7, 8], 3);
     assert_eq!(pool.lookup(h(7), 3), Some(blocks[0]));
-    assert_eq!(pool.lookup(h(7), 2), None, "groups are cached independently");
+    assert_eq!(
+        pool.lookup(h(7), 2),
+        None,
+        "groups are cached independently"
+    );
     pool.free_blocks(&[blocks[1], blocks[0]]).unwrap();
-    assert_eq!(pool.lookup(h(8), 3), Some(blocks[1]), "free cached block stays findable");
+    assert_eq!(
+        pool.lookup(h(8), 3),
+        Some(blocks[1]),
+        "free cached block stays findable"
+    );
     let events = pool.take_events();
     assert_eq!(events.len(), 1);
-    assert!(matches!(&events[0], KvEvent::BlockStored { block_hashes, group_id: 3, .. }
-        if block_hashes == &vec![h(7), h(8)]));
+    assert!(
+        matches!(&events[0], KvEvent::BlockStored { block_hashes, group_id: 3, .. }
+        if block_hashes == &vec![h(7), h(8)])
+    );
     // LRU: blocks[1] was freed first, so it is evicted first.
     assert_eq!(pool.get_new_blocks(1).unwrap(), vec![blocks[1]]);
     assert_eq!(pool.lookup(h(8), 3), None);
     assert_eq!(pool.num_cached_keys(), 1);
     assert_eq!(
         pool.take_events(),
-        vec![KvEvent::BlockRemoved { block_hash: h(8), group_id: 3 }]
+        vec![KvEvent::BlockRemoved {
+            block_hash: h(8),
+            group_id: 3
+        }]
     );
 }
 
@@ -84,7 +104,11 @@ fn touch_revives_a_cached_block_out_of_the_free_order() {
     let blocks = pool.get_new_blocks(3).unwrap();
     cache(&pool, &blocks[..1], &[1], 0);
     pool.free_blocks(&[1, 2, 3]).unwrap();
-    assert_eq!(pool.free_order(), vec![2, 3, 1], "uncached in front in given order");
+    assert_eq!(
+        pool.free_order(),
+        vec![2, 3, 1],
+        "uncached in front in given order"
+    );
     pool.touch(&[1]).unwrap();
     assert_eq!(pool.ref_count(1).unwrap(), 1);
     assert_eq!(pool.free_order(), vec![2, 3]);
@@ -122,20 +146,28 @@ fn double_free_is_rejected_and_changes_nothing() {
     let pool = BlockPool::new(5).unwrap();
     let blocks = pool.get_new_blocks(2).unwrap();
     let order = pool.free_order();
-    let err = pool.free_blocks(&[blocks[0], blocks[1], blocks[1]]).unwrap_err();
+    let err = pool
+        .free_blocks(&[blocks[0], blocks[1], blocks[1]])
+        .unwrap_err();
     assert_eq!(err, CoreError::DoubleFree(blocks[1]));
     assert_eq!(pool.free_order(), order);
     assert_eq!(pool.ref_count(blocks[0]).unwrap(), 1);
     assert_eq!(pool.ref_count(blocks[1]).unwrap(), 1);
     assert_eq!(pool.num_free_blocks(), 2);
-    assert_eq!(pool.free_blocks(&[4]).unwrap_err(), CoreError::DoubleFree(4));
+    assert_eq!(
+        pool.free_blocks(&[4]).unwrap_err(),
+        CoreError::DoubleFree(4)
+    );
 }
 
 #[test]
 fn out_of_range_ids_are_rejected_and_change_nothing() {
     let pool = BlockPool::new(5).unwrap();
     let blocks = pool.get_new_blocks(2).unwrap();
-    let bad = CoreError::InvalidBlockId { id: 5, num_blocks: 5 };
+    let bad = CoreError::InvalidBlockId {
+        id: 5,
+        num_blocks: 5,
+    };
     assert_eq!(pool.free_blocks(&[blocks[0], 5]).unwrap_err(), bad);
     assert_eq!(pool.touch(&[blocks[0], 5]).unwrap_err(), bad);
     assert_eq!(pool.evict_blocks(&[5]).unwrap_err(), bad);
@@ -154,7 +186,13 @@ fn caching_a_free_block_is_rejected() {
     let err = pool
         .cache_full_blocks(&[2, 3], &[h(1)], 0, StoreInfo::default())
         .unwrap_err();
-    assert_eq!(err, CoreError::LengthMismatch { blocks: 2, hashes: 1 });
+    assert_eq!(
+        err,
+        CoreError::LengthMismatch {
+            blocks: 2,
+            hashes: 1
+        }
+    );
 }
 
 #[test]
@@ -186,7 +224,10 @@ fn with_caching_off_every_free_goes_to_the_front() {
 #[test]
 fn pool_size_limits_are_errors() {
     assert!(matches!(BlockPool::new(1), Err(CoreError::PoolTooSmall(1))));
-    assert!(matches!(BlockPool::new(MAX_BLOCKS + 1), Err(CoreError::PoolTooLarge(_))));
+    assert!(matches!(
+        BlockPool::new(MAX_BLOCKS + 1),
+        Err(CoreError::PoolTooLarge(_))
+    ));
 }
 
 #[test]

@@ -1,0 +1,165 @@
+//! `hybrid_kv.hash_token_blocks` and `hybrid_kv.BlockHashChain`.
+
+use super::convert::{extract_hash, hashes_to_numpy, TokenFn, Tokens};
+use crate::error::Result;
+use crate::hashing::{BlockHashChain, BlockHasher, ExtraKeys, HashAlgo, MmInput, TokenId};
+use crate::types::BlockHash;
+use numpy::PyArray2;
+use pyo3::prelude::*;
+use std::sync::Mutex;
+
+/// Token arrays at least this long are hashed with the GIL released.
+const DETACH_TOKENS: usize = 1 << 14;
+
+fn extra_keys(
+    cache_salt: Option<String>,
+    lora_name: Option<String>,
+    mm_inputs: Option<Vec<(String, usize, usize)>>,
+) -> Result<ExtraKeys> {
+    let mm = mm_inputs
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(identifier, offset, length)| MmInput {
+            identifier,
+            offset,
+            length,
+        })
+        .collect();
+    ExtraKeys::new(cache_salt, lora_name, mm)
+}
+
+struct HashAll<'a> {
+    py: Python<'a>,
+    hasher: &'a BlockHasher,
+    parent: Option<BlockHash>,
+    start: usize,
+    extra: &'a ExtraKeys,
+}
+
+impl TokenFn<Result<Vec<BlockHash>>> for HashAll<'_> {
+    fn call<T: TokenId + Send + Sync>(self, tokens: &[T]) -> Result<Vec<BlockHash>> {
+        let run = || {
+            let mut out = Vec::new();
+            self.hasher
+                .hash_blocks(self.parent, tokens, self.start, self.extra, &mut out)
+                .map(|_| out)
+        };
+        if tokens.len() >= DETACH_TOKENS {
+            // The tokens are borrowed read-only from numpy (or owned by us) for the whole call.
+            self.py.detach(run)
+        } else {
+            run()
+        }
+    }
+}
+
+/// Chained hashes of the full blocks of `token_ids`, as an `(n, 2)` uint64 array of
+/// (low, high) 64-bit halves.
+#[pyfunction]
+#[pyo3(signature = (token_ids, block_size, *, parent_block_hash = None, start = 0, algo = "xxh3", seed = "", cache_salt = None, lora_name = None, mm_inputs = None))]
+#[allow(clippy::too_many_arguments)]
+fn hash_token_blocks<'py>(
+    py: Python<'py>,
+    token_ids: &Bound<'py, PyAny>,
+    block_size: usize,
+    parent_block_hash: Option<&Bound<'py, PyAny>>,
+    start: usize,
+    algo: &str,
+    seed: &str,
+    cache_salt: Option<String>,
+    lora_name: Option<String>,
+    mm_inputs: Option<Vec<(String, usize, usize)>>,
+) -> PyResult<Bound<'py, PyArray2<u64>>> {
+    let hasher = BlockHasher::new(block_size, HashAlgo::parse(algo)?, seed)?;
+    let extra = extra_keys(cache_salt, lora_name, mm_inputs)?;
+    let parent = parent_block_hash.map(extract_hash).transpose()?;
+    let tokens = Tokens::extract(token_ids)?;
+    let hashes = tokens.with_slice(HashAll {
+        py,
+        hasher: &hasher,
+        parent,
+        start,
+        extra: &extra,
+    })?;
+    hashes_to_numpy(py, &hashes)
+}
+
+/// An incrementally extended hash chain: `extend(tokens)` hashes each block the new tokens
+/// complete and returns the new hashes. Thread-safe.
+#[pyclass(frozen, name = "BlockHashChain", module = "hybrid_kv")]
+struct PyBlockHashChain {
+    inner: Mutex<BlockHashChain>,
+}
+
+struct Extend<'a>(&'a mut BlockHashChain);
+
+impl TokenFn<Result<usize>> for Extend<'_> {
+    fn call<T: TokenId + Send + Sync>(self, tokens: &[T]) -> Result<usize> {
+        self.0.extend(tokens)
+    }
+}
+
+impl PyBlockHashChain {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BlockHashChain> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[pymethods]
+impl PyBlockHashChain {
+    #[new]
+    #[pyo3(signature = (block_size, *, algo = "xxh3", seed = "", cache_salt = None, lora_name = None, mm_inputs = None))]
+    fn new(
+        block_size: usize,
+        algo: &str,
+        seed: &str,
+        cache_salt: Option<String>,
+        lora_name: Option<String>,
+        mm_inputs: Option<Vec<(String, usize, usize)>>,
+    ) -> PyResult<Self> {
+        let hasher = BlockHasher::new(block_size, HashAlgo::parse(algo)?, seed)?;
+        let extra = extra_keys(cache_salt, lora_name, mm_inputs)?;
+        Ok(PyBlockHashChain {
+            inner: Mutex::new(BlockHashChain::new(hasher, extra)),
+        })
+    }
+
+    /// Appends tokens; returns the hashes of the blocks they completed, shape `(k, 2)`.
+    fn extend<'py>(
+        &self,
+        py: Python<'py>,
+        token_ids: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray2<u64>>> {
+        let tokens = Tokens::extract(token_ids)?;
+        let mut chain = self.lock();
+        let added = tokens.with_slice(Extend(&mut chain))?;
+        let all = chain.hashes();
+        hashes_to_numpy(py, &all[all.len() - added..])
+    }
+
+    /// All hashes so far, shape `(n, 2)`.
+    #[getter]
+    fn hashes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<u64>>> {
+        hashes_to_numpy(py, self.lock().hashes())
+    }
+
+    #[getter]
+    fn num_tokens(&self) -> usize {
+        self.lock().tokens().len()
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.lock().hasher().block_size()
+    }
+
+    fn __len__(&self) -> usize {
+        self.lock().hashes().len()
+    }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(hash_token_blocks, m)?)?;
+    m.add_class::<PyBlockHashChain>()?;
+    Ok(())
+}

@@ -1,0 +1,17 @@
+//! PyO3 glue: argument conversion, calls into the core, result conversion. No logic lives here.
+
+mod convert;
+mod errors;
+mod hashing;
+mod pool;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    errors::register(m)?;
+    pool::register(m)?;
+    hashing::register(m)?;
+    Ok(())
+}

@@ -1,0 +1,248 @@
+//! `hybrid_kv.BlockPool` and the KV event classes.
+
+use super::convert::{extract_hash, extract_hashes, extract_ids, id_from_i64, ids_to_numpy};
+use super::errors::HybridKvError;
+use crate::pool::BlockPool;
+use crate::types::{KvEvent, StoreInfo};
+use numpy::PyArray1;
+use pyo3::prelude::*;
+use std::sync::Arc;
+
+/// A pool of KV blocks with prefix caching (block 0 is the null block). Thread-safe.
+#[pyclass(frozen, name = "BlockPool", module = "hybrid_kv")]
+pub(crate) struct PyBlockPool {
+    pub(crate) inner: Arc<BlockPool>,
+}
+
+fn check_count(n: i64, what: &str) -> PyResult<usize> {
+    usize::try_from(n).map_err(|_| HybridKvError::new_err(format!("{what} must be >= 0, got {n}")))
+}
+
+#[pymethods]
+impl PyBlockPool {
+    #[new]
+    #[pyo3(signature = (num_blocks, *, enable_caching = true, enable_kv_events = false))]
+    fn new(num_blocks: i64, enable_caching: bool, enable_kv_events: bool) -> PyResult<Self> {
+        let n = check_count(num_blocks, "num_blocks")?;
+        Ok(PyBlockPool {
+            inner: Arc::new(BlockPool::with_options(
+                n,
+                enable_caching,
+                enable_kv_events,
+            )?),
+        })
+    }
+
+    #[getter]
+    fn num_blocks(&self) -> usize {
+        self.inner.num_blocks()
+    }
+
+    #[getter]
+    fn num_free_blocks(&self) -> usize {
+        self.inner.num_free_blocks()
+    }
+
+    #[getter]
+    fn usage(&self) -> f64 {
+        self.inner.usage()
+    }
+
+    #[getter]
+    fn num_cached_blocks(&self) -> usize {
+        self.inner.num_cached_keys()
+    }
+
+    fn get_new_blocks<'py>(&self, py: Python<'py>, n: i64) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let n = check_count(n, "n")?;
+        let pool = &self.inner;
+        let ids = py.detach(|| pool.get_new_blocks(n))?;
+        Ok(ids_to_numpy(py, ids))
+    }
+
+    fn free_blocks(&self, py: Python<'_>, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = extract_ids(block_ids)?;
+        let pool = &self.inner;
+        Ok(py.detach(|| pool.free_blocks(&ids))?)
+    }
+
+    fn touch(&self, py: Python<'_>, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = extract_ids(block_ids)?;
+        let pool = &self.inner;
+        Ok(py.detach(|| pool.touch(&ids))?)
+    }
+
+    #[pyo3(signature = (block_ids, block_hashes, group_id = 0, *, parent_block_hash = None, token_ids = None, block_size = 0))]
+    fn cache_full_blocks(
+        &self,
+        block_ids: &Bound<'_, PyAny>,
+        block_hashes: &Bound<'_, PyAny>,
+        group_id: u32,
+        parent_block_hash: Option<&Bound<'_, PyAny>>,
+        token_ids: Option<Vec<u32>>,
+        block_size: u32,
+    ) -> PyResult<()> {
+        let ids = extract_ids(block_ids)?;
+        let hashes = extract_hashes(block_hashes)?;
+        let parent = parent_block_hash.map(extract_hash).transpose()?;
+        let tokens = token_ids.unwrap_or_default();
+        let info = StoreInfo {
+            parent_block_hash: parent,
+            token_ids: &tokens,
+            block_size,
+        };
+        Ok(self
+            .inner
+            .cache_full_blocks(&ids, &hashes, group_id, info)?)
+    }
+
+    /// One cached block per group for `block_hash`, or None if any group misses.
+    fn get_cached_block<'py>(
+        &self,
+        py: Python<'py>,
+        block_hash: &Bound<'py, PyAny>,
+        group_ids: Vec<u32>,
+    ) -> PyResult<Option<Bound<'py, PyArray1<i32>>>> {
+        let hash = extract_hash(block_hash)?;
+        Ok(self
+            .inner
+            .get_cached_block(hash, &group_ids)
+            .map(|ids| ids_to_numpy(py, ids)))
+    }
+
+    fn evict_blocks(&self, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = extract_ids(block_ids)?;
+        Ok(self.inner.evict_blocks(&ids)?)
+    }
+
+    fn reset_prefix_cache(&self) -> bool {
+        self.inner.reset_prefix_cache()
+    }
+
+    fn ref_count(&self, block_id: i64) -> PyResult<u32> {
+        Ok(self.inner.ref_count(id_from_i64(block_id)?)?)
+    }
+
+    /// The cache key `(hash, group_id)` of a block, or None.
+    fn block_hash(&self, block_id: i64) -> PyResult<Option<(u128, u32)>> {
+        Ok(self
+            .inner
+            .block_key(id_from_i64(block_id)?)?
+            .map(|k| (k.hash.0, k.group)))
+    }
+
+    /// Free blocks front to back: the order `get_new_blocks` hands them out. Not for use while
+    /// other threads use the pool.
+    fn free_order<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        ids_to_numpy(py, self.inner.free_order())
+    }
+
+    fn take_events(&self, py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
+        self.inner
+            .take_events()
+            .into_iter()
+            .map(|e| event_to_py(py, e))
+            .collect()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "BlockPool(num_blocks={}, free={}, cached={})",
+            self.inner.num_blocks(),
+            self.inner.num_free_blocks(),
+            self.inner.num_cached_keys()
+        )
+    }
+}
+
+/// Blocks newly entered into the prefix cache by one call.
+#[pyclass(frozen, get_all, module = "hybrid_kv")]
+pub(crate) struct BlockStored {
+    block_hashes: Vec<u128>,
+    parent_block_hash: Option<u128>,
+    token_ids: Vec<u32>,
+    block_size: u32,
+    group_id: u32,
+}
+
+#[pymethods]
+impl BlockStored {
+    fn __repr__(&self) -> String {
+        format!(
+            "BlockStored(num_blocks={}, group_id={}, block_size={})",
+            self.block_hashes.len(),
+            self.group_id,
+            self.block_size
+        )
+    }
+}
+
+/// One cache key removed.
+#[pyclass(frozen, get_all, module = "hybrid_kv")]
+pub(crate) struct BlockRemoved {
+    block_hash: u128,
+    group_id: u32,
+}
+
+#[pymethods]
+impl BlockRemoved {
+    fn __repr__(&self) -> String {
+        format!(
+            "BlockRemoved(block_hash={:#x}, group_id={})",
+            self.block_hash, self.group_id
+        )
+    }
+}
+
+/// The whole prefix cache was reset.
+#[pyclass(frozen, module = "hybrid_kv")]
+pub(crate) struct AllBlocksCleared;
+
+#[pymethods]
+impl AllBlocksCleared {
+    fn __repr__(&self) -> &'static str {
+        "AllBlocksCleared()"
+    }
+}
+
+pub(crate) fn event_to_py(py: Python<'_>, event: KvEvent) -> PyResult<Py<PyAny>> {
+    Ok(match event {
+        KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            group_id,
+        } => Py::new(
+            py,
+            BlockStored {
+                block_hashes: block_hashes.into_iter().map(|h| h.0).collect(),
+                parent_block_hash: parent_block_hash.map(|h| h.0),
+                token_ids,
+                block_size,
+                group_id,
+            },
+        )?
+        .into_any(),
+        KvEvent::BlockRemoved {
+            block_hash,
+            group_id,
+        } => Py::new(
+            py,
+            BlockRemoved {
+                block_hash: block_hash.0,
+                group_id,
+            },
+        )?
+        .into_any(),
+        KvEvent::AllBlocksCleared => Py::new(py, AllBlocksCleared)?.into_any(),
+    })
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyBlockPool>()?;
+    m.add_class::<BlockStored>()?;
+    m.add_class::<BlockRemoved>()?;
+    m.add_class::<AllBlocksCleared>()?;
+    Ok(())
+}
