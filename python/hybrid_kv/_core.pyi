@@ -7,11 +7,26 @@ import numpy as np
 import numpy.typing as npt
 
 __version__: str
+__all__ = [
+    "AllBlocksCleared",
+    "BlockEvictedError",
+    "BlockHashChain",
+    "BlockNotInUseError",
+    "BlockPool",
+    "BlockRemoved",
+    "BlockStored",
+    "DoubleFreeError",
+    "HybridKvError",
+    "InvalidBlockIdError",
+    "NotEnoughFreeBlocksError",
+    "__version__",
+    "hash_token_blocks",
+]
 
-TokenIds = npt.NDArray[np.int32] | npt.NDArray[np.int64] | npt.NDArray[np.uint32] | Sequence[int]
-BlockIds = npt.NDArray[np.int32] | npt.NDArray[np.int64] | Sequence[int]
-BlockHashes = npt.NDArray[np.uint64] | Sequence[int]
-BlockHashLike = int | npt.NDArray[np.uint64]
+_TokenIds = npt.NDArray[np.int32] | npt.NDArray[np.int64] | npt.NDArray[np.uint32] | Sequence[int]
+_BlockIds = npt.NDArray[np.int32] | npt.NDArray[np.int64] | Sequence[int]
+_BlockHashes = npt.NDArray[np.uint64] | Sequence[int]
+_BlockHashLike = int | npt.NDArray[np.uint64]
 
 class HybridKvError(ValueError): ...
 class InvalidBlockIdError(HybridKvError): ...
@@ -43,7 +58,7 @@ class BlockRemoved:
 @final
 class AllBlocksCleared: ...
 
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+_KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 @final
 class BlockPool:
@@ -59,33 +74,33 @@ class BlockPool:
     @property
     def num_cached_blocks(self) -> int: ...
     def get_new_blocks(self, n: int) -> npt.NDArray[np.int32]: ...
-    def free_blocks(self, block_ids: BlockIds) -> None: ...
-    def touch(self, block_ids: BlockIds) -> None: ...
+    def free_blocks(self, block_ids: _BlockIds) -> None: ...
+    def touch(self, block_ids: _BlockIds) -> None: ...
     def cache_full_blocks(
         self,
-        block_ids: BlockIds,
-        block_hashes: BlockHashes,
+        block_ids: _BlockIds,
+        block_hashes: _BlockHashes,
         group_id: int = 0,
         *,
-        parent_block_hash: BlockHashLike | None = None,
+        parent_block_hash: _BlockHashLike | None = None,
         token_ids: Sequence[int] | None = None,
         block_size: int = 0,
     ) -> None: ...
     def get_cached_block(
-        self, block_hash: BlockHashLike, group_ids: Sequence[int]
+        self, block_hash: _BlockHashLike, group_ids: Sequence[int]
     ) -> npt.NDArray[np.int32] | None: ...
-    def evict_blocks(self, block_ids: BlockIds) -> None: ...
+    def evict_blocks(self, block_ids: _BlockIds) -> None: ...
     def reset_prefix_cache(self) -> bool: ...
     def ref_count(self, block_id: int) -> int: ...
     def block_hash(self, block_id: int) -> tuple[int, int] | None: ...
     def free_order(self) -> npt.NDArray[np.int32]: ...
-    def take_events(self) -> list[KVEvent]: ...
+    def take_events(self) -> list[_KVEvent]: ...
 
 def hash_token_blocks(
-    token_ids: TokenIds,
+    token_ids: _TokenIds,
     block_size: int,
     *,
-    parent_block_hash: BlockHashLike | None = None,
+    parent_block_hash: _BlockHashLike | None = None,
     start: int = 0,
     algo: str = "xxh3",
     seed: str = "",
@@ -105,7 +120,7 @@ class BlockHashChain:
         lora_name: str | None = None,
         mm_inputs: Sequence[tuple[str, int, int]] | None = None,
     ) -> BlockHashChain: ...
-    def extend(self, token_ids: TokenIds) -> npt.NDArray[np.uint64]: ...
+    def extend(self, token_ids: _TokenIds) -> npt.NDArray[np.uint64]: ...
     @property
     def hashes(self) -> npt.NDArray[np.uint64]: ...
     @property
