@@ -3,10 +3,9 @@
 import subprocess
 import sys
 
+import hybrid_kv as hk
 import numpy as np
 import pytest
-
-import hybrid_kv as hk
 
 
 def test_one_hash_per_full_block_as_uint64_pairs() -> None:

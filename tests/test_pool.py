@@ -2,10 +2,9 @@
 
 import threading
 
+import hybrid_kv as hk
 import numpy as np
 import pytest
-
-import hybrid_kv as hk
 
 
 def snapshot(pool: hk.BlockPool) -> tuple:

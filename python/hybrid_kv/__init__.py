@@ -16,6 +16,35 @@ from hybrid_kv._core import (
     __version__,
     hash_token_blocks,
 )
+from hybrid_kv.catalogue import (
+    CatalogueError,
+    ModelSpec,
+    layer_specs_from_config,
+    list_presets,
+    load_model,
+)
+from hybrid_kv.planner import (
+    STRATEGIES,
+    InsufficientMemoryError,
+    KVCacheBuffer,
+    KVCacheGroup,
+    KVCachePlan,
+    LayerPlacement,
+    PlanError,
+    WasteReport,
+    parse_memory,
+    plan_kv_cache,
+)
+from hybrid_kv.specs import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVSharingSpec,
+    LayerSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    SpecError,
+)
 
 __all__ = [
     "AllBlocksCleared",
@@ -31,4 +60,27 @@ __all__ = [
     "NotEnoughFreeBlocksError",
     "__version__",
     "hash_token_blocks",
+    "CatalogueError",
+    "ModelSpec",
+    "layer_specs_from_config",
+    "list_presets",
+    "load_model",
+    "STRATEGIES",
+    "InsufficientMemoryError",
+    "KVCacheBuffer",
+    "KVCacheGroup",
+    "KVCachePlan",
+    "LayerPlacement",
+    "PlanError",
+    "WasteReport",
+    "parse_memory",
+    "plan_kv_cache",
+    "ChunkedLocalAttentionSpec",
+    "FullAttentionSpec",
+    "KVSharingSpec",
+    "LayerSpec",
+    "MambaSpec",
+    "MLAAttentionSpec",
+    "SlidingWindowSpec",
+    "SpecError",
 ]

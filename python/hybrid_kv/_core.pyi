@@ -108,6 +108,7 @@ def hash_token_blocks(
     lora_name: str | None = None,
     mm_inputs: Sequence[tuple[str, int, int]] | None = None,
 ) -> npt.NDArray[np.uint64]: ...
+
 @final
 class BlockHashChain:
     def __new__(
