@@ -66,6 +66,65 @@ impl IndexStack {
         }
     }
 
+    /// Pushes a chain already linked through `next` (`first` ... `last`), `first` on top, with
+    /// one CAS.
+    pub(crate) fn push_chain(&self, first: u32, last: u32) {
+        let mut head = self.head.load(Ordering::Acquire);
+        loop {
+            self.next[last as usize].store(head as u32, Ordering::Relaxed);
+            let tag = (head >> 32).wrapping_add(1);
+            match self.head.compare_exchange_weak(
+                head,
+                (tag << 32) | first as u64,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return,
+                Err(actual) => head = actual,
+            }
+        }
+    }
+
+    /// Links `indices` into a chain in the given order; returns (first, last).
+    fn link(&self, indices: &[u32]) -> Option<(u32, u32)> {
+        for pair in indices.windows(2) {
+            self.next[pair[0] as usize].store(pair[1], Ordering::Relaxed);
+        }
+        Some((*indices.first()?, *indices.last()?))
+    }
+
+    /// Pops up to `max` indices with one CAS, appending them top first; they stay linked in
+    /// that order, so `push_chain(out[0], out[last])` can give them back in one CAS. The walk is
+    /// safe: any push or pop in between changes the head's tag and fails the CAS.
+    pub(crate) fn pop_many(&self, max: usize, out: &mut Vec<u32>) -> usize {
+        if max == 0 {
+            return 0;
+        }
+        let start = out.len();
+        let mut head = self.head.load(Ordering::Acquire);
+        loop {
+            out.truncate(start);
+            let mut index = head as u32;
+            while index != NIL && out.len() - start < max {
+                out.push(index);
+                index = self.next[index as usize].load(Ordering::Relaxed);
+            }
+            if out.len() == start {
+                return 0;
+            }
+            let tag = (head >> 32).wrapping_add(1);
+            match self.head.compare_exchange_weak(
+                head,
+                (tag << 32) | index as u64,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return out.len() - start,
+                Err(actual) => head = actual,
+            }
+        }
+    }
+
     pub(crate) fn pop(&self) -> Option<u32> {
         let mut head = self.head.load(Ordering::Acquire);
         loop {
@@ -122,6 +181,39 @@ impl Lifo {
         self.spare.push(slot);
         Some(entry)
     }
+
+    /// Pushes `entries` with `entries[0]` on top, in two CASes; `false` (nothing pushed) when
+    /// there are not enough free slots.
+    fn push_many(&self, entries: &[u64], slots: &mut Vec<u32>) -> bool {
+        slots.clear();
+        if self.spare.pop_many(entries.len(), slots) < entries.len() {
+            if let Some((first, last)) = self.spare.link(slots) {
+                self.spare.push_chain(first, last);
+            }
+            return false;
+        }
+        for (&slot, &entry) in slots.iter().zip(entries) {
+            self.payload[slot as usize].store(entry, Ordering::Relaxed);
+        }
+        let (first, last) = self.entries.link(slots).expect("non-empty");
+        self.entries.push_chain(first, last);
+        true
+    }
+
+    /// Pops up to `max` entries, top first, in two CASes.
+    fn pop_many(&self, max: usize, out: &mut Vec<u64>, slots: &mut Vec<u32>) {
+        slots.clear();
+        if self.entries.pop_many(max, slots) == 0 {
+            return;
+        }
+        out.extend(
+            slots
+                .iter()
+                .map(|&slot| self.payload[slot as usize].load(Ordering::Relaxed)),
+        );
+        let (first, last) = self.spare.link(slots).expect("non-empty");
+        self.spare.push_chain(first, last);
+    }
 }
 
 /// The free order. `is_valid(entry)` (supplied by the pool) tells whether an entry still stands
@@ -154,10 +246,9 @@ impl FreeOrder {
 
     /// Puts `entries` at the front, `entries[0]` first to pop.
     pub(crate) fn push_front(&self, entries: &[u64], is_valid: impl Fn(u64) -> bool) {
-        for &entry in entries.iter().rev() {
-            while !self.lifo.push(entry) {
-                self.compact(&is_valid);
-            }
+        let mut slots = Vec::with_capacity(entries.len());
+        while !self.lifo.push_many(entries, &mut slots) {
+            self.compact(&is_valid);
         }
     }
 
@@ -173,14 +264,19 @@ impl FreeOrder {
         }
     }
 
-    /// The next entry, front first (may be stale: the caller checks and claims it).
-    pub(crate) fn pop(&self) -> Option<u64> {
-        if let Some(entry) = self.lifo.pop() {
-            return Some(entry);
+    /// Up to `max` entries from the front (some may be stale: the caller checks and claims).
+    pub(crate) fn pop_many(&self, max: usize, out: &mut Vec<u64>, slots: &mut Vec<u32>) {
+        let start = out.len();
+        self.lifo.pop_many(max, out, slots);
+        while out.len() - start < max {
+            match self.fifo.pop() {
+                Some(entry) => {
+                    self.fifo_len.fetch_sub(1, Ordering::Relaxed);
+                    out.push(entry);
+                }
+                None => break,
+            }
         }
-        let entry = self.fifo.pop()?;
-        self.fifo_len.fetch_sub(1, Ordering::Relaxed);
-        Some(entry)
     }
 
     /// Drops stale entries, keeping the order of the valid ones. Returns at once if another

@@ -67,6 +67,9 @@ impl KeySlot {
     /// Takes the key out (exclusive: one caller gets it). `done` runs before the slot is free
     /// again, so a key is removed from the map before the block can be given a new one.
     fn take(&self, done: impl FnOnce(CacheKey)) -> bool {
+        if self.state.load(Ordering::Relaxed) != KEY_SET {
+            return false;
+        }
         if self
             .state
             .compare_exchange(KEY_SET, KEY_CLEARING, Ordering::Acquire, Ordering::Relaxed)
@@ -247,19 +250,11 @@ impl BlockPool {
     /// out of the free order.
     pub fn touch(&self, blocks: &[BlockId]) -> Result<()> {
         self.check_ids(blocks)?;
-        for (k, &id) in blocks.iter().enumerate() {
-            if id == NULL_BLOCK {
-                continue;
-            }
-            if let Err(err) = self.states.acquire(id) {
-                let taken: Vec<BlockId> = blocks[..k]
-                    .iter()
-                    .copied()
-                    .filter(|&b| b != NULL_BLOCK)
-                    .collect();
-                self.free_blocks(&taken)?;
-                return Err(err);
-            }
+        if let Err((k, err)) = self.states.acquire_many(blocks) {
+            // Only under a race with allocations that took every free block: give back what
+            // this call took, so it changes nothing.
+            self.free_blocks(&blocks[..k])?;
+            return Err(err);
         }
         Ok(())
     }

@@ -13,7 +13,7 @@
 use super::free_order::{entry_epoch, entry_id, pack_entry, FreeOrder};
 use crate::error::{CoreError, Result};
 use crate::sync::{spin_wait, AtomicU64, AtomicUsize, Ordering};
-use crate::types::BlockId;
+use crate::types::{BlockId, NULL_BLOCK};
 
 #[inline]
 fn refs(state: u64) -> u32 {
@@ -77,37 +77,89 @@ impl BlockStates {
     /// Claims `n` previously reserved blocks from the front of the free order (ref 0 → 1).
     pub(crate) fn claim_reserved(&self, n: usize, out: &mut Vec<BlockId>) {
         let mut claimed = 0;
+        let mut entries = Vec::with_capacity(n);
+        let mut slots = Vec::with_capacity(n);
         while claimed < n {
-            let Some(entry) = self.order.pop() else {
+            entries.clear();
+            self.order.pop_many(n - claimed, &mut entries, &mut slots);
+            if entries.is_empty() {
                 // Valid entries exist (see the module comment); they are either being pushed
                 // or briefly held by a compaction.
                 spin_wait();
                 continue;
-            };
-            let (id, e) = (entry_id(entry), entry_epoch(entry));
-            if self.state[id as usize]
-                .compare_exchange(
-                    pack(0, e),
-                    pack(1, e.wrapping_add(1)),
-                    Ordering::AcqRel,
-                    Ordering::Relaxed,
-                )
-                .is_ok()
-            {
-                out.push(id);
-                claimed += 1;
+            }
+            for &entry in &entries {
+                let (id, e) = (entry_id(entry), entry_epoch(entry));
+                if self.state[id as usize]
+                    .compare_exchange(
+                        pack(0, e),
+                        pack(1, e.wrapping_add(1)),
+                        Ordering::AcqRel,
+                        Ordering::Relaxed,
+                    )
+                    .is_ok()
+                {
+                    out.push(id);
+                    claimed += 1;
+                }
             }
         }
     }
 
     /// Takes one more reference to `id`, reviving it from the free order if it was free.
+    #[cfg(loom)]
     pub(crate) fn acquire(&self, id: BlockId) -> Result<()> {
+        let mut units = 0;
+        let result = self.acquire_with(id, &mut units);
+        self.return_units(units);
+        result
+    }
+
+    /// Takes one more reference to each block (null blocks skipped). Reserves the free-count
+    /// units of the free ones in one step. On error, reports how many leading blocks were taken.
+    pub(crate) fn acquire_many(
+        &self,
+        ids: &[BlockId],
+    ) -> std::result::Result<(), (usize, CoreError)> {
+        let free = ids
+            .iter()
+            .filter(|&&id| id != NULL_BLOCK && self.ref_count(id) == 0)
+            .count();
+        let mut units = if free > 0 && self.reserve(free).is_ok() {
+            free
+        } else {
+            0
+        };
+        for (k, &id) in ids.iter().enumerate() {
+            if id == NULL_BLOCK {
+                continue;
+            }
+            if let Err(err) = self.acquire_with(id, &mut units) {
+                self.return_units(units);
+                return Err((k, err));
+            }
+        }
+        self.return_units(units);
+        Ok(())
+    }
+
+    fn return_units(&self, units: usize) {
+        if units > 0 {
+            self.free_count.fetch_add(units, Ordering::AcqRel);
+        }
+    }
+
+    /// `acquire` drawing on (and topping up) a batch of reserved free-count units.
+    fn acquire_with(&self, id: BlockId, units: &mut usize) -> Result<()> {
         let cell = &self.state[id as usize];
         let mut s = cell.load(Ordering::Acquire);
         loop {
             if refs(s) == 0 {
-                if self.reserve(1).is_err() {
-                    return Err(CoreError::Evicted(id));
+                if *units == 0 {
+                    if self.reserve(1).is_err() {
+                        return Err(CoreError::Evicted(id));
+                    }
+                    *units = 1;
                 }
                 match cell.compare_exchange(
                     s,
@@ -115,11 +167,11 @@ impl BlockStates {
                     Ordering::AcqRel,
                     Ordering::Acquire,
                 ) {
-                    Ok(_) => return Ok(()),
-                    Err(actual) => {
-                        self.free_count.fetch_add(1, Ordering::AcqRel);
-                        s = actual;
+                    Ok(_) => {
+                        *units -= 1;
+                        return Ok(());
                     }
+                    Err(actual) => s = actual,
                 }
             } else {
                 if refs(s) == u32::MAX {
