@@ -4,6 +4,7 @@
 
 pub mod error;
 pub mod hashing;
+pub mod manager;
 pub mod pool;
 pub(crate) mod sync;
 pub mod types;

@@ -1,0 +1,738 @@
+//! The scheduler-facing KV cache manager: request state, per-attention-type block tables and
+//! the prefix-cache coordinators over one shared [`BlockPool`], with vLLM 0.33's semantics in
+//! dense retention mode (every full block of every group stays cached until evicted).
+//!
+//! Layers (as in vLLM): [`KVCacheManager`] (what a scheduler calls) → coordinator (hit search
+//! across groups, [`HitFinder`]) → one single-type manager per group (allocation and hit rules
+//! of full attention, sliding window, chunked local attention, Mamba).
+//!
+//! The pool is shared through an `Arc`; [`Prober`] answers "how much of this prompt is cached"
+//! from other threads while the scheduler mutates the manager.
+
+mod coordinator;
+pub mod replay;
+mod request;
+mod single_type;
+mod spec;
+
+#[cfg(test)]
+mod tests;
+
+pub use coordinator::{CoordinatorKind, HitFinder};
+pub use request::Request;
+pub use spec::{AttentionKind, GroupSpec, ManagerConfig};
+
+use crate::error::{CoreError, Result};
+use crate::hashing::{BlockHasher, ExtraKeys, TokenId};
+use crate::pool::BlockPool;
+use crate::types::{BlockId, GroupId, KvEvent, NULL_BLOCK};
+use single_type::{GroupManager, GroupTable};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+fn invalid<T>(msg: String) -> Result<T> {
+    Err(CoreError::InvalidArgument(msg))
+}
+
+/// A prefix-cache hit as returned by [`KVCacheManager::get_computed_blocks`]; pass it back to
+/// [`KVCacheManager::allocate_slots`] unchanged.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ComputedBlocks {
+    /// Per group, the hit blocks (null blocks where the group needs none).
+    pub blocks: Vec<Vec<BlockId>>,
+    /// Tokens covered by the hit.
+    pub num_computed_tokens: usize,
+    /// vLLM's `shared_prefix_boundary`: 0, or the longer prefix some group alone had cached.
+    pub shared_prefix_boundary: usize,
+}
+
+impl ComputedBlocks {
+    pub fn is_empty(&self) -> bool {
+        self.blocks.iter().all(Vec::is_empty)
+    }
+}
+
+/// Arguments of [`KVCacheManager::allocate_slots`] (vLLM's keyword arguments).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AllocateArgs<'a> {
+    /// Tokens to compute in this step.
+    pub num_new_tokens: usize,
+    /// The request's computed tokens before this call (the scheduler's count).
+    pub num_computed_tokens: usize,
+    /// Tokens newly covered by `new_computed_blocks` (the hit of `get_computed_blocks`).
+    pub num_new_computed_tokens: usize,
+    pub new_computed_blocks: Option<&'a ComputedBlocks>,
+    /// Speculative tokens: they get slots but are never cached.
+    pub num_lookahead_tokens: usize,
+    /// Tokens scheduled but not yet processed (async scheduling); out-of-window blocks are
+    /// freed on the processed-token basis.
+    pub num_in_flight_tokens: usize,
+    /// Skip caching the new full blocks in this call.
+    pub delay_cache_blocks: bool,
+    /// Admission: also fail unless the whole sequence would fit now (recycling-aware caps for
+    /// sliding-window and chunked-local groups).
+    pub full_sequence_must_fit: bool,
+    /// Other requests are scheduled in this step: a waiting request must then leave the
+    /// watermark free (vLLM's default is `true`; irrelevant with a zero watermark).
+    pub has_scheduled_reqs: bool,
+}
+
+/// Prefix-cache hit statistics (vLLM's `PrefixCacheStats`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefixCacheStats {
+    pub requests: u64,
+    pub queries: u64,
+    pub hits: u64,
+    pub preempted_requests: u64,
+    pub preempted_queries: u64,
+    pub preempted_hits: u64,
+    /// Set when the prefix cache was reset since the stats were last taken.
+    pub reset: bool,
+}
+
+impl PrefixCacheStats {
+    pub fn hit_rate(&self) -> f64 {
+        if self.queries == 0 {
+            0.0
+        } else {
+            self.hits as f64 / self.queries as f64
+        }
+    }
+}
+
+#[derive(Debug)]
+struct RequestState {
+    request: Request,
+    tables: Vec<GroupTable>,
+}
+
+impl RequestState {
+    fn is_tracked(&self) -> bool {
+        self.tables
+            .iter()
+            .any(|t| t.num_cached.is_some() || !t.blocks.is_empty())
+    }
+}
+
+/// A cheap, cloneable, `Send + Sync` handle answering how many tokens of a prompt are cached
+/// right now, safe to call from any thread while the scheduler mutates the manager.
+#[derive(Clone)]
+pub struct Prober {
+    pool: Arc<BlockPool>,
+    finder: Arc<HitFinder>,
+    hasher: BlockHasher,
+}
+
+impl std::fmt::Debug for Prober {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Prober")
+            .field("num_blocks", &self.pool.num_blocks())
+            .field("finder", &self.finder)
+            .finish_non_exhaustive()
+    }
+}
+
+impl std::fmt::Debug for KVCacheManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KVCacheManager")
+            .field("num_blocks", &self.pool.num_blocks())
+            .field("num_free_blocks", &self.pool.num_free_blocks())
+            .field("groups", &self.group_specs())
+            .field("coordinator", &self.finder.kind())
+            .field("num_requests", &self.requests.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Prober {
+    /// Tokens of `prompt` that `get_computed_blocks` would report as cached now (at most
+    /// `prompt.len() - 1`: the last token is always recomputed). Token ids outside `0..2^32`
+    /// are an error.
+    pub fn probe<T: TokenId>(&self, prompt: &[T], extra: &ExtraKeys) -> Result<usize> {
+        self.probe_with_max(prompt, extra, prompt.len().saturating_sub(1))
+    }
+
+    /// [`Prober::probe`] with an explicit cap on the hit length (clamped to the prompt).
+    pub fn probe_with_max<T: TokenId>(
+        &self,
+        prompt: &[T],
+        extra: &ExtraKeys,
+        max_len: usize,
+    ) -> Result<usize> {
+        crate::hashing::check_tokens(prompt)?;
+        let mut hashes = Vec::new();
+        self.hasher
+            .hash_blocks(None, prompt, 0, extra, &mut hashes)?;
+        let mut out = Vec::new();
+        let hit = self
+            .finder
+            .find(&self.pool, &hashes, max_len.min(prompt.len()), &mut out);
+        Ok(hit.tokens.min(prompt.len()))
+    }
+
+    pub fn pool(&self) -> &Arc<BlockPool> {
+        &self.pool
+    }
+}
+
+/// The KV cache manager a scheduler drives: `add_request`, then per step
+/// `get_computed_blocks` / `allocate_slots` / `append_token_ids`, and `free` /
+/// `remove_request` at the end. Methods that change state take `&mut self`; the pool is shared
+/// (`Arc`) with [`Prober`]s.
+pub struct KVCacheManager {
+    pool: Arc<BlockPool>,
+    finder: Arc<HitFinder>,
+    hasher: BlockHasher,
+    groups: Vec<GroupManager>,
+    max_model_len: usize,
+    watermark_blocks: usize,
+    enable_caching: bool,
+    scheduler_block_size: usize,
+    hash_block_size: usize,
+    requests: HashMap<String, RequestState>,
+    stats: PrefixCacheStats,
+    scratch: Vec<BlockId>,
+}
+
+impl KVCacheManager {
+    pub fn new(config: &ManagerConfig) -> Result<Self> {
+        let (scheduler_block_size, hash_block_size) = config.resolve_block_sizes()?;
+        let pool = Arc::new(BlockPool::with_options(
+            config.num_blocks,
+            config.enable_caching,
+            config.enable_events,
+        )?);
+        let hasher = BlockHasher::new(hash_block_size, config.hash_algo, &config.hash_seed)?;
+        let max_in_flight = config.max_in_flight_tokens.unwrap_or(config.max_model_len);
+        let groups = config
+            .groups
+            .iter()
+            .enumerate()
+            .map(|(i, &spec)| GroupManager {
+                spec,
+                id: i as GroupId,
+                hash_ratio: (spec.block_size / hash_block_size).max(1),
+                admission_cap: spec.max_admission_blocks(max_in_flight, config.max_model_len),
+                alignment: scheduler_block_size,
+            })
+            .collect();
+        let finder = Arc::new(HitFinder::new(
+            &config.groups,
+            config.enable_caching,
+            scheduler_block_size,
+            hash_block_size,
+        ));
+        Ok(KVCacheManager {
+            pool,
+            finder,
+            hasher,
+            groups,
+            max_model_len: config.max_model_len,
+            watermark_blocks: (config.watermark * config.num_blocks as f64) as usize,
+            enable_caching: config.enable_caching,
+            scheduler_block_size,
+            hash_block_size,
+            requests: HashMap::new(),
+            stats: PrefixCacheStats::default(),
+            scratch: Vec::new(),
+        })
+    }
+
+    /// A handle for concurrent read-only cache probes.
+    pub fn prober(&self) -> Prober {
+        Prober {
+            pool: Arc::clone(&self.pool),
+            finder: Arc::clone(&self.finder),
+            hasher: self.hasher.clone(),
+        }
+    }
+
+    pub fn pool(&self) -> &Arc<BlockPool> {
+        &self.pool
+    }
+
+    pub fn num_groups(&self) -> usize {
+        self.groups.len()
+    }
+
+    pub fn group_specs(&self) -> Vec<GroupSpec> {
+        self.groups.iter().map(|g| g.spec).collect()
+    }
+
+    pub fn coordinator_kind(&self) -> CoordinatorKind {
+        self.finder.kind()
+    }
+
+    pub fn scheduler_block_size(&self) -> usize {
+        self.scheduler_block_size
+    }
+
+    pub fn hash_block_size(&self) -> usize {
+        self.hash_block_size
+    }
+
+    pub fn max_model_len(&self) -> usize {
+        self.max_model_len
+    }
+
+    // ----- requests ---------------------------------------------------------------------
+
+    /// Registers a request with its prompt; hashes the prompt's full blocks.
+    pub fn add_request<T: TokenId>(
+        &mut self,
+        request_id: &str,
+        prompt: &[T],
+        extra: ExtraKeys,
+    ) -> Result<()> {
+        if self.requests.contains_key(request_id) {
+            return invalid(format!("request {request_id:?} was already added"));
+        }
+        if prompt.is_empty() {
+            return invalid(format!("request {request_id:?} has an empty prompt"));
+        }
+        let request = Request::new(request_id.to_owned(), prompt, self.hasher.clone(), extra)?;
+        self.requests.insert(
+            request_id.to_owned(),
+            RequestState {
+                request,
+                tables: vec![GroupTable::default(); self.groups.len()],
+            },
+        );
+        Ok(())
+    }
+
+    /// Appends output tokens to a request (hashing the blocks they complete).
+    pub fn append_token_ids<T: TokenId>(&mut self, request_id: &str, tokens: &[T]) -> Result<()> {
+        self.state_mut(request_id)?.request.append(tokens)
+    }
+
+    /// Frees the request's blocks (if any) and forgets it.
+    pub fn remove_request(&mut self, request_id: &str) -> Result<()> {
+        self.free(request_id)?;
+        self.requests.remove(request_id);
+        Ok(())
+    }
+
+    pub fn request(&self, request_id: &str) -> Result<&Request> {
+        Ok(&self.state(request_id)?.request)
+    }
+
+    pub fn contains_request(&self, request_id: &str) -> bool {
+        self.requests.contains_key(request_id)
+    }
+
+    pub fn num_requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    fn state(&self, request_id: &str) -> Result<&RequestState> {
+        match self.requests.get(request_id) {
+            Some(s) => Ok(s),
+            None => invalid(format!("unknown request id {request_id:?}")),
+        }
+    }
+
+    fn state_mut(&mut self, request_id: &str) -> Result<&mut RequestState> {
+        match self.requests.get_mut(request_id) {
+            Some(s) => Ok(s),
+            None => invalid(format!("unknown request id {request_id:?}")),
+        }
+    }
+
+    // ----- scheduler API ----------------------------------------------------------------
+
+    /// The request's cached prefix: per-group hit blocks and the hit length, at most
+    /// `num_tokens - 1` tokens (the last token is recomputed for its logits). Reference counts
+    /// are not touched: pass the result to `allocate_slots` before any other allocation.
+    pub fn get_computed_blocks(&self, request_id: &str) -> Result<ComputedBlocks> {
+        let state = self.state(request_id)?;
+        let mut blocks = Vec::new();
+        let max_len = state.request.num_tokens().saturating_sub(1);
+        let hit = self.finder.find(
+            &self.pool,
+            state.request.block_hashes(),
+            max_len,
+            &mut blocks,
+        );
+        Ok(ComputedBlocks {
+            blocks,
+            num_computed_tokens: hit.tokens,
+            shared_prefix_boundary: if hit.uncached_common > 0 {
+                hit.tokens + hit.uncached_common
+            } else {
+                0
+            },
+        })
+    }
+
+    /// Gives the request slots for `num_new_tokens` more tokens (plus lookahead), adopting a
+    /// prefix-cache hit on its first allocation, and caches its newly full blocks. Returns the
+    /// newly allocated blocks per group, or `Ok(None)` when the pool cannot supply them: then
+    /// nothing changed except that blocks out of the sliding window / chunk were freed (as
+    /// vLLM does first). Bad arguments are an error and change nothing.
+    pub fn allocate_slots(
+        &mut self,
+        request_id: &str,
+        args: &AllocateArgs<'_>,
+    ) -> Result<Option<Vec<Vec<BlockId>>>> {
+        let num_groups = self.groups.len();
+        let pool = &*self.pool;
+        let state = match self.requests.get_mut(request_id) {
+            Some(s) => s,
+            None => return invalid(format!("unknown request id {request_id:?}")),
+        };
+        let empty: [Vec<BlockId>; 0] = [];
+        let hits: &[Vec<BlockId>] = match args.new_computed_blocks {
+            Some(c) if !c.is_empty() => &c.blocks,
+            _ => &empty,
+        };
+        Self::validate_allocate(
+            &self.groups,
+            pool,
+            self.max_model_len,
+            self.hash_block_size,
+            state,
+            args,
+            hits,
+        )?;
+        let hit_of = |g: usize| -> &[BlockId] { hits.get(g).map_or(&[], Vec::as_slice) };
+
+        let n_local = args.num_computed_tokens + args.num_new_computed_tokens;
+        let total = n_local.min(self.max_model_len);
+        let main = total + args.num_new_tokens;
+        let need_slot = main
+            .saturating_add(args.num_lookahead_tokens)
+            .min(self.max_model_len);
+        let num_tokens = state.request.num_tokens();
+
+        // A waiting (or preempted) request holds no blocks yet.
+        let watermark = if args.has_scheduled_reqs && !state.is_tracked() {
+            self.watermark_blocks
+        } else {
+            0
+        };
+        if args.full_sequence_must_fit {
+            let full = num_tokens.min(self.max_model_len);
+            let need: usize = self
+                .groups
+                .iter()
+                .zip(&state.tables)
+                .enumerate()
+                .map(|(g, (m, t))| m.num_blocks_to_allocate(pool, t, full, hit_of(g), total, true))
+                .sum();
+            if need + watermark > pool.num_free_blocks() {
+                return Ok(None);
+            }
+        }
+
+        // Free what fell out of the window before counting: fewer evictions.
+        let processed = total.saturating_sub(args.num_in_flight_tokens);
+        for (m, t) in self.groups.iter().zip(state.tables.iter_mut()) {
+            m.remove_skipped_blocks(pool, t, processed, &mut self.scratch)?;
+        }
+
+        let need: usize = self
+            .groups
+            .iter()
+            .zip(&state.tables)
+            .enumerate()
+            .map(|(g, (m, t))| {
+                m.num_blocks_to_allocate(pool, t, need_slot, hit_of(g), total, false)
+            })
+            .sum();
+        if need + watermark > pool.num_free_blocks() {
+            return Ok(None);
+        }
+
+        if !hits.is_empty() {
+            for (g, (m, t)) in self.groups.iter().zip(state.tables.iter_mut()).enumerate() {
+                m.add_local_computed_blocks(pool, t, hit_of(g), total, self.enable_caching)?;
+            }
+        }
+
+        let mut new_blocks = vec![Vec::new(); num_groups];
+        for ((m, t), out) in self
+            .groups
+            .iter()
+            .zip(state.tables.iter_mut())
+            .zip(new_blocks.iter_mut())
+        {
+            m.allocate_new_blocks(pool, t, need_slot, out)?;
+        }
+
+        if self.enable_caching && !args.delay_cache_blocks {
+            let n = main.min(num_tokens);
+            let n = n / self.scheduler_block_size * self.scheduler_block_size;
+            for (m, t) in self.groups.iter().zip(state.tables.iter_mut()) {
+                m.cache_blocks(
+                    pool,
+                    t,
+                    &state.request,
+                    n,
+                    self.hash_block_size,
+                    &mut self.scratch,
+                )?;
+            }
+        }
+        Ok(Some(new_blocks))
+    }
+
+    fn validate_allocate(
+        groups: &[GroupManager],
+        pool: &BlockPool,
+        max_model_len: usize,
+        hash_block_size: usize,
+        state: &RequestState,
+        args: &AllocateArgs<'_>,
+        hits: &[Vec<BlockId>],
+    ) -> Result<()> {
+        let id = state.request.id();
+        if args.num_new_tokens == 0 && args.num_new_computed_tokens == 0 {
+            return invalid(format!(
+                "request {id:?}: num_new_tokens must be greater than 0 when there are no \
+                 computed tokens to adopt"
+            ));
+        }
+        let n_local = args
+            .num_computed_tokens
+            .checked_add(args.num_new_computed_tokens)
+            .and_then(|n| n.checked_add(args.num_new_tokens));
+        match n_local {
+            Some(n) if n <= max_model_len => {}
+            _ => {
+                return invalid(format!(
+                    "request {id:?}: {} computed + {} newly computed + {} new tokens exceed \
+                     max_model_len {max_model_len}",
+                    args.num_computed_tokens, args.num_new_computed_tokens, args.num_new_tokens
+                ))
+            }
+        }
+        if args.num_computed_tokens + args.num_new_computed_tokens > state.request.num_tokens() {
+            return invalid(format!(
+                "request {id:?}: {} computed tokens but the request has only {}",
+                args.num_computed_tokens + args.num_new_computed_tokens,
+                state.request.num_tokens()
+            ));
+        }
+        if hits.is_empty() {
+            if args.num_new_computed_tokens > 0 {
+                return invalid(format!(
+                    "request {id:?}: {} newly computed tokens but no computed blocks",
+                    args.num_new_computed_tokens
+                ));
+            }
+            return Ok(());
+        }
+        if hits.len() != groups.len() {
+            return invalid(format!(
+                "request {id:?}: computed blocks for {} groups, the manager has {}",
+                hits.len(),
+                groups.len()
+            ));
+        }
+        if state.is_tracked() {
+            return invalid(format!(
+                "request {id:?} already holds blocks; prefix-cache hits can only be adopted by \
+                 its first allocation"
+            ));
+        }
+        let n = args.num_new_computed_tokens;
+        let hashes = state.request.block_hashes();
+        for (g, (m, list)) in groups.iter().zip(hits).enumerate() {
+            let bs = m.spec.block_size;
+            let expected = if m.spec.prefix_cacheable() {
+                n.div_ceil(bs)
+            } else {
+                0
+            };
+            if list.len() != expected {
+                return invalid(format!(
+                    "request {id:?}: group {g} got {} computed blocks for {n} computed tokens \
+                     (expected {expected}); pass get_computed_blocks' result unchanged",
+                    list.len()
+                ));
+            }
+            let view = request::HashView::new(hashes, bs / hash_block_size);
+            for (i, &b) in list.iter().enumerate() {
+                if b == NULL_BLOCK && !m.spec.is_full() {
+                    continue;
+                }
+                let key = pool.block_key(b)?;
+                let matches =
+                    i < view.len() && key.is_some_and(|k| k.group == m.id && k.hash == view.get(i));
+                if !matches {
+                    return invalid(format!(
+                        "request {id:?}: block {b} (group {g}, position {i}) is not the cached \
+                         block of this prompt; computed blocks must come from \
+                         get_computed_blocks of this manager"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Frees all of a request's blocks, every group tail first (the request stays known, e.g.
+    /// for a preempted request that will be re-admitted).
+    pub fn free(&mut self, request_id: &str) -> Result<()> {
+        let pool = &*self.pool;
+        let state = match self.requests.get_mut(request_id) {
+            Some(s) => s,
+            None => return invalid(format!("unknown request id {request_id:?}")),
+        };
+        for (m, t) in self.groups.iter().zip(state.tables.iter_mut()) {
+            m.free(pool, t, &mut self.scratch)?;
+        }
+        Ok(())
+    }
+
+    /// Frees the blocks that fell out of the window after `num_computed_tokens` (vLLM's
+    /// `remove_skipped_blocks`); `allocate_slots` already does this.
+    pub fn remove_skipped_blocks(
+        &mut self,
+        request_id: &str,
+        num_computed_tokens: usize,
+    ) -> Result<()> {
+        let pool = &*self.pool;
+        let state = match self.requests.get_mut(request_id) {
+            Some(s) => s,
+            None => return invalid(format!("unknown request id {request_id:?}")),
+        };
+        for (m, t) in self.groups.iter().zip(state.tables.iter_mut()) {
+            m.remove_skipped_blocks(pool, t, num_computed_tokens, &mut self.scratch)?;
+        }
+        Ok(())
+    }
+
+    /// The request's block table in `group` (null blocks included).
+    pub fn block_ids(&self, request_id: &str, group: usize) -> Result<&[BlockId]> {
+        let state = self.state(request_id)?;
+        match state.tables.get(group) {
+            Some(t) => Ok(&t.blocks),
+            None => invalid(format!(
+                "group {group} out of range ({} groups)",
+                self.groups.len()
+            )),
+        }
+    }
+
+    /// The request's block tables, one per group.
+    pub fn get_block_ids(&self, request_id: &str) -> Result<Vec<Vec<BlockId>>> {
+        Ok(self
+            .state(request_id)?
+            .tables
+            .iter()
+            .map(|t| t.blocks.clone())
+            .collect())
+    }
+
+    /// Writes the block tables of `group` for a batch of requests into a caller-owned row-major
+    /// `int32` buffer: row `r` starts at `r * row_stride` and receives `req_ids[r]`'s table;
+    /// entries past a table's length are left as they are. Nothing is written on error.
+    pub fn write_block_table(
+        &self,
+        req_ids: &[&str],
+        group: usize,
+        out: &mut [i32],
+        row_stride: usize,
+    ) -> Result<()> {
+        if group >= self.groups.len() {
+            return invalid(format!(
+                "group {group} out of range ({} groups)",
+                self.groups.len()
+            ));
+        }
+        match req_ids.len().checked_mul(row_stride) {
+            Some(n) if n <= out.len() => {}
+            _ => {
+                return invalid(format!(
+                    "buffer of {} entries is too small for {} rows of stride {row_stride}",
+                    out.len(),
+                    req_ids.len()
+                ))
+            }
+        }
+        let mut tables = Vec::with_capacity(req_ids.len());
+        for id in req_ids {
+            let blocks = &self.state(id)?.tables[group].blocks;
+            if blocks.len() > row_stride {
+                return invalid(format!(
+                    "request {id:?} holds {} blocks in group {group}, more than the row stride \
+                     {row_stride}",
+                    blocks.len()
+                ));
+            }
+            tables.push(blocks.as_slice());
+        }
+        for (row, blocks) in out.chunks_mut(row_stride.max(1)).zip(tables) {
+            for (dst, &b) in row.iter_mut().zip(blocks) {
+                *dst = b as i32;
+            }
+        }
+        Ok(())
+    }
+
+    /// Records one admission's prefix-cache lookup in the stats (vLLM calls this after a
+    /// successful `allocate_slots` of a waiting request). Re-admissions of preempted requests
+    /// are counted apart (`preempted_*`), as in vLLM.
+    pub fn record_prefix_cache_stats(
+        &mut self,
+        request_id: &str,
+        num_hits: usize,
+        preempted: bool,
+    ) -> Result<()> {
+        let queries = self.state(request_id)?.request.num_tokens() as u64;
+        let s = &mut self.stats;
+        if preempted {
+            s.preempted_requests += 1;
+            s.preempted_queries += queries;
+            s.preempted_hits += num_hits as u64;
+        } else {
+            s.requests += 1;
+            s.queries += queries;
+            s.hits += num_hits as u64;
+        }
+        Ok(())
+    }
+
+    pub fn prefix_cache_stats(&self) -> PrefixCacheStats {
+        self.stats
+    }
+
+    /// Returns the stats and starts new ones (vLLM's `make_prefix_cache_stats`).
+    pub fn take_prefix_cache_stats(&mut self) -> PrefixCacheStats {
+        std::mem::take(&mut self.stats)
+    }
+
+    /// Clears the prefix cache; refused (`false`) while any block is in use.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        let ok = self.pool.reset_prefix_cache();
+        if ok {
+            self.stats.reset = true;
+        }
+        ok
+    }
+
+    /// Called once per scheduler step (kept for API parity; nothing to do without Mamba
+    /// prefix caching).
+    pub fn new_step_starts(&mut self) {}
+
+    /// Fraction of the usable blocks in use.
+    pub fn usage(&self) -> f64 {
+        self.pool.usage()
+    }
+
+    /// Free blocks, cached evictable ones included (null block excluded).
+    pub fn num_free_blocks(&self) -> usize {
+        self.pool.num_free_blocks()
+    }
+
+    /// `(hash, group)` keys in the prefix cache.
+    pub fn num_cached_keys(&self) -> usize {
+        self.pool.num_cached_keys()
+    }
+
+    pub fn take_events(&self) -> Vec<KvEvent> {
+        self.pool.take_events()
+    }
+}

@@ -1,0 +1,491 @@
+//! Replays a conformance workload through a [`KVCacheManager`] with the exact scheduler loop of
+//! `conformance/README.md` (vLLM 0.33's scheduling decisions as far as the KV cache manager
+//! sees them), reporting every manager call as a [`TraceRecord`] (the `kvtrace/1` content).
+//!
+//! Parsing the workload JSON is left to the caller (tests, benches, bindings).
+
+use super::{AllocateArgs, KVCacheManager, PrefixCacheStats};
+use crate::error::{CoreError, Result};
+use crate::hashing::ExtraKeys;
+use crate::types::BlockId;
+use std::collections::{BTreeMap, VecDeque};
+use std::time::Instant;
+
+/// The scheduler limits of a workload.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SchedConfig {
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    /// 0: no limit.
+    pub long_prefill_token_threshold: usize,
+    pub max_model_len: usize,
+}
+
+/// One request of a workload: its prompt and the pre-drawn output tokens
+/// (`max_tokens = output.len()`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkloadRequest {
+    pub rid: String,
+    pub arrival_step: usize,
+    pub prompt: Vec<u32>,
+    pub output: Vec<u32>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Workload {
+    pub name: String,
+    pub sched: SchedConfig,
+    /// Blocks in the pool, the null block included.
+    pub num_blocks: usize,
+    pub requests: Vec<WorkloadRequest>,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum FreeReason {
+    Finished,
+    Preempted,
+}
+
+impl FreeReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FreeReason::Finished => "finished",
+            FreeReason::Preempted => "preempted",
+        }
+    }
+}
+
+/// What one manager call did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CallOp {
+    GetComputedBlocks {
+        num_tokens: usize,
+        hit_tokens: usize,
+        hit_blocks: Vec<Vec<BlockId>>,
+        spb: usize,
+    },
+    AllocateSlots {
+        num_new_tokens: usize,
+        num_new_computed_tokens: usize,
+        /// The request's computed tokens before the call.
+        num_computed_tokens: usize,
+        /// Admission of a waiting request (`full_sequence_must_fit`).
+        admit: bool,
+        /// `None`: out of blocks.
+        new_blocks: Option<Vec<Vec<BlockId>>>,
+    },
+    Free {
+        reason: FreeReason,
+    },
+}
+
+impl CallOp {
+    pub fn name(&self) -> &'static str {
+        match self {
+            CallOp::GetComputedBlocks { .. } => "get_computed_blocks",
+            CallOp::AllocateSlots { .. } => "allocate_slots",
+            CallOp::Free { .. } => "free",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Call<'a> {
+    pub step: usize,
+    pub rid: &'a str,
+    pub op: CallOp,
+    /// Free blocks after the call (cached evictable ones included).
+    pub free: usize,
+    /// Prefix-cache keys after the call.
+    pub cached: usize,
+    /// Duration of the manager call alone.
+    pub ns: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TraceRecord<'a> {
+    Step {
+        step: usize,
+        running: usize,
+        waiting: usize,
+    },
+    Call(Call<'a>),
+}
+
+/// Per-operation call durations.
+#[derive(Clone, Debug, Default)]
+pub struct OpTiming {
+    pub samples_ns: Vec<u64>,
+}
+
+impl OpTiming {
+    pub fn count(&self) -> usize {
+        self.samples_ns.len()
+    }
+
+    pub fn total_ns(&self) -> u64 {
+        self.samples_ns.iter().sum()
+    }
+
+    /// The `q`-quantile (0.5 = median) by nearest rank.
+    pub fn quantile_ns(&self, q: f64) -> u64 {
+        if self.samples_ns.is_empty() {
+            return 0;
+        }
+        let mut s = self.samples_ns.clone();
+        s.sort_unstable();
+        let idx = ((s.len() - 1) as f64 * q.clamp(0.0, 1.0)).round() as usize;
+        s[idx]
+    }
+
+    pub fn mean_ns(&self) -> f64 {
+        if self.samples_ns.is_empty() {
+            0.0
+        } else {
+            self.total_ns() as f64 / self.samples_ns.len() as f64
+        }
+    }
+}
+
+/// What a replay did in total.
+#[derive(Clone, Debug, Default)]
+pub struct ReplaySummary {
+    /// Keyed by op name; `allocate_slots` also under `.admit` / `.chunk` / `.decode`, plus
+    /// `make_request`, `append_token` and `new_step_starts`.
+    pub timing: BTreeMap<&'static str, OpTiming>,
+    pub prefix_cache: PrefixCacheStats,
+    pub num_steps: usize,
+    pub num_preemptions: usize,
+    pub num_finished: usize,
+    pub num_calls: usize,
+    pub free_at_end: usize,
+}
+
+impl ReplaySummary {
+    /// Total time spent in manager calls (`get_computed_blocks`, `allocate_slots`, `free`).
+    pub fn manager_ns(&self) -> u64 {
+        ["get_computed_blocks", "allocate_slots", "free"]
+            .iter()
+            .filter_map(|op| self.timing.get(op))
+            .map(OpTiming::total_ns)
+            .sum()
+    }
+
+    fn time(&mut self, op: &'static str, ns: u64) {
+        self.timing.entry(op).or_default().samples_ns.push(ns);
+    }
+}
+
+struct ReqState {
+    num_computed: usize,
+    num_outputs: usize,
+    num_preemptions: usize,
+}
+
+fn elapsed_ns(start: Instant) -> u64 {
+    start.elapsed().as_nanos() as u64
+}
+
+/// Drives `manager` (built for the workload's KV cache layout, with no requests yet) through
+/// the conformance scheduler loop, calling `sink` for every step and manager call in order.
+pub fn replay<'w>(
+    workload: &'w Workload,
+    manager: &mut KVCacheManager,
+    sink: &mut dyn FnMut(TraceRecord<'w>),
+) -> Result<ReplaySummary> {
+    let sched = &workload.sched;
+    if sched.max_num_batched_tokens == 0 || sched.max_num_seqs == 0 {
+        return Err(CoreError::InvalidArgument(
+            "max_num_batched_tokens and max_num_seqs must be positive".into(),
+        ));
+    }
+    if sched.max_model_len != manager.max_model_len() {
+        return Err(CoreError::InvalidArgument(format!(
+            "workload max_model_len {} differs from the manager's {}",
+            sched.max_model_len,
+            manager.max_model_len()
+        )));
+    }
+    if let Some(r) = workload
+        .requests
+        .iter()
+        .find(|r| r.prompt.is_empty() || r.prompt.len() >= sched.max_model_len)
+    {
+        return Err(CoreError::InvalidArgument(format!(
+            "request {:?}: prompt of {} tokens must be non-empty and shorter than max_model_len",
+            r.rid,
+            r.prompt.len()
+        )));
+    }
+    let reqs = &workload.requests;
+    let threshold = if sched.long_prefill_token_threshold == 0 {
+        usize::MAX
+    } else {
+        sched.long_prefill_token_threshold
+    };
+    let max_model_len = sched.max_model_len;
+    let mut order: Vec<usize> = (0..reqs.len()).collect();
+    order.sort_by_key(|&i| reqs[i].arrival_step);
+    let mut states: Vec<ReqState> = (0..reqs.len())
+        .map(|_| ReqState {
+            num_computed: 0,
+            num_outputs: 0,
+            num_preemptions: 0,
+        })
+        .collect();
+    let num_tokens = |s: &ReqState, i: usize| reqs[i].prompt.len() + s.num_outputs;
+
+    let mut summary = ReplaySummary::default();
+    let mut waiting: VecDeque<usize> = VecDeque::new();
+    let mut running: Vec<usize> = Vec::new();
+    let mut scheduled: Vec<(usize, usize)> = Vec::new();
+    let mut next = 0;
+    let mut step = 0;
+
+    macro_rules! call {
+        ($rid:expr, $op:expr, $ns:expr) => {{
+            summary.num_calls += 1;
+            sink(TraceRecord::Call(Call {
+                step,
+                rid: $rid,
+                op: $op,
+                free: manager.num_free_blocks(),
+                cached: manager.num_cached_keys(),
+                ns: $ns,
+            }));
+        }};
+    }
+
+    loop {
+        while next < order.len() && reqs[order[next]].arrival_step <= step {
+            let i = order[next];
+            let t = Instant::now();
+            manager.add_request(&reqs[i].rid, &reqs[i].prompt, ExtraKeys::default())?;
+            summary.time("make_request", elapsed_ns(t));
+            waiting.push_back(i);
+            next += 1;
+        }
+        if running.is_empty() && waiting.is_empty() {
+            if next == order.len() {
+                break;
+            }
+            step = reqs[order[next]].arrival_step;
+            continue;
+        }
+        sink(TraceRecord::Step {
+            step,
+            running: running.len(),
+            waiting: waiting.len(),
+        });
+        summary.num_steps += 1;
+        let t = Instant::now();
+        manager.new_step_starts();
+        summary.time("new_step_starts", elapsed_ns(t));
+
+        let mut budget = sched.max_num_batched_tokens;
+        let mut preempted = false;
+        scheduled.clear();
+
+        // A) running requests, in order.
+        let mut k = 0;
+        'running: while k < running.len() && budget > 0 {
+            let i = running[k];
+            let s = &states[i];
+            let n = (num_tokens(s, i) - s.num_computed)
+                .min(threshold)
+                .min(budget)
+                .min(max_model_len.saturating_sub(1 + s.num_computed));
+            if n == 0 {
+                k += 1;
+                continue;
+            }
+            loop {
+                let computed = states[i].num_computed;
+                let t = Instant::now();
+                let r = manager.allocate_slots(
+                    &reqs[i].rid,
+                    &AllocateArgs {
+                        num_new_tokens: n,
+                        num_computed_tokens: computed,
+                        ..Default::default()
+                    },
+                )?;
+                let ns = elapsed_ns(t);
+                summary.time("allocate_slots", ns);
+                summary.time(
+                    if n == 1 {
+                        "allocate_slots.decode"
+                    } else {
+                        "allocate_slots.chunk"
+                    },
+                    ns,
+                );
+                let ok = r.is_some();
+                call!(
+                    &reqs[i].rid,
+                    CallOp::AllocateSlots {
+                        num_new_tokens: n,
+                        num_new_computed_tokens: 0,
+                        num_computed_tokens: computed,
+                        admit: false,
+                        new_blocks: r,
+                    },
+                    ns
+                );
+                if ok {
+                    scheduled.push((i, n));
+                    budget -= n;
+                    break;
+                }
+                let victim = running.pop().expect("the request itself is running");
+                let t = Instant::now();
+                manager.free(&reqs[victim].rid)?;
+                let ns = elapsed_ns(t);
+                summary.time("free", ns);
+                call!(
+                    &reqs[victim].rid,
+                    CallOp::Free {
+                        reason: FreeReason::Preempted
+                    },
+                    ns
+                );
+                states[victim].num_computed = 0;
+                states[victim].num_preemptions += 1;
+                summary.num_preemptions += 1;
+                waiting.push_front(victim);
+                preempted = true;
+                if victim == i {
+                    break 'running;
+                }
+            }
+            k += 1;
+        }
+
+        // B) admit waiting requests.
+        if !preempted {
+            while let Some(&i) = waiting.front() {
+                if budget == 0 || running.len() >= sched.max_num_seqs {
+                    break;
+                }
+                let rid = reqs[i].rid.as_str();
+                let t = Instant::now();
+                let computed = manager.get_computed_blocks(rid)?;
+                let gcb_ns = elapsed_ns(t);
+                summary.time("get_computed_blocks", gcb_ns);
+                let (gcb_free, gcb_cached) = (manager.num_free_blocks(), manager.num_cached_keys());
+                let hit = computed.num_computed_tokens;
+                let total = num_tokens(&states[i], i);
+                let n = (total - hit)
+                    .min(threshold)
+                    .min(budget)
+                    .min(max_model_len.saturating_sub(1 + hit));
+                let emit_gcb = |sink: &mut dyn FnMut(TraceRecord<'w>), c: super::ComputedBlocks| {
+                    sink(TraceRecord::Call(Call {
+                        step,
+                        rid,
+                        op: CallOp::GetComputedBlocks {
+                            num_tokens: total,
+                            hit_tokens: c.num_computed_tokens,
+                            hit_blocks: c.blocks,
+                            spb: c.shared_prefix_boundary,
+                        },
+                        free: gcb_free,
+                        cached: gcb_cached,
+                        ns: gcb_ns,
+                    }))
+                };
+                summary.num_calls += 1;
+                if n == 0 {
+                    emit_gcb(sink, computed);
+                    break;
+                }
+                let t = Instant::now();
+                let r = manager.allocate_slots(
+                    rid,
+                    &AllocateArgs {
+                        num_new_tokens: n,
+                        num_computed_tokens: 0,
+                        num_new_computed_tokens: hit,
+                        new_computed_blocks: Some(&computed),
+                        full_sequence_must_fit: true,
+                        has_scheduled_reqs: !running.is_empty(),
+                        ..Default::default()
+                    },
+                )?;
+                let ns = elapsed_ns(t);
+                summary.time("allocate_slots", ns);
+                summary.time("allocate_slots.admit", ns);
+                emit_gcb(sink, computed);
+                let ok = r.is_some();
+                call!(
+                    rid,
+                    CallOp::AllocateSlots {
+                        num_new_tokens: n,
+                        num_new_computed_tokens: hit,
+                        num_computed_tokens: 0,
+                        admit: true,
+                        new_blocks: r,
+                    },
+                    ns
+                );
+                if !ok {
+                    break;
+                }
+                manager.record_prefix_cache_stats(rid, hit, states[i].num_preemptions > 0)?;
+                waiting.pop_front();
+                running.push(i);
+                states[i].num_computed = hit;
+                scheduled.push((i, n));
+                budget -= n;
+            }
+        }
+
+        if scheduled.is_empty() && !preempted {
+            // Nothing can change any more (no running request frees blocks).
+            return Err(CoreError::InvalidArgument(format!(
+                "workload {:?} stalls at step {step}: nothing can be scheduled",
+                workload.name
+            )));
+        }
+
+        // C) "execute".
+        for &(i, n) in &scheduled {
+            states[i].num_computed += n;
+        }
+
+        // D) sample and finish.
+        for &(i, _) in &scheduled {
+            let s = &mut states[i];
+            let r = &reqs[i];
+            if s.num_computed != r.prompt.len() + s.num_outputs {
+                continue;
+            }
+            if s.num_outputs < r.output.len() {
+                let t = Instant::now();
+                manager.append_token_ids(&r.rid, &r.output[s.num_outputs..s.num_outputs + 1])?;
+                summary.time("append_token", elapsed_ns(t));
+                s.num_outputs += 1;
+            }
+            if s.num_outputs >= r.output.len() || r.prompt.len() + s.num_outputs >= max_model_len {
+                let t = Instant::now();
+                manager.free(&r.rid)?;
+                let ns = elapsed_ns(t);
+                summary.time("free", ns);
+                call!(
+                    &r.rid,
+                    CallOp::Free {
+                        reason: FreeReason::Finished
+                    },
+                    ns
+                );
+                manager.remove_request(&r.rid)?;
+                running.retain(|&x| x != i);
+                summary.num_finished += 1;
+            }
+        }
+        step += 1;
+    }
+    summary.prefix_cache = manager.prefix_cache_stats();
+    summary.free_at_end = manager.num_free_blocks();
+    Ok(summary)
+}

@@ -1,0 +1,1052 @@
+use super::*;
+use crate::types::{BlockHash, StoreInfo};
+use proptest::prelude::*;
+
+fn config(groups: Vec<GroupSpec>, num_blocks: usize) -> ManagerConfig {
+    ManagerConfig::new(groups, num_blocks, 4096)
+}
+
+fn manager(groups: Vec<GroupSpec>, num_blocks: usize) -> KVCacheManager {
+    KVCacheManager::new(&config(groups, num_blocks)).unwrap()
+}
+
+fn tokens(start: u32, n: usize) -> Vec<u32> {
+    (start..start + n as u32).collect()
+}
+
+fn new_tokens(n: usize, computed: usize) -> AllocateArgs<'static> {
+    AllocateArgs {
+        num_new_tokens: n,
+        num_computed_tokens: computed,
+        ..Default::default()
+    }
+}
+
+/// Admits a waiting request the way a scheduler does: look up, then allocate the rest.
+fn admit(m: &mut KVCacheManager, id: &str) -> Option<(usize, Vec<Vec<BlockId>>)> {
+    let hit = m.get_computed_blocks(id).unwrap();
+    let n = m.request(id).unwrap().num_tokens() - hit.num_computed_tokens;
+    let args = AllocateArgs {
+        num_new_tokens: n,
+        num_new_computed_tokens: hit.num_computed_tokens,
+        new_computed_blocks: Some(&hit),
+        full_sequence_must_fit: true,
+        ..Default::default()
+    };
+    m.allocate_slots(id, &args)
+        .unwrap()
+        .map(|b| (hit.num_computed_tokens, b))
+}
+
+fn non_null(ids: &[BlockId]) -> usize {
+    ids.iter().filter(|&&b| b != NULL_BLOCK).count()
+}
+
+/// A pool where the blocks at `positions` are cached under `hash(i) = i + 1` in `group`.
+fn pool_with_cached(num_blocks: usize, positions: &[usize], group: GroupId) -> BlockPool {
+    let pool = BlockPool::new(num_blocks).unwrap();
+    let blocks = pool.get_new_blocks(positions.len()).unwrap();
+    let hashes: Vec<BlockHash> = positions
+        .iter()
+        .map(|&i| BlockHash(i as u128 + 1))
+        .collect();
+    pool.cache_full_blocks(&blocks, &hashes, group, StoreInfo::default())
+        .unwrap();
+    pool.free_blocks(&blocks).unwrap();
+    pool
+}
+
+fn chain(n: usize) -> Vec<BlockHash> {
+    (0..n).map(|i| BlockHash(i as u128 + 1)).collect()
+}
+
+// ----- per-attention-type hit rules ---------------------------------------------------------
+
+#[test]
+fn sliding_window_hit_scans_right_to_left() {
+    // DESIGN.md: window 4, block size 1, 15-token prompt. A hit at L needs tokens L-3..L-1
+    // cached; candidates 5, 6 and 14: the rightmost (14) wins, only token 14 is recomputed.
+    let groups = [GroupSpec::sliding_window(1, 4)];
+    let finder = HitFinder::new(&groups, true, 1, 1);
+    let pool = pool_with_cached(16, &[2, 3, 4, 5, 11, 12, 13], 0);
+    let mut out = Vec::new();
+    let hit = finder.find(&pool, &chain(15), 14, &mut out);
+    assert_eq!(hit.tokens, 14);
+    assert_eq!(non_null(&out[0]), 3);
+    assert_eq!(out[0].len(), 14);
+    assert!(out[0][..11].iter().all(|&b| b == NULL_BLOCK));
+
+    // Without block 12 the best hit is 6 (blocks 3, 4, 5).
+    let pool = pool_with_cached(16, &[2, 3, 4, 5, 11, 13], 0);
+    let hit = finder.find(&pool, &chain(15), 14, &mut out);
+    assert_eq!(hit.tokens, 6);
+    assert_eq!(out[0].len(), 6);
+    assert_eq!(non_null(&out[0]), 3);
+}
+
+#[test]
+fn sliding_window_run_reaching_the_first_block_is_a_hit_even_if_short() {
+    let groups = [GroupSpec::sliding_window(1, 4)];
+    let finder = HitFinder::new(&groups, true, 1, 1);
+    let pool = pool_with_cached(16, &[0, 1], 0);
+    let mut out = Vec::new();
+    assert_eq!(finder.find(&pool, &chain(15), 14, &mut out).tokens, 2);
+}
+
+#[test]
+fn full_attention_hit_scans_left_to_right_and_stops_at_first_miss() {
+    let groups = [GroupSpec::full(1)];
+    let finder = HitFinder::new(&groups, true, 1, 1);
+    let pool = pool_with_cached(16, &[0, 1, 2, 4, 5, 6], 0);
+    let mut out = Vec::new();
+    assert_eq!(finder.find(&pool, &chain(10), 9, &mut out).tokens, 3);
+    assert_eq!(out[0].len(), 3);
+}
+
+#[test]
+fn chunked_local_hit_skips_blocks_before_the_current_chunk() {
+    // vLLM's example: chunk 8, block size 4, max length 15: tokens 0-7 are outside the local
+    // window (null blocks), block 2 (tokens 8-11) is looked up.
+    let groups = [GroupSpec::chunked_local(4, 8)];
+    let finder = HitFinder::new(&groups, true, 4, 4);
+    let mut out = Vec::new();
+    let pool = pool_with_cached(8, &[2], 0);
+    let hit = finder.find(&pool, &chain(4), 15, &mut out);
+    assert_eq!(hit.tokens, 12);
+    assert_eq!(out[0][..2], [NULL_BLOCK, NULL_BLOCK]);
+    assert_ne!(out[0][2], NULL_BLOCK);
+    let pool = pool_with_cached(8, &[], 0);
+    assert_eq!(finder.find(&pool, &chain(4), 15, &mut out).tokens, 8);
+    // Max length 16: everything before token 16 is outside the window.
+    assert_eq!(finder.find(&pool, &chain(4), 16, &mut out).tokens, 16);
+    assert_eq!(out[0], vec![NULL_BLOCK; 4]);
+}
+
+#[test]
+fn hybrid_hit_is_the_sliding_window_hit_within_the_full_hit() {
+    // Full attention cached blocks 0..6; sliding window (need 2 blocks) only 0..2 and 4..5.
+    let groups = [GroupSpec::full(1), GroupSpec::sliding_window(1, 3)];
+    let finder = HitFinder::new(&groups, true, 1, 1);
+    let pool = BlockPool::new(32).unwrap();
+    let cache = |positions: &[usize], group| {
+        let blocks = pool.get_new_blocks(positions.len()).unwrap();
+        let hashes: Vec<_> = positions
+            .iter()
+            .map(|&i| BlockHash(i as u128 + 1))
+            .collect();
+        pool.cache_full_blocks(&blocks, &hashes, group, StoreInfo::default())
+            .unwrap();
+    };
+    cache(&[0, 1, 2, 3, 4, 5, 6], 0);
+    cache(&[0, 1, 2, 4, 5], 1);
+    let mut out = Vec::new();
+    let hit = finder.find(&pool, &chain(10), 9, &mut out);
+    // Full hit 7; SWA within 7: blocks 4, 5 → 6.
+    assert_eq!(hit.tokens, 6);
+    assert_eq!(hit.uncached_common, 1);
+    assert_eq!(out[0].len(), 6);
+    assert_eq!(out[1], [0, 0, 0, 0, out[1][4], out[1][5]]);
+}
+
+#[test]
+fn groups_with_identical_specs_hit_only_where_all_are_cached() {
+    let groups = [
+        GroupSpec::sliding_window(1, 3),
+        GroupSpec::sliding_window(1, 3),
+        GroupSpec::full(1),
+    ];
+    let finder = HitFinder::new(&groups, true, 1, 1);
+    let pool = BlockPool::new(64).unwrap();
+    let cache = |positions: &[usize], group| {
+        let blocks = pool.get_new_blocks(positions.len()).unwrap();
+        let hashes: Vec<_> = positions
+            .iter()
+            .map(|&i| BlockHash(i as u128 + 1))
+            .collect();
+        pool.cache_full_blocks(&blocks, &hashes, group, StoreInfo::default())
+            .unwrap();
+    };
+    cache(&[0, 1, 2, 3, 4, 5, 6, 7], 2);
+    cache(&[0, 1, 2, 3, 4, 5, 6, 7], 0);
+    cache(&[0, 1, 2, 3, 5], 1);
+    let mut out = Vec::new();
+    assert_eq!(finder.find(&pool, &chain(10), 9, &mut out).tokens, 4);
+}
+
+#[test]
+fn fixed_point_loop_rechecks_every_type_at_the_reduced_length() {
+    // Full + sliding window + chunked local (3 spec groups: not the simple hybrid). The chunked
+    // group lowers the candidate to 8 tokens; the sliding window must re-check at 8.
+    let groups = [
+        GroupSpec::full(4),
+        GroupSpec::sliding_window(4, 5),
+        GroupSpec::chunked_local(4, 8),
+    ];
+    let finder = HitFinder::new(&groups, true, 4, 4);
+    let pool = BlockPool::new(64).unwrap();
+    let cache = |positions: &[usize], group| {
+        let blocks = pool.get_new_blocks(positions.len()).unwrap();
+        let hashes: Vec<_> = positions
+            .iter()
+            .map(|&i| BlockHash(i as u128 + 1))
+            .collect();
+        pool.cache_full_blocks(&blocks, &hashes, group, StoreInfo::default())
+            .unwrap();
+    };
+    cache(&[0, 1, 2, 3, 4], 0);
+    cache(&[0, 1, 2, 3, 4], 1);
+    cache(&[0, 1], 2); // chunk 8 = 2 blocks; block 2 (chunk 1) missing
+    let mut out = Vec::new();
+    let hit = finder.find(&pool, &chain(6), 20, &mut out);
+    // Full: 20 → 5 blocks; SWA at 20: blocks 3, 4 → 20; chunked at 20: start block 4,
+    // block 4 missing... cached? No: only 0, 1 → hit 16 (nulls); SWA at 16 → 16; chunked at 16
+    // → 16. Stable at 16.
+    assert_eq!(hit.tokens, 16);
+    assert_eq!(out[0].len(), 4);
+    assert_eq!(out[1].len(), 4);
+    assert_eq!(out[2], vec![NULL_BLOCK; 4]);
+}
+
+#[test]
+fn hit_is_a_multiple_of_the_scheduler_block_size_with_mixed_block_sizes() {
+    // Full attention at 32 tokens per block, sliding window at 16: hashes at 16, hits at 32.
+    let groups = [GroupSpec::full(32), GroupSpec::sliding_window(16, 32)];
+    let mut m = manager(groups.to_vec(), 64);
+    assert_eq!((m.scheduler_block_size(), m.hash_block_size()), (32, 16));
+    m.add_request("a", &tokens(0, 112), ExtraKeys::default())
+        .unwrap();
+    admit(&mut m, "a").unwrap();
+    // Cached up to the lcm boundary 96: 3 full blocks, 6 sliding-window blocks (need 2 ≥ 2
+    // blocks per boundary: all reachable).
+    assert_eq!(m.num_cached_keys(), 9);
+    m.add_request("b", &tokens(0, 112), ExtraKeys::default())
+        .unwrap();
+    let hit = m.get_computed_blocks("b").unwrap();
+    assert_eq!(hit.num_computed_tokens, 96);
+    assert_eq!(hit.blocks[0].len(), 3);
+    assert_eq!(hit.blocks[1].len(), 6);
+}
+
+#[test]
+fn sliding_window_caches_only_blocks_reachable_at_alignment_boundaries() {
+    // Window 16 needs 1 block; hits end on 32-token boundaries: only odd blocks are useful.
+    let groups = [GroupSpec::full(32), GroupSpec::sliding_window(16, 16)];
+    let mut m = manager(groups.to_vec(), 64);
+    m.add_request("a", &tokens(0, 128), ExtraKeys::default())
+        .unwrap();
+    admit(&mut m, "a").unwrap();
+    // 128 tokens: full 4 blocks, SWA blocks 1, 3, 5, 7.
+    assert_eq!(m.num_cached_keys(), 8);
+    m.add_request("b", &tokens(0, 129), ExtraKeys::default())
+        .unwrap();
+    assert_eq!(m.get_computed_blocks("b").unwrap().num_computed_tokens, 128);
+}
+
+// ----- allocation ---------------------------------------------------------------------------
+
+#[test]
+fn design_worked_example_full_and_two_sliding_window_groups() {
+    // Block size 16, window 32, 112 tokens: full attention holds 7 blocks, each sliding-window
+    // group 2 (the tokens still in its window); 11 blocks in all.
+    let groups = vec![
+        GroupSpec::full(16),
+        GroupSpec::sliding_window(16, 32),
+        GroupSpec::sliding_window(16, 32),
+    ];
+    let mut m = manager(groups, 64);
+    m.add_request("r", &tokens(0, 112), ExtraKeys::default())
+        .unwrap();
+    let new = m.allocate_slots("r", &new_tokens(112, 0)).unwrap().unwrap();
+    assert_eq!(new.iter().map(Vec::len).collect::<Vec<_>>(), [7, 7, 7]);
+    m.remove_skipped_blocks("r", 112).unwrap();
+    let held: Vec<usize> = (0..3)
+        .map(|g| non_null(m.block_ids("r", g).unwrap()))
+        .collect();
+    assert_eq!(held, [7, 2, 2]);
+    assert_eq!(m.block_ids("r", 1).unwrap()[..5], [NULL_BLOCK; 5]);
+    assert_eq!(m.num_free_blocks(), 63 - 11);
+}
+
+#[test]
+fn decode_frees_blocks_that_slide_out_of_the_window() {
+    let groups = vec![GroupSpec::full(16), GroupSpec::sliding_window(16, 32)];
+    let mut m = manager(groups, 64);
+    m.add_request("r", &tokens(0, 112), ExtraKeys::default())
+        .unwrap();
+    m.allocate_slots("r", &new_tokens(112, 0)).unwrap().unwrap();
+    m.append_token_ids("r", &[7u32]).unwrap();
+    let new = m.allocate_slots("r", &new_tokens(1, 112)).unwrap().unwrap();
+    assert_eq!(new.iter().map(Vec::len).collect::<Vec<_>>(), [1, 1]);
+    // 112 computed: tokens 0..80 (5 blocks) are outside the window of token 112.
+    assert_eq!(non_null(m.block_ids("r", 1).unwrap()), 3);
+    assert_eq!(m.num_free_blocks(), 63 - 8 - 3);
+}
+
+#[test]
+fn get_computed_blocks_caps_the_hit_at_num_tokens_minus_one() {
+    let mut m = manager(vec![GroupSpec::full(16)], 64);
+    m.add_request("a", &tokens(0, 64), ExtraKeys::default())
+        .unwrap();
+    admit(&mut m, "a").unwrap();
+    m.add_request("b", &tokens(0, 64), ExtraKeys::default())
+        .unwrap();
+    let hit = m.get_computed_blocks("b").unwrap();
+    // 4 full blocks cached, but the last token must be recomputed: 3 blocks.
+    assert_eq!(hit.num_computed_tokens, 48);
+    assert_eq!(hit.blocks[0].len(), 3);
+    // Lookups do not take references.
+    assert_eq!(m.pool().ref_count(hit.blocks[0][0]).unwrap(), 1);
+}
+
+#[test]
+fn admitting_a_hit_touches_the_cached_blocks_and_shares_them() {
+    let mut m = manager(vec![GroupSpec::full(16)], 64);
+    m.add_request("a", &tokens(0, 64), ExtraKeys::default())
+        .unwrap();
+    admit(&mut m, "a").unwrap();
+    m.free("a").unwrap();
+    let free_before = m.num_free_blocks();
+    m.add_request("b", &tokens(0, 70), ExtraKeys::default())
+        .unwrap();
+    let (hit, new) = admit(&mut m, "b").unwrap();
+    assert_eq!(hit, 64);
+    assert_eq!(new[0].len(), 1);
+    let table = m.block_ids("b", 0).unwrap().to_vec();
+    assert_eq!(table.len(), 5);
+    for &b in &table {
+        assert_eq!(m.pool().ref_count(b).unwrap(), 1);
+    }
+    // The 4 revived blocks and the new one left the free count.
+    assert_eq!(m.num_free_blocks(), free_before - 5);
+}
+
+#[test]
+fn cache_salt_isolates_tenants() {
+    let mut m = manager(vec![GroupSpec::full(16)], 64);
+    let salted = |s: &str| ExtraKeys::new(Some(s.into()), None, vec![]).unwrap();
+    m.add_request("a", &tokens(0, 64), salted("t1")).unwrap();
+    admit(&mut m, "a").unwrap();
+    m.add_request("b", &tokens(0, 64), salted("t2")).unwrap();
+    assert_eq!(m.get_computed_blocks("b").unwrap().num_computed_tokens, 0);
+    m.add_request("c", &tokens(0, 64), salted("t1")).unwrap();
+    assert_eq!(m.get_computed_blocks("c").unwrap().num_computed_tokens, 48);
+}
+
+#[test]
+fn allocate_slots_is_all_or_nothing_when_out_of_blocks() {
+    let mut m = manager(vec![GroupSpec::full(16), GroupSpec::full(16)], 9);
+    m.add_request("a", &tokens(0, 64), ExtraKeys::default())
+        .unwrap();
+    m.add_request("b", &tokens(100, 64), ExtraKeys::default())
+        .unwrap();
+    assert!(admit(&mut m, "a").is_some()); // 8 blocks: the pool is full
+    let free = m.num_free_blocks();
+    assert_eq!(m.allocate_slots("b", &new_tokens(16, 0)).unwrap(), None);
+    assert_eq!(m.num_free_blocks(), free);
+    assert!(m.block_ids("b", 0).unwrap().is_empty());
+    // A running request that needs a new block fails the same way.
+    m.append_token_ids("a", &[1u32]).unwrap();
+    assert_eq!(m.allocate_slots("a", &new_tokens(1, 64)).unwrap(), None);
+    assert_eq!(m.block_ids("a", 0).unwrap().len(), 4);
+}
+
+#[test]
+fn evictable_hit_blocks_count_against_free_blocks() {
+    // 64 cached tokens (4 blocks, free but cached), pool of 5 usable blocks.
+    let mut m = manager(vec![GroupSpec::full(16)], 6);
+    m.add_request("a", &tokens(0, 64), ExtraKeys::default())
+        .unwrap();
+    admit(&mut m, "a").unwrap();
+    m.free("a").unwrap();
+    assert_eq!(m.num_free_blocks(), 5);
+    // 80 tokens: hit 64 (4 evictable blocks, touching takes them out of the free count) + 1
+    // new block = 5 ≤ 5 free: fits.
+    m.add_request("b", &tokens(0, 80), ExtraKeys::default())
+        .unwrap();
+    let (hit, new) = admit(&mut m, "b").unwrap();
+    assert_eq!(hit, 64);
+    assert_eq!(new[0].len(), 1);
+    m.free("b").unwrap();
+    // 97 tokens: hit 80 (5 evictable blocks) + 2 new blocks = 7 > 5 free.
+    m.add_request("c", &tokens(0, 97), ExtraKeys::default())
+        .unwrap();
+    assert!(admit(&mut m, "c").is_none());
+}
+
+#[test]
+fn watermark_holds_blocks_back_from_waiting_requests_only() {
+    let mut c = config(vec![GroupSpec::full(16)], 10);
+    c.watermark = 0.3; // 3 blocks
+    let mut m = KVCacheManager::new(&c).unwrap();
+    m.add_request("a", &tokens(0, 100), ExtraKeys::default())
+        .unwrap();
+    let mut args = new_tokens(100, 0);
+    args.has_scheduled_reqs = true;
+    // 7 blocks + 3 watermark > 9 free.
+    assert_eq!(m.allocate_slots("a", &args).unwrap(), None);
+    args.has_scheduled_reqs = false;
+    assert!(m.allocate_slots("a", &args).unwrap().is_some());
+    // Running: no watermark.
+    m.append_token_ids("a", &tokens(0, 20)).unwrap();
+    let mut args = new_tokens(20, 100);
+    args.has_scheduled_reqs = true;
+    assert!(m.allocate_slots("a", &args).unwrap().is_some());
+    assert_eq!(m.num_free_blocks(), 1);
+}
+
+#[test]
+fn lookahead_tokens_get_slots_but_are_never_cached() {
+    let mut m = manager(vec![GroupSpec::full(16)], 64);
+    m.add_request("r", &tokens(0, 32), ExtraKeys::default())
+        .unwrap();
+    let args = AllocateArgs {
+        num_new_tokens: 32,
+        num_lookahead_tokens: 16,
+        ..Default::default()
+    };
+    let new = m.allocate_slots("r", &args).unwrap().unwrap();
+    assert_eq!(new[0].len(), 3);
+    assert_eq!(m.num_cached_keys(), 2);
+}
+
+#[test]
+fn delay_cache_blocks_skips_caching() {
+    let mut m = manager(vec![GroupSpec::full(16)], 64);
+    m.add_request("r", &tokens(0, 32), ExtraKeys::default())
+        .unwrap();
+    let args = AllocateArgs {
+        num_new_tokens: 32,
+        delay_cache_blocks: true,
+        ..Default::default()
+    };
+    m.allocate_slots("r", &args).unwrap().unwrap();
+    assert_eq!(m.num_cached_keys(), 0);
+}
+
+#[test]
+fn free_returns_uncached_blocks_tail_first_to_the_front() {
+    let mut m = manager(vec![GroupSpec::full(16)], 8);
+    m.add_request("r", &tokens(0, 40), ExtraKeys::default())
+        .unwrap();
+    let args = AllocateArgs {
+        num_new_tokens: 40,
+        delay_cache_blocks: true,
+        ..Default::default()
+    };
+    let new = m.allocate_slots("r", &args).unwrap().unwrap();
+    assert_eq!(new[0], [1, 2, 3]);
+    m.free("r").unwrap();
+    assert_eq!(m.pool().free_order(), [3, 2, 1, 4, 5, 6, 7]);
+}
+
+#[test]
+fn free_puts_cached_blocks_at_the_back_tail_first() {
+    let mut m = manager(vec![GroupSpec::full(16)], 8);
+    m.add_request("r", &tokens(0, 48), ExtraKeys::default())
+        .unwrap();
+    m.allocate_slots("r", &new_tokens(48, 0)).unwrap().unwrap();
+    m.free("r").unwrap();
+    // Tail evicted first.
+    assert_eq!(m.pool().free_order(), [4, 5, 6, 7, 3, 2, 1]);
+}
+
+#[test]
+fn admission_cap_bounds_the_sliding_window_share_of_the_full_sequence_check() {
+    // Window 32, block 16, 16 tokens in flight: a request holds at most cdiv(31 + 16, 16) + 1
+    // = 4 sliding-window blocks. A 160-token prompt needs 10 full + 4 window blocks = 14.
+    let groups = vec![GroupSpec::full(16), GroupSpec::sliding_window(16, 32)];
+    for (num_blocks, fits) in [(15, true), (14, false)] {
+        let mut c = config(groups.clone(), num_blocks);
+        c.max_in_flight_tokens = Some(16);
+        let mut m = KVCacheManager::new(&c).unwrap();
+        m.add_request("r", &tokens(0, 160), ExtraKeys::default())
+            .unwrap();
+        let args = AllocateArgs {
+            num_new_tokens: 16,
+            full_sequence_must_fit: true,
+            ..Default::default()
+        };
+        assert_eq!(m.allocate_slots("r", &args).unwrap().is_some(), fits);
+    }
+}
+
+#[test]
+fn mamba_hybrid_allocates_one_state_block_and_never_hits() {
+    // Mamba without prefix caching: block size = max_model_len, so one state block.
+    let groups = vec![GroupSpec::full(16), GroupSpec::mamba(4096)];
+    let mut c = config(groups, 64);
+    c.scheduler_block_size = Some(4096);
+    c.hash_block_size = Some(16);
+    let mut m = KVCacheManager::new(&c).unwrap();
+    m.add_request("a", &tokens(0, 100), ExtraKeys::default())
+        .unwrap();
+    let (hit, new) = admit(&mut m, "a").unwrap();
+    assert_eq!(hit, 0);
+    assert_eq!(new.iter().map(Vec::len).collect::<Vec<_>>(), [7, 1]);
+    for step in 0..40 {
+        m.append_token_ids("a", &[1u32]).unwrap();
+        m.allocate_slots("a", &new_tokens(1, 100 + step))
+            .unwrap()
+            .unwrap();
+        assert_eq!(non_null(m.block_ids("a", 1).unwrap()), 1);
+    }
+    m.free("a").unwrap();
+    m.add_request("b", &tokens(0, 100), ExtraKeys::default())
+        .unwrap();
+    assert_eq!(m.get_computed_blocks("b").unwrap().num_computed_tokens, 0);
+    assert_eq!(
+        m.prober()
+            .probe(&tokens(0, 100), &ExtraKeys::default())
+            .unwrap(),
+        0
+    );
+}
+
+#[test]
+fn small_mamba_blocks_keep_only_the_last_state() {
+    let groups = vec![GroupSpec::full(16), GroupSpec::mamba(16)];
+    let mut m = manager(groups, 64);
+    m.add_request("a", &tokens(0, 64), ExtraKeys::default())
+        .unwrap();
+    m.allocate_slots("a", &new_tokens(64, 0)).unwrap().unwrap();
+    m.append_token_ids("a", &[1u32]).unwrap();
+    m.allocate_slots("a", &new_tokens(1, 64)).unwrap().unwrap();
+    // 64 computed: tokens 0..63 skipped → blocks 0..2 freed; block 3 (token 63) and 4 live.
+    assert_eq!(non_null(m.block_ids("a", 1).unwrap()), 2);
+    assert_eq!(m.get_computed_blocks("a").unwrap().num_computed_tokens, 0);
+}
+
+#[test]
+fn no_prefix_cache_coordinator_never_hits_or_caches() {
+    let mut c = config(
+        vec![GroupSpec::full(16), GroupSpec::sliding_window(16, 32)],
+        64,
+    );
+    c.enable_caching = false;
+    let mut m = KVCacheManager::new(&c).unwrap();
+    assert_eq!(m.coordinator_kind(), CoordinatorKind::NoPrefixCache);
+    m.add_request("a", &tokens(0, 64), ExtraKeys::default())
+        .unwrap();
+    admit(&mut m, "a").unwrap();
+    assert_eq!(m.num_cached_keys(), 0);
+    m.add_request("b", &tokens(0, 64), ExtraKeys::default())
+        .unwrap();
+    assert_eq!(
+        m.get_computed_blocks("b").unwrap(),
+        ComputedBlocks {
+            blocks: vec![vec![], vec![]],
+            num_computed_tokens: 0,
+            shared_prefix_boundary: 0,
+        }
+    );
+}
+
+#[test]
+fn preempted_request_is_readmitted_from_its_cached_prefix() {
+    let mut m = manager(
+        vec![GroupSpec::full(16), GroupSpec::sliding_window(16, 32)],
+        64,
+    );
+    m.add_request("a", &tokens(0, 100), ExtraKeys::default())
+        .unwrap();
+    admit(&mut m, "a").unwrap();
+    m.append_token_ids("a", &[5u32]).unwrap();
+    m.free("a").unwrap();
+    let (hit, _) = admit(&mut m, "a").unwrap();
+    assert_eq!(hit, 96);
+    m.record_prefix_cache_stats("a", hit, true).unwrap();
+    let s = m.take_prefix_cache_stats();
+    assert_eq!(
+        (s.requests, s.preempted_requests, s.preempted_hits),
+        (0, 1, 96)
+    );
+    assert_eq!(m.prefix_cache_stats(), PrefixCacheStats::default());
+}
+
+#[test]
+fn reset_prefix_cache_is_refused_while_blocks_are_in_use() {
+    let mut m = manager(vec![GroupSpec::full(16)], 16);
+    m.add_request("a", &tokens(0, 64), ExtraKeys::default())
+        .unwrap();
+    admit(&mut m, "a").unwrap();
+    assert!(!m.reset_prefix_cache());
+    m.remove_request("a").unwrap();
+    assert!(m.reset_prefix_cache());
+    assert_eq!(m.num_cached_keys(), 0);
+    assert!(m.prefix_cache_stats().reset);
+}
+
+#[test]
+fn events_report_stored_blocks_per_group() {
+    let mut c = config(
+        vec![GroupSpec::full(16), GroupSpec::sliding_window(16, 32)],
+        64,
+    );
+    c.enable_events = true;
+    let mut m = KVCacheManager::new(&c).unwrap();
+    m.add_request("a", &tokens(0, 40), ExtraKeys::default())
+        .unwrap();
+    admit(&mut m, "a").unwrap();
+    let events = m.take_events();
+    let stored: Vec<(GroupId, usize)> = events
+        .iter()
+        .filter_map(|e| match e {
+            KvEvent::BlockStored {
+                block_hashes,
+                group_id,
+                token_ids,
+                ..
+            } => {
+                assert_eq!(token_ids.len(), 32);
+                Some((*group_id, block_hashes.len()))
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(stored, [(0, 2), (1, 2)]);
+}
+
+// ----- block tables -------------------------------------------------------------------------
+
+#[test]
+fn write_block_table_fills_one_row_per_request() {
+    let mut m = manager(
+        vec![GroupSpec::full(16), GroupSpec::sliding_window(16, 16)],
+        64,
+    );
+    m.add_request("a", &tokens(0, 40), ExtraKeys::default())
+        .unwrap();
+    m.add_request("b", &tokens(500, 20), ExtraKeys::default())
+        .unwrap();
+    m.allocate_slots("a", &new_tokens(40, 0)).unwrap().unwrap();
+    m.allocate_slots("b", &new_tokens(20, 0)).unwrap().unwrap();
+    let mut out = vec![-1i32; 2 * 4];
+    m.write_block_table(&["b", "a"], 0, &mut out, 4).unwrap();
+    let a: Vec<i32> = m
+        .block_ids("a", 0)
+        .unwrap()
+        .iter()
+        .map(|&b| b as i32)
+        .collect();
+    let b: Vec<i32> = m
+        .block_ids("b", 0)
+        .unwrap()
+        .iter()
+        .map(|&b| b as i32)
+        .collect();
+    assert_eq!(out[..2], b[..]);
+    assert_eq!(out[2..4], [-1, -1]);
+    assert_eq!(out[4..7], a[..]);
+    // Bad calls write nothing.
+    let before = out.clone();
+    assert!(m.write_block_table(&["a", "zzz"], 0, &mut out, 4).is_err());
+    assert!(m.write_block_table(&["a"], 0, &mut out, 2).is_err());
+    assert!(m
+        .write_block_table(&["a", "b", "a"], 0, &mut out, 4)
+        .is_err());
+    assert!(m.write_block_table(&["a"], 2, &mut out, 4).is_err());
+    assert_eq!(out, before);
+}
+
+// ----- bad input ----------------------------------------------------------------------------
+
+fn is_invalid<T: std::fmt::Debug>(r: Result<T>) -> bool {
+    matches!(r, Err(CoreError::InvalidArgument(_)))
+}
+
+#[test]
+fn bad_input_is_an_error_and_changes_nothing() {
+    let mut m = manager(
+        vec![GroupSpec::full(16), GroupSpec::sliding_window(16, 32)],
+        64,
+    );
+    m.add_request("a", &tokens(0, 64), ExtraKeys::default())
+        .unwrap();
+    admit(&mut m, "a").unwrap();
+    let snapshot = |m: &KVCacheManager| {
+        (
+            m.num_free_blocks(),
+            m.num_cached_keys(),
+            m.get_block_ids("a").unwrap(),
+        )
+    };
+    let before = snapshot(&m);
+
+    assert!(is_invalid(m.add_request(
+        "a",
+        &tokens(0, 4),
+        ExtraKeys::default()
+    )));
+    assert!(is_invalid(m.add_request(
+        "e",
+        &[] as &[u32],
+        ExtraKeys::default()
+    )));
+    assert!(m
+        .add_request("neg", &[-1i64], ExtraKeys::default())
+        .is_err());
+    assert!(!m.contains_request("neg"));
+    assert!(is_invalid(m.allocate_slots("nope", &new_tokens(1, 0))));
+    assert!(is_invalid(m.get_computed_blocks("nope")));
+    assert!(is_invalid(m.free("nope")));
+    assert!(is_invalid(m.append_token_ids("nope", &[1u32])));
+    assert!(m.append_token_ids("a", &[u64::MAX]).is_err());
+    assert_eq!(m.request("a").unwrap().num_tokens(), 64);
+    // Zero new tokens and nothing to adopt.
+    assert!(is_invalid(m.allocate_slots("a", &new_tokens(0, 64))));
+    // Beyond max_model_len.
+    assert!(is_invalid(m.allocate_slots("a", &new_tokens(4096, 64))));
+    assert!(is_invalid(
+        m.allocate_slots("a", &new_tokens(usize::MAX, 64))
+    ));
+    // More computed tokens than the request has.
+    assert!(is_invalid(m.allocate_slots("a", &new_tokens(1, 65))));
+    assert_eq!(snapshot(&m), before);
+
+    // Hits for a request that already holds blocks.
+    m.add_request("b", &tokens(0, 64), ExtraKeys::default())
+        .unwrap();
+    let hit = m.get_computed_blocks("b").unwrap();
+    assert_eq!(hit.num_computed_tokens, 48);
+    fn adopt(hit: &ComputedBlocks, n: usize) -> AllocateArgs<'_> {
+        AllocateArgs {
+            num_new_tokens: 16,
+            num_new_computed_tokens: n,
+            new_computed_blocks: Some(hit),
+            ..Default::default()
+        }
+    }
+    assert!(is_invalid(m.allocate_slots("a", &adopt(&hit, 48))));
+    // Hits that do not match the computed token count, or the prompt.
+    assert!(is_invalid(m.allocate_slots("b", &adopt(&hit, 32))));
+    m.add_request("c", &tokens(1000, 64), ExtraKeys::default())
+        .unwrap();
+    assert!(is_invalid(m.allocate_slots("c", &adopt(&hit, 48))));
+    // Forged block ids, nulls in a full-attention group, wrong group count.
+    let mut forged = hit.clone();
+    forged.blocks[0][1] = 60;
+    assert!(is_invalid(m.allocate_slots("b", &adopt(&forged, 48))));
+    forged.blocks[0][1] = 1_000_000;
+    assert!(m.allocate_slots("b", &adopt(&forged, 48)).is_err());
+    forged.blocks[0][1] = NULL_BLOCK;
+    assert!(is_invalid(m.allocate_slots("b", &adopt(&forged, 48))));
+    let mut swapped = hit.clone();
+    swapped.blocks.swap(0, 1);
+    assert!(is_invalid(m.allocate_slots("b", &adopt(&swapped, 48))));
+    swapped.blocks.pop();
+    assert!(is_invalid(m.allocate_slots("b", &adopt(&swapped, 48))));
+    // Hits from another manager's pool.
+    let mut other = manager(
+        vec![GroupSpec::full(16), GroupSpec::sliding_window(16, 32)],
+        64,
+    );
+    other
+        .add_request("x", &tokens(0, 64), ExtraKeys::default())
+        .unwrap();
+    admit(&mut other, "x").unwrap();
+    other
+        .add_request("y", &tokens(0, 64), ExtraKeys::default())
+        .unwrap();
+    let foreign = other.get_computed_blocks("y").unwrap();
+    m.free("a").unwrap();
+    m.add_request("z", &tokens(5000, 64), ExtraKeys::default())
+        .unwrap();
+    assert!(is_invalid(m.allocate_slots("z", &adopt(&foreign, 48))));
+    // Computed tokens without blocks.
+    assert!(is_invalid(m.allocate_slots(
+        "z",
+        &AllocateArgs {
+            num_new_tokens: 16,
+            num_new_computed_tokens: 48,
+            ..Default::default()
+        }
+    )));
+    assert!(m.block_ids("z", 0).unwrap().is_empty());
+    // The genuine hit still works.
+    assert!(m.allocate_slots("b", &adopt(&hit, 48)).unwrap().is_some());
+}
+
+#[test]
+fn bad_configs_are_rejected() {
+    let bad = [
+        config(vec![], 16),
+        config(vec![GroupSpec::full(0)], 16),
+        config(vec![GroupSpec::sliding_window(16, 0)], 16),
+        config(vec![GroupSpec::full(16)], 1),
+        ManagerConfig::new(vec![GroupSpec::full(16)], 16, 0),
+        {
+            let mut c = config(vec![GroupSpec::full(32), GroupSpec::full(16)], 16);
+            c.hash_block_size = Some(32);
+            c
+        },
+        {
+            let mut c = config(vec![GroupSpec::full(32), GroupSpec::full(16)], 16);
+            c.scheduler_block_size = Some(48);
+            c
+        },
+        config(
+            vec![GroupSpec::full(32), GroupSpec::chunked_local(16, 64)],
+            16,
+        ),
+        {
+            let mut c = config(vec![GroupSpec::full(16)], 16);
+            c.scheduler_block_size = Some(32);
+            c
+        },
+        {
+            let mut c = config(vec![GroupSpec::full(16)], 16);
+            c.watermark = 1.5;
+            c
+        },
+    ];
+    for c in &bad {
+        assert!(KVCacheManager::new(c).is_err(), "{c:?}");
+    }
+}
+
+// ----- concurrent probes --------------------------------------------------------------------
+
+#[test]
+fn probe_matches_get_computed_blocks() {
+    let mut m = manager(
+        vec![GroupSpec::full(16), GroupSpec::sliding_window(16, 32)],
+        64,
+    );
+    let prober = m.prober();
+    let prompt = tokens(0, 100);
+    assert_eq!(prober.probe(&prompt, &ExtraKeys::default()).unwrap(), 0);
+    m.add_request("a", &prompt, ExtraKeys::default()).unwrap();
+    admit(&mut m, "a").unwrap();
+    m.add_request("b", &prompt, ExtraKeys::default()).unwrap();
+    let expected = m.get_computed_blocks("b").unwrap().num_computed_tokens;
+    assert_eq!(expected, 96);
+    assert_eq!(
+        prober.probe(&prompt, &ExtraKeys::default()).unwrap(),
+        expected
+    );
+    assert_eq!(
+        prober.probe(&prompt[..40], &ExtraKeys::default()).unwrap(),
+        32
+    );
+    assert_eq!(
+        prober.probe(&[] as &[u32], &ExtraKeys::default()).unwrap(),
+        0
+    );
+    assert!(prober.probe(&[-5i32], &ExtraKeys::default()).is_err());
+    assert_eq!(
+        prober
+            .probe_with_max(&prompt, &ExtraKeys::default(), 1 << 40)
+            .unwrap(),
+        96
+    );
+}
+
+#[test]
+fn probes_from_other_threads_never_exceed_the_prompt_while_the_scheduler_runs() {
+    let groups = vec![GroupSpec::full(16), GroupSpec::sliding_window(16, 48)];
+    let mut m = manager(groups, 40);
+    let prober = m.prober();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let handles: Vec<_> = (0..2)
+        .map(|t| {
+            let (prober, stop) = (prober.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut probes = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) || probes < 100 {
+                    let len = 17 + (probes as usize * 7 + t) % 200;
+                    let prompt = tokens((probes % 3) as u32 * 1000, len);
+                    let hit = prober.probe(&prompt, &ExtraKeys::default()).unwrap();
+                    assert!(hit < len && hit % 16 == 0);
+                    probes += 1;
+                }
+                probes
+            })
+        })
+        .collect();
+    for i in 0..300u32 {
+        let id = format!("r{i}");
+        let prompt = tokens((i % 3) * 1000, 20 + (i as usize * 13) % 180);
+        m.add_request(&id, &prompt, ExtraKeys::default()).unwrap();
+        // Admitted or not (out of blocks), the request leaves again.
+        let _ = admit(&mut m, &id);
+        m.remove_request(&id).unwrap();
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for h in handles {
+        assert!(h.join().unwrap() >= 100);
+    }
+    assert_eq!(m.num_free_blocks(), 39);
+}
+
+// ----- invariants ---------------------------------------------------------------------------
+
+#[derive(Clone, Debug)]
+enum Op {
+    Add { prefix: u32, len: usize },
+    Step { pick: usize, n: usize },
+    Free { pick: usize },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        (0u32..3, 1usize..120).prop_map(|(prefix, len)| Op::Add { prefix, len }),
+        (any::<usize>(), 1usize..40).prop_map(|(pick, n)| Op::Step { pick, n }),
+        any::<usize>().prop_map(|pick| Op::Free { pick }),
+    ]
+}
+
+/// Every block's reference count equals the number of table slots holding it, and the pool's
+/// free count is everything else.
+fn check_invariants(m: &KVCacheManager, live: &[(String, usize)]) {
+    let mut holders: HashMap<BlockId, u32> = HashMap::new();
+    for (id, _) in live {
+        for table in m.get_block_ids(id).unwrap() {
+            for b in table.into_iter().filter(|&b| b != NULL_BLOCK) {
+                *holders.entry(b).or_default() += 1;
+            }
+        }
+    }
+    for (&b, &n) in &holders {
+        assert_eq!(m.pool().ref_count(b).unwrap(), n, "block {b}");
+    }
+    assert_eq!(
+        m.num_free_blocks(),
+        m.pool().num_blocks() - 1 - holders.len()
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    #[test]
+    fn allocate_and_free_keep_reference_counts_exact(ops in proptest::collection::vec(op(), 1..60)) {
+        let groups = vec![
+            GroupSpec::full(8),
+            GroupSpec::sliding_window(8, 20),
+            GroupSpec::sliding_window(8, 20),
+            GroupSpec::chunked_local(8, 32),
+        ];
+        let mut m = manager(groups, 48);
+        // (request id, computed tokens); 0 computed = waiting.
+        let mut live: Vec<(String, usize)> = Vec::new();
+        let mut next = 0;
+        for op in ops {
+            match op {
+                Op::Add { prefix, len } => {
+                    let id = format!("r{next}");
+                    next += 1;
+                    let mut prompt = tokens(prefix * 10_000, len.min(60));
+                    prompt.extend(tokens(next as u32 * 100 + 50_000, len.saturating_sub(60)));
+                    m.add_request(&id, &prompt, ExtraKeys::default()).unwrap();
+                    live.push((id, 0));
+                }
+                Op::Step { pick, n } if !live.is_empty() => {
+                    let k = pick % live.len();
+                    let (id, computed) = live[k].clone();
+                    let before = (m.num_free_blocks(), m.get_block_ids(&id).unwrap());
+                    if computed == 0 {
+                        if let Some((hit, _)) = admit(&mut m, &id) {
+                            live[k].1 = m.request(&id).unwrap().num_tokens();
+                            prop_assert!(hit < live[k].1);
+                        } else {
+                            prop_assert_eq!((m.num_free_blocks(), m.get_block_ids(&id).unwrap()), before);
+                        }
+                    } else {
+                        let out: Vec<u32> = tokens(7, n);
+                        m.append_token_ids(&id, &out).unwrap();
+                        let args = new_tokens(n, computed);
+                        if m.allocate_slots(&id, &args).unwrap().is_some() {
+                            live[k].1 += n;
+                        } else {
+                            // Only out-of-window blocks may have been released.
+                            prop_assert!(m.num_free_blocks() >= before.0);
+                            m.remove_request(&id).unwrap();
+                            live.remove(k);
+                        }
+                    }
+                }
+                Op::Free { pick } if !live.is_empty() => {
+                    let k = pick % live.len();
+                    m.remove_request(&live[k].0).unwrap();
+                    live.remove(k);
+                }
+                _ => {}
+            }
+            check_invariants(&m, &live);
+        }
+        for (id, _) in live.drain(..) {
+            m.remove_request(&id).unwrap();
+        }
+        prop_assert_eq!(m.num_free_blocks(), 47);
+    }
+}
+
+// ----- replay driver ------------------------------------------------------------------------
+
+fn tiny_workload(num_blocks: usize) -> replay::Workload {
+    let request = |rid: &str, arrival_step, prompt: Vec<u32>, n_out| replay::WorkloadRequest {
+        rid: rid.into(),
+        arrival_step,
+        prompt,
+        output: (0..n_out).collect(),
+    };
+    replay::Workload {
+        name: "tiny".into(),
+        sched: replay::SchedConfig {
+            max_num_seqs: 4,
+            max_num_batched_tokens: 64,
+            long_prefill_token_threshold: 0,
+            max_model_len: 512,
+        },
+        num_blocks,
+        requests: vec![
+            request("a", 0, tokens(0, 100), 5),
+            request("b", 0, tokens(0, 120), 3),
+            request("c", 7, tokens(900, 40), 2),
+        ],
+    }
+}
+
+#[test]
+fn replay_runs_the_scheduler_loop_to_completion() {
+    let w = tiny_workload(64);
+    let mut c = config(
+        vec![GroupSpec::full(16), GroupSpec::sliding_window(16, 32)],
+        64,
+    );
+    c.max_model_len = 512;
+    let mut m = KVCacheManager::new(&c).unwrap();
+    let mut records = Vec::new();
+    let s = replay::replay(&w, &mut m, &mut |r| records.push(r)).unwrap();
+    assert_eq!(s.num_finished, 3);
+    assert_eq!(s.free_at_end, 63);
+    assert_eq!(m.num_requests(), 0);
+    // Chunked prefill of 64 tokens per step; b re-uses a's cached prefix.
+    let first = &records[1];
+    assert!(matches!(first, replay::TraceRecord::Call(c) if c.rid == "a"));
+    assert_eq!(s.prefix_cache.requests, 3);
+    assert!(s.prefix_cache.hits > 0);
+    assert!(s.timing["allocate_slots.decode"].count() > 0);
+}
+
+#[test]
+fn replay_reports_a_workload_that_cannot_make_progress() {
+    // 3 usable blocks cannot hold a 100-token prompt: admission fails forever.
+    let w = tiny_workload(4);
+    let mut c = config(vec![GroupSpec::full(16)], 4);
+    c.max_model_len = 512;
+    let mut m = KVCacheManager::new(&c).unwrap();
+    assert!(matches!(
+        replay::replay(&w, &mut m, &mut |_| {}),
+        Err(CoreError::InvalidArgument(msg)) if msg.contains("stalls")
+    ));
+    let mut m = manager(vec![GroupSpec::full(16)], 64);
+    assert!(replay::replay(&w, &mut m, &mut |_| {}).is_err()); // max_model_len differs
+}
+
+#[test]
+fn manager_and_prober_are_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<KVCacheManager>();
+    check::<Prober>();
+}
