@@ -3,6 +3,7 @@
 mod convert;
 mod errors;
 mod hashing;
+mod manager;
 mod pool;
 
 use pyo3::prelude::*;
@@ -13,5 +14,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     pool::register(m)?;
     hashing::register(m)?;
+    manager::register(m)?;
     Ok(())
 }

@@ -1,0 +1,403 @@
+"""Replay a conformance workload through hybrid-kv's Python API and write a `kvtrace/1` trace.
+
+    python -m hybrid_kv.replay WORKLOAD.json[.gz] --groups-from VLLM_TRACE.jsonl[.gz] \\
+        --out ours.jsonl
+
+The scheduler loop is the one of `shared/conformance/README.md` (vLLM 0.33's scheduler reduced to
+what the KV cache manager sees); every manager call is timed with `perf_counter_ns`, like vLLM's
+own traces, and written with its arguments and results so `trace_diff.py --ids` can compare the
+two call by call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import statistics
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from hybrid_kv._core import KVCacheManager, Request
+
+__all__ = ["ReplayResult", "load_json", "main", "manager_from_header", "replay"]
+
+IMPL = "hybrid-kv-0.1.0"
+
+
+def _open(path: str | Path) -> IO[str]:
+    return gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)  # noqa: SIM115
+
+
+def load_json(path: str | Path) -> Any:
+    with _open(path) as f:
+        return json.load(f)
+
+
+def read_header(trace_path: str | Path) -> dict[str, Any]:
+    """The `header` line of a kvtrace/1 file."""
+    with _open(trace_path) as f:
+        for line in f:
+            record = json.loads(line)
+            if record.get("kind") == "header":
+                return record
+    raise ValueError(f"{trace_path}: no header line")
+
+
+def manager_from_header(header: dict[str, Any], max_model_len: int) -> KVCacheManager:
+    """A manager with exactly the KV cache groups and pool size of a vLLM trace."""
+    kv = header["kv_cache"]
+    if any(g["kind"] == "mamba" for g in kv["groups"]):
+        raise ValueError("replaying Mamba layouts is not supported yet")
+    groups = [
+        {
+            "kind": g["kind"],
+            "block_size": g["block_size"],
+            "sliding_window": g.get("sliding_window"),
+            "attention_chunk_size": g.get("attention_chunk_size"),
+        }
+        for g in kv["groups"]
+    ]
+    return KVCacheManager(groups, kv["num_blocks"], max_model_len)
+
+
+def _encode_blocks(block_ids: Sequence[np.ndarray]) -> list[list[Any]]:
+    """kvtrace block-list encoding: per group `[leading nulls, remaining ids]`."""
+    out = []
+    for ids in block_ids:
+        nonzero = np.flatnonzero(ids)
+        z = int(nonzero[0]) if len(nonzero) else len(ids)
+        out.append([z, ids[z:].tolist()])
+    return out
+
+
+@dataclass
+class _Req:
+    rid: str
+    arrival_step: int
+    prompt: list[int]
+    output: list[int]
+    request: Request
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.request.num_tokens
+
+
+@dataclass
+class ReplayResult:
+    """What a replay did: per-op timings (ns) and counters."""
+
+    timings: dict[str, list[int]] = field(default_factory=dict)
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_finished: int = 0
+    wall_s: float = 0.0
+    prefix_cache: dict[str, Any] = field(default_factory=dict)
+
+    def record(self, op: str, ns: int) -> None:
+        self.timings.setdefault(op, []).append(ns)
+
+    def manager_seconds(self) -> float:
+        """Total time in manager calls (the ops vLLM's summary also times)."""
+        ops = ("allocate_slots", "free", "get_computed_blocks", "make_request", "append_token")
+        return sum(sum(self.timings.get(op, [])) for op in ops) / 1e9
+
+    def summary(self) -> dict[str, Any]:
+        timing = {}
+        for op, values in sorted(self.timings.items()):
+            ordered = sorted(values)
+            timing[op] = {
+                "count": len(values),
+                "total_s": sum(values) / 1e9,
+                "median_ns": int(statistics.median(ordered)),
+                "p90_ns": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+                "mean_ns": int(sum(values) / len(values)),
+            }
+        return {
+            "kind": "summary",
+            "timing": timing,
+            "prefix_cache": self.prefix_cache,
+            "num_steps": self.num_steps,
+            "num_preemptions": self.num_preemptions,
+            "num_finished": self.num_finished,
+            "wall_s": self.wall_s,
+        }
+
+
+def replay(
+    workload: dict[str, Any],
+    manager: KVCacheManager,
+    out: IO[str] | None = None,
+    header: dict[str, Any] | None = None,
+    max_steps: int | None = None,
+) -> ReplayResult:
+    """Runs the conformance scheduler loop over `manager`; writes kvtrace/1 lines to `out`."""
+    sched = workload["sched"]
+    max_model_len = sched["max_model_len"]
+    max_num_seqs = sched["max_num_seqs"]
+    max_batched = sched["max_num_batched_tokens"]
+    threshold = sched.get("long_prefill_token_threshold") or 0
+    perf = time.perf_counter_ns
+    result = ResultWriter(out)
+    stats = result.stats
+    if header is not None:
+        result.write(header)
+
+    pending: deque[_Req] = deque()
+    for r in workload["requests"]:
+        t0 = perf()
+        request = Request(r["rid"], r["prompt"])
+        manager.add_request(request)
+        stats.record("make_request", perf() - t0)
+        pending.append(_Req(r["rid"], r["arrival_step"], r["prompt"], r["output"], request))
+        result.write(
+            {
+                "kind": "req",
+                "rid": r["rid"],
+                "arrival_step": r["arrival_step"],
+                "num_prompt_tokens": len(r["prompt"]),
+                "max_tokens": len(r["output"]),
+                "prompt_digest": hashlib.sha256(
+                    json.dumps(r["prompt"], separators=(",", ":")).encode()
+                ).hexdigest()[:16],
+            }
+        )
+
+    def cap(req: _Req, computed: int, budget: int) -> int:
+        n = req.num_tokens - computed
+        if threshold:
+            n = min(n, threshold)
+        return max(0, min(n, budget, max_model_len - 1 - computed))
+
+    def call(op: str, rid: str, step: int, ns: int, **fields: Any) -> None:
+        result.seq += 1
+        record = {"kind": "call", "step": step, "op": op, "rid": rid, **fields, "ns": ns}
+        record["free"] = manager.num_free_blocks
+        record["cached"] = manager.num_cached_blocks
+        record["seq"] = result.seq
+        result.write(record)
+
+    waiting: deque[_Req] = deque()
+    running: list[_Req] = []
+    step = 0
+    wall0 = time.perf_counter()
+    while pending or waiting or running:
+        if max_steps is not None and stats.num_steps >= max_steps:
+            break
+        while pending and pending[0].arrival_step <= step:
+            waiting.append(pending.popleft())
+        if not running and not waiting:
+            step = pending[0].arrival_step
+            continue
+        result.write(
+            {"kind": "step", "step": step, "running": len(running), "waiting": len(waiting)}
+        )
+        t0 = perf()
+        manager.new_step_starts()
+        stats.record("new_step_starts", perf() - t0)
+        stats.num_steps += 1
+        budget = max_batched
+        preempted = False
+        scheduled: list[tuple[_Req, int]] = []
+
+        # A) running requests, in order
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            computed = req.request.num_computed_tokens
+            n = cap(req, computed, budget)
+            if n == 0:
+                i += 1
+                continue
+            while True:
+                t0 = perf()
+                new = manager.allocate_slots(req.request, n)
+                ns = perf() - t0
+                stats.record("allocate_slots", ns)
+                stats.record("allocate_slots.decode" if n == 1 else "allocate_slots.chunk", ns)
+                call(
+                    "allocate_slots",
+                    req.rid,
+                    step,
+                    ns,
+                    num_new_tokens=n,
+                    num_new_computed_tokens=0,
+                    num_computed_tokens=computed,
+                    admit=False,
+                    ok=new is not None,
+                    new_blocks=None if new is None else _encode_blocks(new.get_block_ids()),
+                )
+                if new is not None:
+                    scheduled.append((req, n))
+                    budget -= n
+                    i += 1
+                    break
+                victim = running.pop()
+                t0 = perf()
+                manager.free(victim.request)
+                ns = perf() - t0
+                stats.record("free", ns)
+                call("free", victim.rid, step, ns, reason="preempted")
+                victim.request.num_computed_tokens = 0
+                victim.num_preemptions += 1
+                stats.num_preemptions += 1
+                waiting.appendleft(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if preempted and (not running or req not in running):
+                break
+
+        # B) waiting requests
+        if not preempted:
+            while waiting and budget > 0 and len(running) < max_num_seqs:
+                req = waiting[0]
+                t0 = perf()
+                blocks, hit = manager.get_computed_blocks(req.request)
+                ns = perf() - t0
+                stats.record("get_computed_blocks", ns)
+                call(
+                    "get_computed_blocks",
+                    req.rid,
+                    step,
+                    ns,
+                    num_tokens=req.num_tokens,
+                    hit_tokens=hit,
+                    hit_blocks=_encode_blocks(blocks.get_block_ids()),
+                    spb=blocks.shared_prefix_boundary,
+                )
+                n = cap(req, hit, budget)
+                if n == 0:
+                    break
+                t0 = perf()
+                new = manager.allocate_slots(
+                    req.request,
+                    n,
+                    num_new_computed_tokens=hit,
+                    new_computed_blocks=blocks,
+                    full_sequence_must_fit=True,
+                    has_scheduled_reqs=bool(running),
+                )
+                ns = perf() - t0
+                stats.record("allocate_slots", ns)
+                stats.record("allocate_slots.admit", ns)
+                call(
+                    "allocate_slots",
+                    req.rid,
+                    step,
+                    ns,
+                    num_new_tokens=n,
+                    num_new_computed_tokens=hit,
+                    num_computed_tokens=req.request.num_computed_tokens,
+                    admit=True,
+                    ok=new is not None,
+                    new_blocks=None if new is None else _encode_blocks(new.get_block_ids()),
+                )
+                if new is None:
+                    break
+                manager.record_prefix_cache_stats(req.request, hit, req.num_preemptions > 0)
+                waiting.popleft()
+                running.append(req)
+                req.request.num_computed_tokens = hit
+                scheduled.append((req, n))
+                budget -= n
+
+        # C) execute, D) sample and finish
+        for req, n in scheduled:
+            req.request.num_computed_tokens += n
+        for req, _ in scheduled:
+            if req.request.num_computed_tokens != req.num_tokens:
+                continue
+            produced = req.num_tokens - len(req.prompt)
+            t0 = perf()
+            req.request.append_output_token_ids(req.output[produced])
+            stats.record("append_token", perf() - t0)
+            if produced + 1 == len(req.output) or req.num_tokens >= max_model_len:
+                t0 = perf()
+                manager.free(req.request)
+                ns = perf() - t0
+                stats.record("free", ns)
+                call("free", req.rid, step, ns, reason="finished")
+                running.remove(req)
+                stats.num_finished += 1
+        step += 1
+    stats.wall_s = time.perf_counter() - wall0
+    pc = manager.prefix_cache_stats()
+    stats.prefix_cache = pc
+    result.write(stats.summary())
+    return stats
+
+
+class ResultWriter:
+    def __init__(self, out: IO[str] | None) -> None:
+        self.out = out
+        self.stats = ReplayResult()
+        self.seq = 0
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.out is not None:
+            self.out.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+
+def _digest(workload: dict[str, Any]) -> str:
+    blob = json.dumps(workload, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m hybrid_kv.replay", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("workload", help="workload JSON (.json or .json.gz)")
+    parser.add_argument("--groups-from", required=True, help="vLLM kvtrace/1 file (its header)")
+    parser.add_argument("--out", required=True, help="trace to write (kvtrace/1, .jsonl)")
+    parser.add_argument("--max-steps", type=int, default=None, help="stop after N steps")
+    args = parser.parse_args(argv)
+    try:
+        workload = load_json(args.workload)
+        vllm_header = read_header(args.groups_from)
+        manager = manager_from_header(vllm_header, workload["sched"]["max_model_len"])
+    except (OSError, ValueError, KeyError) as error:
+        print(f"replay: error: {error}", file=sys.stderr)
+        return 2
+    header = {
+        "kind": "header",
+        "format": "kvtrace/1",
+        "impl": IMPL,
+        "layout": vllm_header.get("layout"),
+        "workload": {
+            "name": workload.get("name"),
+            "seed": workload.get("seed"),
+            "digest": _digest(workload),
+            "sched": workload["sched"],
+            "num_requests": len(workload["requests"]),
+        },
+        "kv_cache": vllm_header["kv_cache"],
+    }
+    with open(args.out, "w") as out:
+        result = replay(workload, manager, out, header, args.max_steps)
+    print(
+        f"{result.num_steps} steps, {result.num_finished} finished, "
+        f"{result.num_preemptions} preemptions; manager time {result.manager_seconds():.4f} s"
+    )
+    return 0
+
+
+def _iter_lines(path: str | Path) -> Iterator[dict[str, Any]]:
+    with _open(path) as f:
+        for line in f:
+            yield json.loads(line)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,18 @@
+"""Shared fixtures: the conformance directory beside the repository."""
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CONFORMANCE = REPO.parent / "shared" / "conformance"
+FIXTURES = ["gpt-oss.shared-prefix", "full-attn.eviction", "gemma3-27b.eviction"]
+
+
+@pytest.fixture(scope="session")
+def conformance_dir() -> Path:
+    if not (CONFORMANCE / "trace_diff.py").exists():
+        pytest.fail(
+            f"conformance fixtures not found at {CONFORMANCE} (shared/ must sit beside the repo)"
+        )
+    return CONFORMANCE

@@ -1,0 +1,103 @@
+"""Replays vLLM 0.33's own traces through the Python API: every call must match, block ids too."""
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import hybrid_kv as hk
+import numpy as np
+import pytest
+from conftest import FIXTURES
+from hybrid_kv.replay import load_json, manager_from_header, read_header, replay
+from hybrid_kv.replay import main as replay_main
+
+
+def trace_diff(conformance_dir: Path, ours: Path, name: str) -> str:
+    vllm = conformance_dir / f"{name}.vllm.jsonl.gz"
+    run = subprocess.run(
+        [sys.executable, str(conformance_dir / "trace_diff.py"), str(ours), str(vllm), "--ids"],
+        capture_output=True,
+        text=True,
+    )
+    return run.stdout
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_replay_is_identical_to_vllm(conformance_dir: Path, tmp_path: Path, name: str) -> None:
+    out = tmp_path / f"{name}.jsonl"
+    code = replay_main(
+        [
+            str(conformance_dir / f"{name}.workload.json.gz"),
+            "--groups-from",
+            str(conformance_dir / f"{name}.vllm.jsonl.gz"),
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0
+    report = trace_diff(conformance_dir, out, name)
+    assert "IDENTICAL" in report, report[:3000]
+
+
+def test_replay_stays_identical_while_other_threads_probe(
+    conformance_dir: Path, tmp_path: Path
+) -> None:
+    name = "gpt-oss.shared-prefix"
+    workload = load_json(conformance_dir / f"{name}.workload.json.gz")
+    header = read_header(conformance_dir / f"{name}.vllm.jsonl.gz")
+    manager = manager_from_header(header, workload["sched"]["max_model_len"])
+    prompts = [np.array(r["prompt"], dtype=np.int32) for r in workload["requests"][:60]]
+    stop = threading.Event()
+    problems: list[str] = []
+    probes = [0]
+
+    def probe(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        while not stop.is_set():
+            prompt = prompts[rng.integers(len(prompts))]
+            prompt = prompt[: rng.integers(1, len(prompt) + 1)]
+            try:
+                hit = manager.probe(prompt)
+            except Exception as e:  # noqa: BLE001 - any exception is a failure
+                problems.append(repr(e))
+                return
+            if not 0 <= hit <= len(prompt) - 1:
+                problems.append(f"probe reported {hit} tokens of a {len(prompt)}-token prompt")
+            probes[0] += 1
+
+    threads = [threading.Thread(target=probe, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    out = tmp_path / "ours.jsonl"
+    try:
+        with open(out, "w") as f:
+            replay(
+                workload,
+                manager,
+                f,
+                {
+                    "kind": "header",
+                    **{k: header[k] for k in ("format", "layout", "workload", "kv_cache")},
+                },
+            )
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert problems == []
+    assert probes[0] > 100
+    assert "IDENTICAL" in trace_diff(conformance_dir, out, name)
+
+
+def test_probe_matches_get_computed_blocks() -> None:
+    manager = hk.KVCacheManager([{"kind": "full", "block_size": 16}], 64, 4096)
+    prompt = list(range(100))
+    first = hk.Request("a", prompt)
+    new = manager.allocate_slots(first, 100)
+    assert new is not None
+    assert manager.probe(prompt) == 96
+    second = hk.Request("b", prompt[:50] + [7] * 30)
+    _, hit = manager.get_computed_blocks(second)
+    assert manager.probe(np.array(prompt[:50] + [7] * 30)) == hit == 48
+    assert manager.probe(prompt, cache_salt="other-tenant") == 0

@@ -1,0 +1,246 @@
+"""The scheduler-facing KVCacheManager through Python: vLLM 0.33's calls, errors, block tables."""
+
+import gc
+
+import hybrid_kv as hk
+import numpy as np
+import pytest
+
+FULL_SW = [
+    {"kind": "full", "block_size": 16},
+    {"kind": "sliding_window", "block_size": 16, "sliding_window": 32},
+]
+
+
+def state(manager: hk.KVCacheManager, *requests: hk.Request) -> tuple:
+    tables = tuple(
+        tuple(tuple(t.tolist()) for t in manager.get_block_ids(r.request_id)) for r in requests
+    )
+    return (manager.num_free_blocks, manager.num_cached_blocks, tables)
+
+
+def test_design_worked_example_7_full_blocks_and_2_per_sliding_window_group() -> None:
+    # Block size 16, window 32, a 112-token request: the full group holds 7 blocks, each
+    # sliding-window group only the 2 blocks still in its window (null slots before).
+    groups = FULL_SW + [FULL_SW[1]]
+    manager = hk.KVCacheManager(groups, 64, 1024)
+    req = hk.Request("r", list(range(112)))
+    assert manager.allocate_slots(req, 111) is not None
+    req.num_computed_tokens = 111
+    assert manager.allocate_slots(req, 1) is not None
+    full, sw1, sw2 = manager.get_block_ids("r")
+    assert np.count_nonzero(full) == 7
+    assert np.count_nonzero(sw1) == 2 and np.count_nonzero(sw2) == 2
+    assert sw1[:5].tolist() == [0] * 5, "out-of-window slots are the null block"
+    assert 7 + 2 + 2 == 64 - 1 - manager.num_free_blocks
+
+
+def test_prefix_hit_is_adopted_and_shared() -> None:
+    manager = hk.KVCacheManager(FULL_SW, 64, 1024)
+    a = hk.Request("a", list(range(64)))
+    manager.allocate_slots(a, 64)
+    a.num_computed_tokens = 64
+    b = hk.Request("b", list(range(64)) + [9] * 16)
+    blocks, hit = manager.get_computed_blocks(b)
+    assert hit == 64
+    full_hit = blocks.get_block_ids()[0]
+    assert full_hit.tolist() == manager.get_block_ids("a")[0].tolist()
+    new = manager.allocate_slots(b, 16, num_new_computed_tokens=hit, new_computed_blocks=blocks)
+    assert new is not None and [len(x) for x in new.get_block_ids()] == [1, 1]
+    assert manager.get_block_ids("b")[0][:4].tolist() == full_hit.tolist()
+
+
+def test_hit_is_capped_at_num_tokens_minus_one() -> None:
+    manager = hk.KVCacheManager([{"kind": "full", "block_size": 16}], 64, 1024)
+    a = hk.Request("a", list(range(64)))
+    manager.allocate_slots(a, 64)
+    _, hit = manager.get_computed_blocks(hk.Request("b", list(range(64))))
+    assert hit == 48, "the last token is recomputed, so only 3 of 4 full blocks hit"
+
+
+def test_allocation_failure_returns_none_and_changes_nothing() -> None:
+    manager = hk.KVCacheManager([{"kind": "full", "block_size": 16}], 5, 1024)
+    a = hk.Request("a", list(range(48)))
+    assert manager.allocate_slots(a, 48) is not None
+    b = hk.Request("b", list(range(100, 148)))
+    before = state(manager, a)
+    assert manager.allocate_slots(b, 48) is None
+    assert state(manager, a) == before
+    assert len(manager.get_block_ids("b")[0]) == 0
+
+
+def test_lookahead_slots_are_allocated_but_never_cached() -> None:
+    manager = hk.KVCacheManager([{"kind": "full", "block_size": 16}], 16, 1024)
+    req = hk.Request("r", list(range(32)))
+    new = manager.allocate_slots(req, 32, num_lookahead_tokens=16)
+    assert len(new.get_block_ids()[0]) == 3
+    assert manager.num_cached_blocks == 2
+
+
+def test_delay_cache_blocks_defers_caching() -> None:
+    manager = hk.KVCacheManager([{"kind": "full", "block_size": 16}], 16, 1024)
+    req = hk.Request("r", list(range(32)))
+    manager.allocate_slots(req, 32, delay_cache_blocks=True)
+    assert manager.num_cached_blocks == 0
+
+
+def test_free_releases_tail_first_and_keeps_blocks_cached() -> None:
+    manager = hk.KVCacheManager([{"kind": "full", "block_size": 16}], 8, 1024)
+    req = hk.Request("r", list(range(48)))
+    ids = manager.allocate_slots(req, 48).get_block_ids()[0].tolist()
+    manager.free(req)
+    assert manager.num_free_blocks == 7
+    assert manager.num_cached_blocks == 3
+    # Cached blocks are evicted last, tail first: a new 4-block request takes the 4 uncached
+    # blocks, the next one the old tail block.
+    other = hk.Request("o", list(range(1000, 1080)))
+    got = manager.allocate_slots(other, 80).get_block_ids()[0].tolist()
+    assert got[-1] == ids[-1] and ids[-1] not in got[:-1]
+
+
+def test_write_block_table_fills_a_batch_in_one_call() -> None:
+    manager = hk.KVCacheManager(FULL_SW, 64, 1024)
+    reqs = [hk.Request(f"r{i}", list(range(i * 100, i * 100 + 20 + 16 * i))) for i in range(3)]
+    for r in reqs:
+        manager.allocate_slots(r, r.num_tokens)
+    table = np.full((3, 8), -1, dtype=np.int32)
+    manager.write_block_table([r.request_id for r in reqs], table, group=0)
+    for row, r in zip(table, reqs, strict=True):
+        ids = manager.get_block_ids(r.request_id)[0]
+        assert row[: len(ids)].tolist() == ids.tolist()
+        assert (row[len(ids) :] == -1).all()
+    with pytest.raises(hk.HybridKvError, match="row stride"):
+        manager.write_block_table(["r2"], np.zeros((1, 2), dtype=np.int32))
+    with pytest.raises(hk.HybridKvError, match="unknown request"):
+        manager.write_block_table(["nope"], table)
+
+
+def test_garbage_collected_request_is_forgotten() -> None:
+    manager = hk.KVCacheManager([{"kind": "full", "block_size": 16}], 16, 1024)
+    req = hk.Request("r", list(range(32)))
+    manager.allocate_slots(req, 32)
+    manager.free(req)
+    assert manager.num_requests == 1
+    del req
+    gc.collect()
+    assert manager.num_requests == 0, "its hashes went with the Request object"
+
+
+def test_appended_outputs_are_hashed_and_cached_incrementally() -> None:
+    manager = hk.KVCacheManager([{"kind": "full", "block_size": 4}], 32, 1024)
+    req = hk.Request("r", [1, 2, 3])
+    manager.allocate_slots(req, 3)
+    req.num_computed_tokens = 3
+    for t in (4, 5, 6, 7, 8):
+        req.append_output_token_ids(t)
+        manager.allocate_slots(req, 1)
+        req.num_computed_tokens += 1
+    assert req.num_tokens == 8
+    assert manager.num_cached_blocks == 2
+    assert manager.probe([1, 2, 3, 4, 5, 6, 7, 8, 9]) == 8
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m, a, b: m.get_block_ids("nope"),
+        lambda m, a, b: m.remove_request("nope"),
+        lambda m, a, b: m.allocate_slots(a, -1),
+        lambda m, a, b: m.allocate_slots(b, 0),
+        lambda m, a, b: m.allocate_slots(b, 5000),
+        lambda m, a, b: m.allocate_slots(b, 8, num_new_computed_tokens=16),
+        lambda m, a, b: m.allocate_slots(hk.Request("a", [1, 2]), 1),
+        lambda m, a, b: m.allocate_slots(
+            b, 1, num_new_computed_tokens=16, new_computed_blocks=m.get_computed_blocks(b)[0]
+        ),
+    ],
+    ids=[
+        "unknown-id",
+        "remove-unknown",
+        "negative-tokens",
+        "zero-tokens",
+        "beyond-max-model-len",
+        "computed-without-blocks",
+        "duplicate-request-id",
+        "hit-adopted-twice",
+    ],
+)
+def test_bad_calls_raise_typed_errors_and_change_nothing(call) -> None:
+    manager = hk.KVCacheManager([{"kind": "full", "block_size": 16}], 32, 1024)
+    a = hk.Request("a", list(range(40)))
+    manager.allocate_slots(a, 40)
+    a.num_computed_tokens = 40
+    b = hk.Request("b", list(range(40)))
+    manager.allocate_slots(b, 40)
+    before = state(manager, a, b)
+    with pytest.raises(hk.HybridKvError):
+        call(manager, a, b)
+    assert state(manager, a, b) == before
+
+
+def test_computed_blocks_from_another_manager_are_rejected() -> None:
+    groups = [{"kind": "full", "block_size": 16}]
+    m1, m2 = hk.KVCacheManager(groups, 32, 1024), hk.KVCacheManager(groups, 32, 1024)
+    m1.allocate_slots(hk.Request("a", list(range(64))), 64)
+    req = hk.Request("b", list(range(64)))
+    blocks, hit = m1.get_computed_blocks(req)
+    before = (m2.num_free_blocks, m2.num_cached_blocks)
+    with pytest.raises(hk.HybridKvError, match="another KVCacheManager"):
+        m2.allocate_slots(req, 16, num_new_computed_tokens=hit, new_computed_blocks=blocks)
+    assert (m2.num_free_blocks, m2.num_cached_blocks) == before
+
+
+@pytest.mark.parametrize(
+    ("groups", "match"),
+    [
+        ([], "at least one"),
+        ([{"kind": "attention", "block_size": 16}], "unknown kind"),
+        ([{"kind": "sliding_window", "block_size": 16}], "sliding_window"),
+        ([{"kind": "full"}], "block_size"),
+        ([{"kind": "full", "block_size": -16}], "block_size"),
+    ],
+)
+def test_bad_group_specs_are_rejected(groups, match) -> None:
+    with pytest.raises(hk.HybridKvError, match=match):
+        hk.KVCacheManager(groups, 32, 1024)
+
+
+def test_bad_request_input() -> None:
+    with pytest.raises(hk.HybridKvError, match="empty prompt"):
+        hk.Request("r", [])
+    with pytest.raises(TypeError):
+        hk.Request("r", [1.5])
+    req = hk.Request("r", [1, 2])
+    with pytest.raises(hk.HybridKvError):
+        req.num_computed_tokens = 3
+    with pytest.raises(hk.HybridKvError):
+        req.append_output_token_ids(-1)
+    assert req.num_tokens == 2
+
+
+def test_stats_and_reset() -> None:
+    manager = hk.KVCacheManager([{"kind": "full", "block_size": 16}], 32, 1024)
+    a = hk.Request("a", list(range(64)))
+    manager.allocate_slots(a, 64)
+    b = hk.Request("b", list(range(64)))
+    blocks, hit = manager.get_computed_blocks(b)
+    manager.allocate_slots(b, 64 - hit, num_new_computed_tokens=hit, new_computed_blocks=blocks)
+    manager.record_prefix_cache_stats(b, hit)
+    stats = manager.make_prefix_cache_stats()
+    assert (stats["requests"], stats["queries"], stats["hits"]) == (1, 64, 48)
+    assert manager.prefix_cache_stats()["requests"] == 0
+    assert not manager.reset_prefix_cache()
+    manager.free(a)
+    manager.free(b)
+    assert manager.reset_prefix_cache()
+    assert manager.num_cached_blocks == 0 and manager.usage == 0.0
+
+
+def test_manager_events_are_drained() -> None:
+    manager = hk.KVCacheManager(
+        [{"kind": "full", "block_size": 16}], 32, 1024, enable_kv_events=True
+    )
+    manager.allocate_slots(hk.Request("a", list(range(32))), 32)
+    events = manager.take_events()
+    assert len(events) == 1 and isinstance(events[0], hk.BlockStored)
+    assert len(events[0].block_hashes) == 2
