@@ -237,4 +237,60 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-_SUBCOMMANDS: list[Callable[[Any], None]] = [_add_plan_parser, _add_demo_parser]
+# --------------------------------------------------------------------------- simulate
+
+
+def _add_simulate_parser(subparsers: Any) -> None:
+    from hybrid_kv.simulate import WORKLOADS
+
+    parser = subparsers.add_parser(
+        "simulate",
+        help="run a built-in serving simulation and report cache behaviour",
+        description=(
+            "Drive a synthetic workload through the KV cache manager planned for a model "
+            f"and memory budget. Presets: {', '.join(list_presets())}."
+        ),
+    )
+    parser.add_argument("model", nargs="?", default="gemma-3-27b", metavar="MODEL_OR_CONFIG")
+    parser.add_argument("--workload", choices=WORKLOADS, default="chat")
+    parser.add_argument("--memory", default="24GiB", help="KV cache budget (default 24GiB)")
+    parser.add_argument("--requests", type=int, default=200, help="number of requests")
+    parser.add_argument("--max-model-len", type=int, default=None, help="default min(model, 32768)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", metavar="FILE.png", help="plot usage and hit rate over time")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(handler=_cmd_simulate)
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from hybrid_kv.simulate import plot_report, progress_bar, simulate
+
+    if args.requests <= 0:
+        raise CommandError("--requests must be positive")
+    try:
+        model = load_model(args.model)
+    except (OSError, KeyError) as error:
+        raise CommandError(str(error)) from error
+    report = simulate(
+        args.model,
+        args.workload,
+        parse_memory(args.memory),
+        args.requests,
+        args.max_model_len,
+        args.seed,
+        progress=None if args.no_progress else progress_bar,
+    )
+    del model
+    for line in report.lines():
+        print(line)
+    if args.plot:
+        plot_report(report, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+_SUBCOMMANDS: list[Callable[[Any], None]] = [
+    _add_simulate_parser,
+    _add_plan_parser,
+    _add_demo_parser,
+]

@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -140,6 +140,7 @@ def replay(
     out: IO[str] | None = None,
     header: dict[str, Any] | None = None,
     max_steps: int | None = None,
+    on_step: Callable[[int, ReplayResult], None] | None = None,
 ) -> ReplayResult:
     """Runs the conformance scheduler loop over `manager`; writes kvtrace/1 lines to `out`."""
     sched = workload["sched"]
@@ -330,6 +331,8 @@ def replay(
                 call("free", req.rid, step, ns, reason="finished")
                 running.remove(req)
                 stats.num_finished += 1
+        if on_step is not None:
+            on_step(step, stats)
         step += 1
     stats.wall_s = time.perf_counter() - wall0
     pc = manager.prefix_cache_stats()
