@@ -244,3 +244,32 @@ def test_manager_events_are_drained() -> None:
     events = manager.take_events()
     assert len(events) == 1 and isinstance(events[0], hk.BlockStored)
     assert len(events[0].block_hashes) == 2
+
+
+def test_mamba_hybrid_allocates_and_reports_no_hit() -> None:
+    # Mamba prefix caching is not implemented: a Mamba-bearing prefix must report a hit of 0,
+    # never a wrong one, and allocation still works.
+    groups = [{"kind": "full", "block_size": 16}, {"kind": "mamba", "block_size": 16}]
+    manager = hk.KVCacheManager(groups, 64, 1024)
+    a = hk.Request("a", list(range(64)))
+    assert manager.allocate_slots(a, 64) is not None
+    b = hk.Request("b", list(range(64)))
+    blocks, hit = manager.get_computed_blocks(b)
+    assert hit == 0 and manager.probe(list(range(64))) == 0
+    assert manager.allocate_slots(b, 64, new_computed_blocks=blocks) is not None
+
+
+def test_chunked_local_attention_skips_blocks_before_the_current_chunk() -> None:
+    groups = [
+        {"kind": "full", "block_size": 16},
+        {"kind": "chunked_local", "block_size": 16, "attention_chunk_size": 64},
+    ]
+    manager = hk.KVCacheManager(groups, 64, 1024)
+    req = hk.Request("r", list(range(150)))
+    manager.allocate_slots(req, 149)
+    req.num_computed_tokens = 149
+    manager.allocate_slots(req, 1)
+    full, local = manager.get_block_ids("r")
+    assert np.count_nonzero(full) == 10
+    # Tokens 128..149 are in the current chunk: only its blocks (8, 9) are held.
+    assert local[:8].tolist() == [0] * 8 and np.count_nonzero(local) == 2
