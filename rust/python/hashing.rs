@@ -11,7 +11,7 @@ use std::sync::Mutex;
 /// Token arrays at least this long are hashed with the GIL released.
 const DETACH_TOKENS: usize = 1 << 14;
 
-fn extra_keys(
+pub(crate) fn extra_keys(
     cache_salt: Option<String>,
     lora_name: Option<String>,
     mm_inputs: Option<Vec<(String, usize, usize)>>,

@@ -8,9 +8,10 @@
 
 use super::convert::{ids_to_numpy, TokenFn, Tokens};
 use super::errors::HybridKvError;
+use super::hashing::extra_keys;
 use super::pool::event_to_py;
 use crate::error::Result as CoreResult;
-use crate::hashing::{ExtraKeys, HashAlgo, MmInput, TokenId};
+use crate::hashing::{ExtraKeys, HashAlgo, TokenId};
 use crate::manager::{
     AllocateArgs, ComputedBlocks, GroupSpec, KVCacheManager, ManagerConfig, PrefixCacheStats,
     Prober,
@@ -36,23 +37,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 fn count(v: i64, what: &str) -> PyResult<usize> {
     usize::try_from(v).map_err(|_| HybridKvError::new_err(format!("{what} must be >= 0, got {v}")))
-}
-
-fn extra_keys(
-    cache_salt: Option<String>,
-    lora_name: Option<String>,
-    mm_inputs: Option<Vec<(String, usize, usize)>>,
-) -> CoreResult<ExtraKeys> {
-    let mm = mm_inputs
-        .unwrap_or_default()
-        .into_iter()
-        .map(|(identifier, offset, length)| MmInput {
-            identifier,
-            offset,
-            length,
-        })
-        .collect();
-    ExtraKeys::new(cache_salt, lora_name, mm)
 }
 
 struct CollectTokens;
