@@ -3,8 +3,9 @@
 from pathlib import Path
 
 import pytest
+from hybrid_kv import manager_from_plan
 from hybrid_kv.cli import main
-from hybrid_kv.simulate import make_workload, manager_from_plan, simulate
+from hybrid_kv.simulate import make_workload, simulate
 
 
 @pytest.mark.parametrize("workload", ["chat", "long-context", "eviction"])

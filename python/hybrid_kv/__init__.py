@@ -26,6 +26,7 @@ from hybrid_kv.catalogue import (
     list_presets,
     load_model,
 )
+from hybrid_kv.manager import manager_from_plan
 from hybrid_kv.planner import (
     STRATEGIES,
     InsufficientMemoryError,
@@ -71,6 +72,7 @@ __all__ = [
     "layer_specs_from_config",
     "list_presets",
     "load_model",
+    "manager_from_plan",
     "STRATEGIES",
     "InsufficientMemoryError",
     "KVCacheBuffer",

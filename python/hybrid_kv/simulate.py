@@ -11,33 +11,19 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
-from hybrid_kv._core import BlockRemoved, KVCacheManager
+from hybrid_kv._core import BlockRemoved
 from hybrid_kv.catalogue import load_model
-from hybrid_kv.planner import KVCachePlan, plan_kv_cache
+from hybrid_kv.manager import manager_from_plan
+from hybrid_kv.planner import plan_kv_cache
 from hybrid_kv.replay import ReplayResult, replay
 
-__all__ = ["WORKLOADS", "SimulationReport", "make_workload", "manager_from_plan", "simulate"]
+__all__ = ["WORKLOADS", "SimulationReport", "make_workload", "simulate"]
 
 WORKLOADS = ("chat", "long-context", "eviction")
 VOCAB = 150_000
-
-
-def manager_from_plan(plan: KVCachePlan, **kwargs: Any) -> KVCacheManager:
-    """A manager with the plan's groups and pool size (`kwargs` go to `KVCacheManager`)."""
-    groups = [
-        {
-            "kind": g.kind,
-            "block_size": g.block_size,
-            "sliding_window": g.sliding_window,
-            "attention_chunk_size": g.attention_chunk_size,
-        }
-        for g in plan.groups
-    ]
-    return KVCacheManager(groups, plan.num_blocks, plan.max_model_len, **kwargs)
 
 
 def make_workload(kind: str, num_requests: int, max_model_len: int, seed: int = 0) -> dict:
