@@ -268,14 +268,20 @@ impl FreeOrder {
     pub(crate) fn pop_many(&self, max: usize, out: &mut Vec<u64>, slots: &mut Vec<u32>) {
         let start = out.len();
         self.lifo.pop_many(max, out, slots);
+        let mut popped = 0;
         while out.len() - start < max {
             match self.fifo.pop() {
                 Some(entry) => {
-                    self.fifo_len.fetch_sub(1, Ordering::Relaxed);
+                    popped += 1;
                     out.push(entry);
                 }
                 None => break,
             }
+        }
+        // One update per batch: the length only triggers compaction, and `push_back` counts
+        // before it pushes, so the count never drops below the entries actually held.
+        if popped > 0 {
+            self.fifo_len.fetch_sub(popped, Ordering::Relaxed);
         }
     }
 
