@@ -76,3 +76,78 @@ pub struct StoreInfo<'a> {
     /// Tokens per block of the group.
     pub block_size: u32,
 }
+
+/// A fast hasher for maps keyed by request ids (short strings chosen by the caller), salted
+/// once per process so colliding ids cannot be precomputed. Several times cheaper than SipHash on
+/// the per-call path of the manager.
+#[derive(Clone, Copy)]
+pub struct FastHasher(u64);
+
+impl std::hash::Hasher for FastHasher {
+    #[inline]
+    fn write(&mut self, bytes: &[u8]) {
+        let mut chunks = bytes.chunks_exact(8);
+        for chunk in &mut chunks {
+            self.add(u64::from_le_bytes(chunk.try_into().expect("8 bytes")));
+        }
+        let rest = chunks.remainder();
+        if !rest.is_empty() {
+            let mut word = [0u8; 8];
+            word[..rest.len()].copy_from_slice(rest);
+            self.add(u64::from_le_bytes(word) ^ ((rest.len() as u64) << 56));
+        }
+    }
+
+    #[inline]
+    fn write_u8(&mut self, v: u8) {
+        self.add(v as u64);
+    }
+
+    #[inline]
+    fn write_usize(&mut self, v: usize) {
+        self.add(v as u64);
+    }
+
+    #[inline]
+    fn finish(&self) -> u64 {
+        // Final avalanche so the low bits used by hashbrown depend on every input bit.
+        let mut h = self.0;
+        h ^= h >> 33;
+        h = h.wrapping_mul(0xFF51_AFD7_ED55_8CCD);
+        h ^ (h >> 33)
+    }
+}
+
+impl FastHasher {
+    #[inline]
+    fn add(&mut self, word: u64) {
+        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0x517C_C1B7_2722_0A95);
+    }
+}
+
+/// Builds [`FastHasher`]s seeded with a per-process random salt.
+#[derive(Clone, Copy)]
+pub struct FastHashBuilder(u64);
+
+impl Default for FastHashBuilder {
+    fn default() -> Self {
+        static SALT: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+        FastHashBuilder(*SALT.get_or_init(|| {
+            use std::hash::{BuildHasher, Hasher};
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u64(0x6B76);
+            h.finish()
+        }))
+    }
+}
+
+impl std::hash::BuildHasher for FastHashBuilder {
+    type Hasher = FastHasher;
+    #[inline]
+    fn build_hasher(&self) -> FastHasher {
+        FastHasher(self.0)
+    }
+}
+
+/// A `HashMap` keyed by request id.
+pub type RequestMap<V> = std::collections::HashMap<String, V, FastHashBuilder>;

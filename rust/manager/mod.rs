@@ -25,9 +25,8 @@ pub use spec::{AttentionKind, GroupSpec, ManagerConfig};
 use crate::error::{CoreError, Result};
 use crate::hashing::{BlockHasher, ExtraKeys, TokenId};
 use crate::pool::BlockPool;
-use crate::types::{BlockId, GroupId, KvEvent, NULL_BLOCK};
+use crate::types::{BlockId, GroupId, KvEvent, RequestMap, NULL_BLOCK};
 use single_type::{GroupManager, GroupTable};
-use std::collections::HashMap;
 use std::sync::Arc;
 
 fn invalid<T>(msg: String) -> Result<T> {
@@ -189,7 +188,7 @@ pub struct KVCacheManager {
     enable_caching: bool,
     scheduler_block_size: usize,
     hash_block_size: usize,
-    requests: HashMap<String, RequestState>,
+    requests: RequestMap<RequestState>,
     stats: PrefixCacheStats,
     scratch: Vec<BlockId>,
 }
@@ -232,7 +231,7 @@ impl KVCacheManager {
             enable_caching: config.enable_caching,
             scheduler_block_size,
             hash_block_size,
-            requests: HashMap::new(),
+            requests: RequestMap::default(),
             stats: PrefixCacheStats::default(),
             scratch: Vec::new(),
         })

@@ -898,7 +898,7 @@ fn op() -> impl Strategy<Value = Op> {
 /// Every block's reference count equals the number of table slots holding it, and the pool's
 /// free count is everything else.
 fn check_invariants(m: &KVCacheManager, live: &[(String, usize)]) {
-    let mut holders: HashMap<BlockId, u32> = HashMap::new();
+    let mut holders: std::collections::HashMap<BlockId, u32> = std::collections::HashMap::new();
     for (id, _) in live {
         for table in m.get_block_ids(id).unwrap() {
             for b in table.into_iter().filter(|&b| b != NULL_BLOCK) {

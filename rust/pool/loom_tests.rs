@@ -1,6 +1,9 @@
 //! Model checks of the racy parts of the pool: revive vs claim, concurrent claims, free-count
 //! reservation, release vs revive. Run with
 //! `RUSTFLAGS="--cfg loom" cargo test --release --lib loom`.
+//!
+//! Every racing actor runs in a spawned thread and the main thread only sets up and joins:
+//! loom 0.7 explored too few interleavings when one actor ran on the main thread.
 
 use super::states::BlockStates;
 use crate::types::BlockId;
@@ -37,10 +40,10 @@ fn allocate(states: &BlockStates, n: usize) -> Option<Vec<BlockId>> {
 fn loom_concurrent_claims_get_distinct_blocks() {
     loom::model(|| {
         let states = Arc::new(BlockStates::new(3));
-        let s2 = states.clone();
-        let t = thread::spawn(move || allocate(&s2, 1).unwrap());
-        let mine = allocate(&states, 1).unwrap();
-        let theirs = t.join().unwrap();
+        let (s1, s2) = (states.clone(), states.clone());
+        let a = thread::spawn(move || allocate(&s1, 1).unwrap());
+        let b = thread::spawn(move || allocate(&s2, 1).unwrap());
+        let (mine, theirs) = (a.join().unwrap(), b.join().unwrap());
         assert_ne!(mine, theirs);
         let held: Vec<BlockId> = mine.into_iter().chain(theirs).collect();
         check_consistent(&states, 3, &held);
@@ -56,9 +59,10 @@ fn loom_revive_vs_claim_exactly_one_wins() {
         assert_eq!(all, vec![1, 2]);
         let entry = states.release(1).unwrap().unwrap();
         states.publish(&[], &[entry]);
-        let s2 = states.clone();
+        let (s1, s2) = (states.clone(), states.clone());
         let reviver = thread::spawn(move || s2.acquire(1).is_ok());
-        let claimed = allocate(&states, 1);
+        let claimer = thread::spawn(move || allocate(&s1, 1));
+        let claimed = claimer.join().unwrap();
         let revived = reviver.join().unwrap();
         // Exactly one of them takes the free block out of the free order. If both succeed, the
         // claim came first and the touch took a second reference to the claimed block.
@@ -88,8 +92,10 @@ fn loom_release_vs_revive_keeps_counts() {
             }
         });
         // Revive may land before or after the release is published.
-        let revived = states.acquire(1).is_ok();
+        let s3 = states.clone();
+        let reviver = thread::spawn(move || s3.acquire(1).is_ok());
         releaser.join().unwrap();
+        let revived = reviver.join().unwrap();
         assert!(
             revived,
             "block 2 stays free, so a reservation is always possible"
@@ -104,10 +110,10 @@ fn loom_release_vs_revive_keeps_counts() {
 fn loom_reservation_is_all_or_nothing() {
     loom::model(|| {
         let states = Arc::new(BlockStates::new(3));
-        let s2 = states.clone();
+        let (s1, s2) = (states.clone(), states.clone());
         let t = thread::spawn(move || allocate(&s2, 2));
-        let mine = allocate(&states, 1);
-        let theirs = t.join().unwrap();
+        let m = thread::spawn(move || allocate(&s1, 1));
+        let (mine, theirs) = (m.join().unwrap(), t.join().unwrap());
         // Two free blocks: either the pair or the single allocation succeeds, never a split.
         assert!(mine.is_some() ^ theirs.is_some());
         let held: Vec<BlockId> = mine.into_iter().chain(theirs).flatten().collect();
@@ -126,8 +132,10 @@ fn loom_free_front_and_claim_race() {
             s2.publish(&[entry], &[]);
         });
         // Spins until the release is published, then must get that block.
-        let got = allocate(&states, 1);
+        let s3 = states.clone();
+        let claimer = thread::spawn(move || allocate(&s3, 1));
         t.join().unwrap();
+        let got = claimer.join().unwrap();
         if let Some(got) = &got {
             assert_eq!(got, &vec![1]);
         }

@@ -65,10 +65,23 @@ fn meta_group(meta: u64) -> u32 {
     (meta >> 32) as u32
 }
 
-/// Keys are already uniformly distributed hashes: one folded multiply mixes them enough.
+/// A per-process random salt: block hashes come from user tokens and the default hash seed is
+/// public, so without it a client could craft prompts whose keys all land in one probe cluster.
+static SALT: OnceLock<u64> = OnceLock::new();
+
+fn salt() -> u64 {
+    *SALT.get_or_init(|| {
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(0x5EED);
+        h.finish()
+    })
+}
+
+/// Keys are already uniformly distributed hashes: one folded multiply (salted) mixes them enough.
 #[inline]
 fn mix(lo: u64, hi: u64, group: u32) -> u64 {
-    let a = lo ^ (group as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let a = lo ^ salt() ^ (group as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     let b = hi ^ 0xA076_1D64_78BD_642F;
     let m = (a as u128).wrapping_mul(b as u128);
     (m as u64) ^ ((m >> 64) as u64)

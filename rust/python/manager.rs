@@ -6,23 +6,22 @@
 //! `Request` object is garbage collected or `remove_request` is called, so hashes live exactly as
 //! long as the request, as vLLM's live on its `Request`.
 
-use super::convert::{ids_to_numpy, TokenFn, Tokens};
+use super::convert::{ids_to_numpy, Tokens};
 use super::errors::HybridKvError;
 use super::hashing::extra_keys;
 use super::pool::event_to_py;
-use crate::error::Result as CoreResult;
-use crate::hashing::{ExtraKeys, HashAlgo, TokenId};
+use crate::hashing::{ExtraKeys, HashAlgo};
 use crate::manager::{
     AllocateArgs, ComputedBlocks, GroupSpec, KVCacheManager, ManagerConfig, PrefixCacheStats,
     Prober,
 };
 
+use crate::types::RequestMap;
 use crossbeam_queue::SegQueue;
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
@@ -39,22 +38,13 @@ fn count(v: i64, what: &str) -> PyResult<usize> {
     usize::try_from(v).map_err(|_| HybridKvError::new_err(format!("{what} must be >= 0, got {v}")))
 }
 
-struct CollectTokens;
-
-impl TokenFn<CoreResult<Vec<u32>>> for CollectTokens {
-    fn call<T: TokenId + Send + Sync>(self, tokens: &[T]) -> CoreResult<Vec<u32>> {
-        crate::hashing::check_tokens(tokens)?;
-        Ok(tokens.iter().map(|t| t.as_u32()).collect())
-    }
-}
-
 fn tokens_from(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     if let Ok(single) = obj.extract::<i64>() {
         return Ok(vec![u32::try_from(single).map_err(|_| {
             HybridKvError::new_err(format!("token id {single} is outside [0, 2^32)"))
         })?]);
     }
-    Ok(Tokens::extract(obj)?.with_slice(CollectTokens)?)
+    Tokens::extract(obj)?.into_u32()
 }
 
 // ----------------------------------------------------------------------------- Request
@@ -88,7 +78,7 @@ impl PyRequest {
         lora_name: Option<String>,
         mm_inputs: Option<Vec<(String, usize, usize)>>,
     ) -> PyResult<Self> {
-        let prompt = Tokens::extract(prompt_token_ids)?.with_slice(CollectTokens)?;
+        let prompt = Tokens::extract(prompt_token_ids)?.into_u32()?;
         if prompt.is_empty() {
             return Err(HybridKvError::new_err(format!(
                 "request {request_id:?} has an empty prompt"
@@ -249,7 +239,7 @@ impl PyKVCacheBlocks {
 struct Inner {
     manager: KVCacheManager,
     /// Request id → the serial of the `Request` object registered under it.
-    serials: HashMap<String, u64>,
+    serials: RequestMap<u64>,
 }
 
 struct Shared {
@@ -457,7 +447,7 @@ impl PyKVCacheManager {
                 prober: manager.prober(),
                 inner: Mutex::new(Inner {
                     manager,
-                    serials: HashMap::new(),
+                    serials: RequestMap::default(),
                 }),
                 dropped: SegQueue::new(),
             }),
@@ -685,7 +675,7 @@ impl PyKVCacheManager {
         mm_inputs: Option<Vec<(String, usize, usize)>>,
     ) -> PyResult<usize> {
         let extra = extra_keys(cache_salt, lora_name, mm_inputs)?;
-        let tokens = Tokens::extract(token_ids)?.with_slice(CollectTokens)?;
+        let tokens = Tokens::extract(token_ids)?.into_u32()?;
         let prober = &self.shared.prober;
         Ok(py.detach(|| prober.probe(&tokens, &extra))?)
     }
