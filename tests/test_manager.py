@@ -273,3 +273,32 @@ def test_chunked_local_attention_skips_blocks_before_the_current_chunk() -> None
     assert np.count_nonzero(full) == 10
     # Tokens 128..149 are in the current chunk: only its blocks (8, 9) are held.
     assert local[:8].tolist() == [0] * 8 and np.count_nonzero(local) == 2
+
+
+def test_removed_request_id_can_be_reused_by_a_new_request() -> None:
+    manager = hk.KVCacheManager([{"kind": "full", "block_size": 4}], 32, 1024)
+    old = hk.Request("a", [1, 2, 3, 4, 5])
+    manager.allocate_slots(old, 5)
+    old.num_computed_tokens = 5
+    old.append_output_token_ids(6)
+    manager.allocate_slots(old, 1)
+    manager.remove_request("a")
+    assert manager.num_requests == 0 and manager.num_free_blocks == 31
+    new = hk.Request("a", [9, 9, 9, 9, 9, 9, 9, 9, 1])
+    manager.allocate_slots(new, 9)
+    assert manager.probe([9] * 8 + [2]) == 8, "the new prompt was hashed, not the old one"
+    with pytest.raises(hk.HybridKvError, match="another Request object"):
+        manager.allocate_slots(old, 1)
+
+
+def test_tokens_appended_between_calls_are_all_hashed() -> None:
+    manager = hk.KVCacheManager([{"kind": "full", "block_size": 2}], 32, 1024)
+    req = hk.Request("r", [1, 2, 3])
+    manager.allocate_slots(req, 3)
+    req.num_computed_tokens = 3
+    req.append_output_token_ids([4, 5, 6])
+    manager.allocate_slots(req, 3)
+    req.num_computed_tokens = 6
+    req.append_output_token_ids(np.array([7], dtype=np.int64))
+    manager.allocate_slots(req, 1)
+    assert manager.probe([1, 2, 3, 4, 5, 6, 7]) == 6

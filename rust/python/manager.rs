@@ -38,23 +38,23 @@ fn count(v: i64, what: &str) -> PyResult<usize> {
     usize::try_from(v).map_err(|_| HybridKvError::new_err(format!("{what} must be >= 0, got {v}")))
 }
 
-fn tokens_from(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-    if let Ok(single) = obj.extract::<i64>() {
-        return Ok(vec![u32::try_from(single).map_err(|_| {
-            HybridKvError::new_err(format!("token id {single} is outside [0, 2^32)"))
-        })?]);
-    }
-    Tokens::extract(obj)?.into_u32()
-}
-
 // ----------------------------------------------------------------------------- Request
+
+/// A manager holding a hashed copy of a request, and how much of it is up to date.
+struct Registration {
+    shared: Weak<Shared>,
+    /// Tokens the manager's copy holds.
+    synced: usize,
+    /// The manager's `removals` count when this was last checked.
+    removals: u64,
+}
 
 struct RequestData {
     prompt: Vec<u32>,
     output: Vec<u32>,
     num_computed_tokens: usize,
     /// Managers holding a hashed copy of this request.
-    registered: Vec<Weak<Shared>>,
+    registered: Vec<Registration>,
 }
 
 /// A request as the scheduler sees it: prompt, outputs appended as they are sampled, and the
@@ -159,7 +159,14 @@ impl PyRequest {
 
     /// Appends sampled tokens: an int, a sequence of ints or a 1-D integer array.
     fn append_output_token_ids(&self, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
-        let tokens = tokens_from(token_ids)?;
+        if let Ok(single) = token_ids.extract::<i64>() {
+            let token = u32::try_from(single).map_err(|_| {
+                HybridKvError::new_err(format!("token id {single} is outside [0, 2^32)"))
+            })?;
+            lock(&self.data).output.push(token);
+            return Ok(());
+        }
+        let tokens = Tokens::extract(token_ids)?.into_u32()?;
         lock(&self.data).output.extend_from_slice(&tokens);
         Ok(())
     }
@@ -178,7 +185,7 @@ impl PyRequest {
 impl Drop for PyRequest {
     fn drop(&mut self) {
         let d = self.data.get_mut().unwrap_or_else(|e| e.into_inner());
-        for shared in d.registered.drain(..).filter_map(|w| w.upgrade()) {
+        for shared in d.registered.drain(..).filter_map(|r| r.shared.upgrade()) {
             // Never block here: the manager may be busy in another thread.
             shared.dropped.push((self.request_id.clone(), self.serial));
         }
@@ -248,6 +255,9 @@ struct Shared {
     prober: Prober,
     /// Requests whose Python object was garbage collected, removed at the next call.
     dropped: SegQueue<(String, u64)>,
+    /// Explicit `remove_request` calls so far: a request's cached registration is trusted only
+    /// while this is unchanged.
+    removals: AtomicU64,
 }
 
 /// The KV cache manager a scheduler drives (vLLM 0.33's `KVCacheManager` methods). Thread-safe:
@@ -336,9 +346,29 @@ impl PyKVCacheManager {
         inner
     }
 
-    /// Registers `request` or brings the manager's copy up to date with its tokens.
-    fn sync(&self, inner: &mut Inner, request: &PyRequest) -> PyResult<()> {
+    /// Registers `request` or brings the manager's copy up to date with its tokens; returns the
+    /// request's `num_computed_tokens`. The hot path (a registered request with a few new
+    /// tokens) needs no id lookup besides the manager's own append.
+    fn sync(&self, inner: &mut Inner, request: &PyRequest) -> PyResult<usize> {
         let mut data = lock(&request.data);
+        let data = &mut *data;
+        let removals = self.shared.removals.load(Ordering::Acquire);
+        let me = Arc::as_ptr(&self.shared);
+        let total = data.prompt.len() + data.output.len();
+        if let Some(reg) = data
+            .registered
+            .iter_mut()
+            .find(|r| r.removals == removals && std::ptr::eq(r.shared.as_ptr(), me))
+        {
+            if reg.synced < total {
+                let start = reg.synced - data.prompt.len();
+                inner
+                    .manager
+                    .append_token_ids(&request.request_id, &data.output[start..])?;
+                reg.synced = total;
+            }
+            return Ok(data.num_computed_tokens);
+        }
         match inner.serials.get(&request.request_id) {
             Some(&serial) if serial != request.serial => {
                 return Err(HybridKvError::new_err(format!(
@@ -369,10 +399,16 @@ impl PyKVCacheManager {
                 inner
                     .serials
                     .insert(request.request_id.clone(), request.serial);
-                data.registered.push(Arc::downgrade(&self.shared));
             }
         }
-        Ok(())
+        data.registered
+            .retain(|r| !std::ptr::eq(r.shared.as_ptr(), me));
+        data.registered.push(Registration {
+            shared: Arc::downgrade(&self.shared),
+            synced: total,
+            removals,
+        });
+        Ok(data.num_computed_tokens)
     }
 
     fn blocks(&self, py: Python<'_>, computed: ComputedBlocks) -> PyResult<Py<PyKVCacheBlocks>> {
@@ -450,6 +486,7 @@ impl PyKVCacheManager {
                     serials: RequestMap::default(),
                 }),
                 dropped: SegQueue::new(),
+                removals: AtomicU64::new(0),
             }),
             empty,
             num_groups,
@@ -510,7 +547,7 @@ impl PyKVCacheManager {
     /// Registers a request and hashes its prompt now (otherwise done by its first call).
     fn add_request(&self, request: &PyRequest) -> PyResult<()> {
         let mut inner = self.inner();
-        self.sync(&mut inner, request)
+        self.sync(&mut inner, request).map(|_| ())
     }
 
     /// Frees the request's blocks and forgets its hashes.
@@ -521,6 +558,7 @@ impl PyKVCacheManager {
                 "unknown request id {request_id:?}"
             )));
         }
+        self.shared.removals.fetch_add(1, Ordering::AcqRel);
         Ok(inner.manager.remove_request(request_id)?)
     }
 
@@ -574,10 +612,9 @@ impl PyKVCacheManager {
                 ));
             }
         }
-        let num_computed_tokens = lock(&request.data).num_computed_tokens;
-        let args = AllocateArgs {
+        let mut args = AllocateArgs {
             num_new_tokens,
-            num_computed_tokens,
+            num_computed_tokens: 0,
             num_new_computed_tokens,
             new_computed_blocks: new_computed_blocks.map(|b| &b.computed),
             num_lookahead_tokens,
@@ -588,7 +625,7 @@ impl PyKVCacheManager {
         };
         let new = {
             let mut inner = self.inner();
-            self.sync(&mut inner, request)?;
+            args.num_computed_tokens = self.sync(&mut inner, request)?;
             let id = &request.request_id;
             if num_new_tokens >= DETACH_TOKENS {
                 let inner = &mut *inner;
