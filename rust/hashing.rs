@@ -111,49 +111,23 @@ pub trait TokenId: Copy {
     fn as_u32(self) -> u32;
 }
 
-impl TokenId for u32 {
-    #[inline]
-    fn as_u32(self) -> u32 {
-        self
-    }
-    #[inline]
-    fn to_u32(self) -> Option<u32> {
-        Some(self)
-    }
+macro_rules! token_id {
+    ($($t:ty),*) => {$(
+        impl TokenId for $t {
+            #[inline]
+            fn as_u32(self) -> u32 {
+                self as u32
+            }
+            #[inline]
+            fn to_u32(self) -> Option<u32> {
+                u32::try_from(self).ok()
+            }
+        }
+    )*};
 }
 
-impl TokenId for i32 {
-    #[inline]
-    fn as_u32(self) -> u32 {
-        self as u32
-    }
-    #[inline]
-    fn to_u32(self) -> Option<u32> {
-        u32::try_from(self).ok()
-    }
-}
-
-impl TokenId for i64 {
-    #[inline]
-    fn as_u32(self) -> u32 {
-        self as u32
-    }
-    #[inline]
-    fn to_u32(self) -> Option<u32> {
-        u32::try_from(self).ok()
-    }
-}
-
-impl TokenId for u64 {
-    #[inline]
-    fn as_u32(self) -> u32 {
-        self as u32
-    }
-    #[inline]
-    fn to_u32(self) -> Option<u32> {
-        u32::try_from(self).ok()
-    }
-}
+// `u32 as u32` is the identity; clippy's unnecessary-cast lint does not apply to macro output.
+token_id!(u32, i32, i64, u64);
 
 /// Checks every token id is in `0..2^32`; reports the first that is not.
 pub fn check_tokens<T: TokenId>(tokens: &[T]) -> Result<()> {

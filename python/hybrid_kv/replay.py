@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -188,6 +188,25 @@ def replay(
         record["seq"] = result.seq
         result.write(record)
 
+    def allocated(
+        req: _Req, step: int, ns: int, n: int, hit: int, computed: int, admit: bool, new: Any
+    ) -> None:
+        stats.record("allocate_slots", ns)
+        kind = "admit" if admit else ("decode" if n == 1 else "chunk")
+        stats.record(f"allocate_slots.{kind}", ns)
+        call(
+            "allocate_slots",
+            req.rid,
+            step,
+            ns,
+            num_new_tokens=n,
+            num_new_computed_tokens=hit,
+            num_computed_tokens=computed,
+            admit=admit,
+            ok=new is not None,
+            new_blocks=None if new is None else _encode_blocks(new.get_block_ids()),
+        )
+
     waiting: deque[_Req] = deque()
     running: list[_Req] = []
     step = 0
@@ -223,21 +242,7 @@ def replay(
             while True:
                 t0 = perf()
                 new = manager.allocate_slots(req.request, n)
-                ns = perf() - t0
-                stats.record("allocate_slots", ns)
-                stats.record("allocate_slots.decode" if n == 1 else "allocate_slots.chunk", ns)
-                call(
-                    "allocate_slots",
-                    req.rid,
-                    step,
-                    ns,
-                    num_new_tokens=n,
-                    num_new_computed_tokens=0,
-                    num_computed_tokens=computed,
-                    admit=False,
-                    ok=new is not None,
-                    new_blocks=None if new is None else _encode_blocks(new.get_block_ids()),
-                )
+                allocated(req, step, perf() - t0, n, 0, computed, False, new)
                 if new is not None:
                     scheduled.append((req, n))
                     budget -= n
@@ -290,20 +295,7 @@ def replay(
                     has_scheduled_reqs=bool(running),
                 )
                 ns = perf() - t0
-                stats.record("allocate_slots", ns)
-                stats.record("allocate_slots.admit", ns)
-                call(
-                    "allocate_slots",
-                    req.rid,
-                    step,
-                    ns,
-                    num_new_tokens=n,
-                    num_new_computed_tokens=hit,
-                    num_computed_tokens=req.request.num_computed_tokens,
-                    admit=True,
-                    ok=new is not None,
-                    new_blocks=None if new is None else _encode_blocks(new.get_block_ids()),
-                )
+                allocated(req, step, ns, n, hit, req.request.num_computed_tokens, True, new)
                 if new is None:
                     break
                 manager.record_prefix_cache_stats(req.request, hit, req.num_preemptions > 0)
@@ -394,12 +386,6 @@ def main(argv: list[str] | None = None) -> int:
         f"{result.num_preemptions} preemptions; manager time {result.manager_seconds():.4f} s"
     )
     return 0
-
-
-def _iter_lines(path: str | Path) -> Iterator[dict[str, Any]]:
-    with _open(path) as f:
-        for line in f:
-            yield json.loads(line)
 
 
 if __name__ == "__main__":

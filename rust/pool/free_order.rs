@@ -50,20 +50,7 @@ impl IndexStack {
     }
 
     pub(crate) fn push(&self, index: u32) {
-        let mut head = self.head.load(Ordering::Acquire);
-        loop {
-            self.next[index as usize].store(head as u32, Ordering::Relaxed);
-            let tag = (head >> 32).wrapping_add(1);
-            match self.head.compare_exchange_weak(
-                head,
-                (tag << 32) | index as u64,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => return,
-                Err(actual) => head = actual,
-            }
-        }
+        self.push_chain(index, index);
     }
 
     /// Pushes a chain already linked through `next` (`first` ... `last`), `first` on top, with
