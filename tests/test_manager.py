@@ -302,3 +302,60 @@ def test_tokens_appended_between_calls_are_all_hashed() -> None:
     req.append_output_token_ids(np.array([7], dtype=np.int64))
     manager.allocate_slots(req, 1)
     assert manager.probe([1, 2, 3, 4, 5, 6, 7]) == 6
+
+
+DEADLOCK_SCRIPT = """
+import threading
+import hybrid_kv as hk
+
+manager = hk.KVCacheManager([{"kind": "full", "block_size": 16}], 65536, 1 << 18)
+shared = list(range(100_000))
+errors = []
+done = threading.Event()
+
+def worker(k):
+    try:
+        for i in range(5):
+            req = hk.Request(f"t{k}-{i}", shared + [k, i] * 100)
+            blocks, hit = manager.get_computed_blocks(req)
+            new = manager.allocate_slots(
+                req, req.num_tokens - hit, num_new_computed_tokens=hit, new_computed_blocks=blocks
+            )
+            assert new is not None
+            manager.probe(shared)
+            manager.free(req)
+    except BaseException as e:
+        errors.append(e)
+
+def poller():
+    # Takes the manager lock with the GIL held, as fast as it can.
+    while not done.is_set():
+        manager.num_requests
+
+workers = [threading.Thread(target=worker, args=(k,)) for k in range(3)]
+pollers = [threading.Thread(target=poller) for _ in range(2)]
+for t in workers + pollers:
+    t.start()
+for t in workers:
+    t.join()
+done.set()
+for t in pollers:
+    t.join()
+assert errors == [], errors
+assert manager.num_free_blocks == 65535
+print("ok")
+"""
+
+
+def test_scheduler_calls_from_several_threads_with_long_prompts_do_not_deadlock() -> None:
+    # Long prompts make the calls release the GIL; the manager lock must never be held while
+    # the GIL is re-acquired, or a thread holding the GIL and waiting for the lock deadlocks
+    # (the whole interpreter hangs, so the check runs in a subprocess with a timeout).
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", DEADLOCK_SCRIPT], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "ok"

@@ -182,6 +182,14 @@ impl PyRequest {
     }
 }
 
+impl PyRequest {
+    /// Whether calls with this request should release the GIL (hashing a long prompt).
+    fn is_long(&self) -> bool {
+        let d = lock(&self.data);
+        d.prompt.len() + d.output.len() >= DETACH_TOKENS
+    }
+}
+
 impl Drop for PyRequest {
     fn drop(&mut self) {
         let d = self.data.get_mut().unwrap_or_else(|e| e.into_inner());
@@ -411,6 +419,22 @@ impl PyKVCacheManager {
         Ok(data.num_computed_tokens)
     }
 
+    /// Runs `f` (which takes the manager lock itself) with the GIL released when `long`. The
+    /// lock is never held while the GIL is re-acquired: a thread holding the GIL and waiting
+    /// for the lock would deadlock with it.
+    fn run<R: Send>(
+        &self,
+        py: Python<'_>,
+        long: bool,
+        f: impl FnOnce() -> PyResult<R> + Send,
+    ) -> PyResult<R> {
+        if long {
+            py.detach(f)
+        } else {
+            f()
+        }
+    }
+
     fn blocks(&self, py: Python<'_>, computed: ComputedBlocks) -> PyResult<Py<PyKVCacheBlocks>> {
         if computed.is_empty()
             && computed.num_computed_tokens == 0
@@ -545,9 +569,10 @@ impl PyKVCacheManager {
     }
 
     /// Registers a request and hashes its prompt now (otherwise done by its first call).
-    fn add_request(&self, request: &PyRequest) -> PyResult<()> {
-        let mut inner = self.inner();
-        self.sync(&mut inner, request).map(|_| ())
+    fn add_request(&self, py: Python<'_>, request: &PyRequest) -> PyResult<()> {
+        self.run(py, request.is_long(), || {
+            self.sync(&mut self.inner(), request).map(|_| ())
+        })
     }
 
     /// Frees the request's blocks and forgets its hashes.
@@ -569,18 +594,11 @@ impl PyKVCacheManager {
         py: Python<'_>,
         request: &PyRequest,
     ) -> PyResult<(Py<PyKVCacheBlocks>, usize)> {
-        let computed = {
+        let computed = self.run(py, request.is_long(), || {
             let mut inner = self.inner();
             self.sync(&mut inner, request)?;
-            let long = inner.manager.request(&request.request_id)?.num_tokens() >= DETACH_TOKENS;
-            let id = &request.request_id;
-            if long {
-                let inner = &mut *inner;
-                py.detach(|| inner.manager.get_computed_blocks(id))?
-            } else {
-                inner.manager.get_computed_blocks(id)?
-            }
-        };
+            Ok(inner.manager.get_computed_blocks(&request.request_id)?)
+        })?;
         let n = computed.num_computed_tokens;
         Ok((self.blocks(py, computed)?, n))
     }
@@ -623,17 +641,12 @@ impl PyKVCacheManager {
             full_sequence_must_fit,
             has_scheduled_reqs,
         };
-        let new = {
+        let long = num_new_tokens >= DETACH_TOKENS;
+        let new = self.run(py, long, || {
             let mut inner = self.inner();
             args.num_computed_tokens = self.sync(&mut inner, request)?;
-            let id = &request.request_id;
-            if num_new_tokens >= DETACH_TOKENS {
-                let inner = &mut *inner;
-                py.detach(|| inner.manager.allocate_slots(id, &args))?
-            } else {
-                inner.manager.allocate_slots(id, &args)?
-            }
-        };
+            Ok(inner.manager.allocate_slots(&request.request_id, &args)?)
+        })?;
         new.map(|blocks| {
             self.blocks(
                 py,
@@ -735,12 +748,14 @@ impl PyKVCacheManager {
 
     /// The prefix-cache statistics so far (requests, queries, hits, hit_rate, preempted_*).
     fn prefix_cache_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        stats_dict(py, &self.inner().manager.prefix_cache_stats())
+        let stats = self.inner().manager.prefix_cache_stats();
+        stats_dict(py, &stats)
     }
 
     /// Returns the statistics and starts new ones (vLLM's `make_prefix_cache_stats`).
     fn make_prefix_cache_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        stats_dict(py, &self.inner().manager.take_prefix_cache_stats())
+        let stats = self.inner().manager.take_prefix_cache_stats();
+        stats_dict(py, &stats)
     }
 
     /// Clears the prefix cache; refused (False) while any block is in use.
@@ -749,12 +764,10 @@ impl PyKVCacheManager {
     }
 
     fn take_events(&self, py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
-        self.inner()
-            .manager
-            .take_events()
-            .into_iter()
-            .map(|e| event_to_py(py, e))
-            .collect()
+        // Python objects are made after the lock is released (allocation may run a finalizer
+        // that calls back into the manager).
+        let events = self.inner().manager.take_events();
+        events.into_iter().map(|e| event_to_py(py, e)).collect()
     }
 
     /// Call once per scheduler step.
