@@ -244,6 +244,23 @@ def test_manager_events_are_drained() -> None:
     events = manager.take_events()
     assert len(events) == 1 and isinstance(events[0], hk.BlockStored)
     assert len(events[0].block_hashes) == 2
+    assert events[0].kv_cache_spec_kind == "full_attention"
+    assert events[0].kv_cache_spec_sliding_window is None
+    assert events[0].token_ids == list(range(32)) and events[0].parent_block_hash is None
+
+
+def test_manager_events_name_each_groups_attention_type() -> None:
+    manager = hk.KVCacheManager(FULL_SW, 32, 1024, enable_kv_events=True)
+    manager.allocate_slots(hk.Request("a", list(range(40))), 40)
+    stored = {e.group_id: e for e in manager.take_events() if isinstance(e, hk.BlockStored)}
+    assert stored[0].kv_cache_spec_kind == "full_attention"
+    assert (stored[1].kv_cache_spec_kind, stored[1].kv_cache_spec_sliding_window) == (
+        "sliding_window",
+        32,
+    )
+    pool = hk.BlockPool(4, enable_kv_events=True)
+    pool.cache_full_blocks(pool.get_new_blocks(1), [1])
+    assert pool.take_events()[0].kv_cache_spec_kind is None
 
 
 def test_mamba_hybrid_allocates_and_reports_no_hit() -> None:

@@ -12,8 +12,8 @@ use super::hashing::extra_keys;
 use super::pool::event_to_py;
 use crate::hashing::{ExtraKeys, HashAlgo};
 use crate::manager::{
-    AllocateArgs, ComputedBlocks, GroupSpec, KVCacheManager, ManagerConfig, PrefixCacheStats,
-    Prober,
+    AllocateArgs, AttentionKind, ComputedBlocks, GroupSpec, KVCacheManager, ManagerConfig,
+    PrefixCacheStats, Prober,
 };
 
 use crate::types::RequestMap;
@@ -766,8 +766,25 @@ impl PyKVCacheManager {
     fn take_events(&self, py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
         // Python objects are made after the lock is released (allocation may run a finalizer
         // that calls back into the manager).
-        let events = self.inner().manager.take_events();
-        events.into_iter().map(|e| event_to_py(py, e)).collect()
+        let (events, kinds) = {
+            let inner = self.inner();
+            let kinds: Vec<(&'static str, Option<usize>)> = inner
+                .manager
+                .group_specs()
+                .iter()
+                .map(|g| match g.kind {
+                    AttentionKind::Full => ("full_attention", None),
+                    AttentionKind::SlidingWindow { window } => ("sliding_window", Some(window)),
+                    AttentionKind::ChunkedLocal { .. } => ("chunked_local_attention", None),
+                    AttentionKind::Mamba => ("mamba", None),
+                })
+                .collect();
+            (inner.manager.take_events(), kinds)
+        };
+        events
+            .into_iter()
+            .map(|e| event_to_py(py, e, &kinds))
+            .collect()
     }
 
     /// Call once per scheduler step.

@@ -141,7 +141,7 @@ impl PyBlockPool {
         self.inner
             .take_events()
             .into_iter()
-            .map(|e| event_to_py(py, e))
+            .map(|e| event_to_py(py, e, &[]))
             .collect()
     }
 
@@ -163,6 +163,10 @@ pub(crate) struct BlockStored {
     token_ids: Vec<u32>,
     block_size: u32,
     group_id: u32,
+    /// The group's attention type ("full_attention", "sliding_window", ...) when the event
+    /// comes from a `KVCacheManager` (vLLM's annotation); None from a bare `BlockPool`.
+    kv_cache_spec_kind: Option<&'static str>,
+    kv_cache_spec_sliding_window: Option<usize>,
 }
 
 #[pymethods]
@@ -205,7 +209,14 @@ impl AllBlocksCleared {
     }
 }
 
-pub(crate) fn event_to_py(py: Python<'_>, event: KvEvent) -> PyResult<Py<PyAny>> {
+/// Per group: the attention kind and sliding window used to annotate `BlockStored` events.
+pub(crate) type GroupKinds = [(&'static str, Option<usize>)];
+
+pub(crate) fn event_to_py(
+    py: Python<'_>,
+    event: KvEvent,
+    kinds: &GroupKinds,
+) -> PyResult<Py<PyAny>> {
     Ok(match event {
         KvEvent::BlockStored {
             block_hashes,
@@ -213,17 +224,22 @@ pub(crate) fn event_to_py(py: Python<'_>, event: KvEvent) -> PyResult<Py<PyAny>>
             token_ids,
             block_size,
             group_id,
-        } => Py::new(
-            py,
-            BlockStored {
-                block_hashes: block_hashes.into_iter().map(|h| h.0).collect(),
-                parent_block_hash: parent_block_hash.map(|h| h.0),
-                token_ids,
-                block_size,
-                group_id,
-            },
-        )?
-        .into_any(),
+        } => {
+            let kind = kinds.get(group_id as usize);
+            Py::new(
+                py,
+                BlockStored {
+                    block_hashes: block_hashes.into_iter().map(|h| h.0).collect(),
+                    parent_block_hash: parent_block_hash.map(|h| h.0),
+                    token_ids,
+                    block_size,
+                    group_id,
+                    kv_cache_spec_kind: kind.map(|k| k.0),
+                    kv_cache_spec_sliding_window: kind.and_then(|k| k.1),
+                },
+            )?
+            .into_any()
+        }
         KvEvent::BlockRemoved {
             block_hash,
             group_id,
