@@ -203,14 +203,16 @@ impl BlockHasher {
         check_tokens(&tokens[..num_full * bs])?;
         out.reserve(num_full);
         let mut parent = parent.unwrap_or(self.none_hash);
-        let mut buf: Vec<u8> = Vec::with_capacity(20 + 4 * bs + 64);
+        // Header (parent, token count) and tokens at fixed offsets; extra keys appended after.
+        let body = 20 + 4 * bs;
+        let mut buf: Vec<u8> = vec![0; body];
+        buf[16..20].copy_from_slice(&(bs as u32).to_le_bytes());
         let mut mm_next = 0;
         for (i, block) in tokens.chunks_exact(bs).enumerate() {
-            buf.clear();
-            buf.extend_from_slice(&parent.0.to_le_bytes());
-            buf.extend_from_slice(&(bs as u32).to_le_bytes());
-            for &t in block {
-                buf.extend_from_slice(&t.as_u32().to_le_bytes());
+            buf.truncate(body);
+            buf[..16].copy_from_slice(&parent.0.to_le_bytes());
+            for (dst, &t) in buf[20..body].chunks_exact_mut(4).zip(block) {
+                dst.copy_from_slice(&t.as_u32().to_le_bytes());
             }
             if !extra.is_empty() {
                 let block_start = start + i * bs;

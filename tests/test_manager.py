@@ -376,3 +376,25 @@ def test_scheduler_calls_from_several_threads_with_long_prompts_do_not_deadlock(
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip() == "ok"
+
+
+def test_token_lists_accept_int_like_items_and_survive_mutation_by_index() -> None:
+    assert hk.Request("n", [np.int64(5), 7, True]).prompt_token_ids.tolist() == [5, 7, 1]
+
+    class Shrinks:
+        """An int-like whose conversion empties the list being read."""
+
+        def __init__(self, items: list) -> None:
+            self.items = items
+
+        def __index__(self) -> int:
+            self.items.clear()
+            return 1
+
+    items: list = [1, 2, 3]
+    items.append(Shrinks(items))
+    items.extend(range(100))
+    req = hk.Request("m", items)  # must not read past the shrunken list
+    assert req.num_tokens <= 104
+    with pytest.raises(hk.HybridKvError, match="position 1"):
+        hk.Request("x", [1, 2**70])
