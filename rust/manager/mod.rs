@@ -289,7 +289,13 @@ impl KVCacheManager {
         if prompt.is_empty() {
             return invalid(format!("request {request_id:?} has an empty prompt"));
         }
-        let request = Request::new(request_id.to_owned(), prompt, self.hasher.clone(), extra)?;
+        let request = Request::new(
+            request_id.to_owned(),
+            prompt,
+            self.hasher.clone(),
+            extra,
+            self.pool.events_enabled(),
+        )?;
         self.requests.insert(
             request_id.to_owned(),
             RequestState {

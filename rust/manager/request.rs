@@ -1,17 +1,26 @@
-//! Request-level state the manager keeps: token ids and their block hashes.
+//! Request-level state the manager keeps: token counts and the request's block hashes.
 
 use crate::error::Result;
-use crate::hashing::{BlockHashChain, BlockHasher, ExtraKeys, TokenId};
+use crate::hashing::{check_tokens, BlockHasher, ExtraKeys, TokenId};
 use crate::types::BlockHash;
 
-/// A request's tokens (prompt, then outputs as they are appended) and its chained block
-/// hashes at `hash_block_size`, extended incrementally. `num_computed_tokens` is not kept
-/// here: the scheduler owns it (as in vLLM) and passes it to `allocate_slots`.
+/// A request's chained block hashes at `hash_block_size`, extended incrementally as tokens are
+/// appended. Only the tokens after the last full hash block are kept (to finish that block),
+/// plus every token when KV events are on (they report the token ids of stored blocks): the
+/// prompt itself stays with the caller. `num_computed_tokens` is not kept here: the scheduler
+/// owns it (as in vLLM) and passes it to `allocate_slots`.
 #[derive(Clone, Debug)]
 pub struct Request {
     id: String,
     num_prompt_tokens: usize,
-    chain: BlockHashChain,
+    num_tokens: usize,
+    hasher: BlockHasher,
+    extra: ExtraKeys,
+    hashes: Vec<BlockHash>,
+    /// Tokens after the last full hash block.
+    tail: Vec<u32>,
+    /// Every token, kept only for KV events.
+    all: Option<Vec<u32>>,
 }
 
 impl Request {
@@ -20,13 +29,22 @@ impl Request {
         prompt: &[T],
         hasher: BlockHasher,
         extra: ExtraKeys,
+        keep_tokens: bool,
     ) -> Result<Self> {
-        let mut chain = BlockHashChain::new(hasher, extra);
-        chain.extend(prompt)?;
+        check_tokens(prompt)?;
+        let bs = hasher.block_size();
+        let full = prompt.len() / bs * bs;
+        let mut hashes = Vec::new();
+        hasher.hash_blocks(None, &prompt[..full], 0, &extra, &mut hashes)?;
         Ok(Request {
             id,
             num_prompt_tokens: prompt.len(),
-            chain,
+            num_tokens: prompt.len(),
+            tail: prompt[full..].iter().map(|t| t.as_u32()).collect(),
+            all: keep_tokens.then(|| prompt.iter().map(|t| t.as_u32()).collect()),
+            hasher,
+            extra,
+            hashes,
         })
     }
 
@@ -40,21 +58,42 @@ impl Request {
 
     /// Prompt plus output tokens.
     pub fn num_tokens(&self) -> usize {
-        self.chain.tokens().len()
+        self.num_tokens
     }
 
-    pub fn token_ids(&self) -> &[u32] {
-        self.chain.tokens()
+    /// Token ids `[start, end)` when they are kept (KV events on); empty otherwise.
+    pub fn token_range(&self, start: usize, end: usize) -> &[u32] {
+        self.all.as_deref().map_or(&[], |all| &all[start..end])
     }
 
-    /// Hashes of the full `hash_block_size` blocks of `token_ids`.
+    /// Hashes of the full `hash_block_size` blocks of the request's tokens.
     pub fn block_hashes(&self) -> &[BlockHash] {
-        self.chain.hashes()
+        &self.hashes
     }
 
     /// Appends output tokens (all or nothing: out-of-range ids are rejected).
     pub(crate) fn append<T: TokenId>(&mut self, tokens: &[T]) -> Result<()> {
-        self.chain.extend(tokens).map(|_| ())
+        check_tokens(tokens)?;
+        self.tail.extend(tokens.iter().map(|t| t.as_u32()));
+        if let Some(all) = &mut self.all {
+            all.extend(tokens.iter().map(|t| t.as_u32()));
+        }
+        self.num_tokens += tokens.len();
+        let bs = self.hasher.block_size();
+        let full = self.tail.len() / bs * bs;
+        if full > 0 {
+            let start = self.hashes.len() * bs;
+            let parent = self.hashes.last().copied();
+            self.hasher.hash_blocks(
+                parent,
+                &self.tail[..full],
+                start,
+                &self.extra,
+                &mut self.hashes,
+            )?;
+            self.tail.drain(..full);
+        }
+        Ok(())
     }
 }
 

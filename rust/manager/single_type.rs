@@ -156,7 +156,7 @@ impl GroupManager {
         };
         let info = StoreInfo {
             parent_block_hash: (num_cached > 0).then(|| view.get(num_cached - 1)),
-            token_ids: &request.token_ids()[num_cached * bs..num_full * bs],
+            token_ids: request.token_range(num_cached * bs, num_full * bs),
             block_size: bs as u32,
         };
         pool.cache_full_blocks(blocks, block_hashes, self.id, info)?;

@@ -147,6 +147,11 @@ impl BlockPool {
         self.enable_caching
     }
 
+    /// Whether KV events are recorded.
+    pub fn events_enabled(&self) -> bool {
+        self.events.is_some()
+    }
+
     /// Free blocks, cached-but-unused ones included; the null block never counts.
     pub fn num_free_blocks(&self) -> usize {
         self.states.num_free()
