@@ -41,17 +41,17 @@ def plot_plan(
     figure, axes = plt.subplots(
         len(plans),
         1,
-        figsize=(min(2 + 0.35 * width, 24), 1.5 + 0.35 * height + 0.8 * len(plans)),
+        figsize=(min(max(7.0, 2 + 0.35 * width), 24), 1.8 + 0.35 * height + 0.8 * len(plans)),
         squeeze=False,
     )
     for axis, current in zip(axes[:, 0], plans, strict=True):
         _draw(axis, current, Rectangle)
     handles = [Patch(facecolor=c, label=k) for k, c in _COLOURS.items()]
     handles.append(Patch(facecolor="#dddddd", hatch="///", label="padding"))
-    figure.legend(handles=handles, loc="center right", fontsize=8)
+    figure.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8)
     if title:
         figure.suptitle(title)
-    figure.tight_layout(rect=(0, 0, 0.85, 0.95))
+    figure.tight_layout(rect=(0, 0.05, 1, 0.95))
     try:
         figure.savefig(path, dpi=120)
     except OSError as error:
