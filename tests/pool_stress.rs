@@ -4,9 +4,10 @@
 
 use hybrid_kv::{BlockHash, BlockId, BlockPool, StoreInfo};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Barrier};
 
 const THREADS: u32 = 4;
+/// Per thread; `HYBRID_KV_STRESS_OPS` raises it for longer runs (`cargo test --release`).
 const OPS_PER_THREAD: u32 = 250_000;
 const NUM_BLOCKS: usize = 257;
 
@@ -24,12 +25,21 @@ impl Rng {
     }
 }
 
-fn worker(pool: &BlockPool, owner: &[AtomicU32], me: u32) -> u64 {
+fn ops_per_thread() -> u32 {
+    std::env::var("HYBRID_KV_STRESS_OPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(OPS_PER_THREAD)
+        .max(OPS_PER_THREAD)
+}
+
+fn worker(pool: &BlockPool, owner: &[AtomicU32], me: u32, start: &Barrier) -> u64 {
+    start.wait(); // all threads race from the same moment
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ ((me as u64 + 1) << 32));
     let mut allocated: Vec<BlockId> = Vec::new(); // exclusive allocations, owner tag set
     let mut shared: Vec<BlockId> = Vec::new(); // references taken by touch
     let mut ops = 0;
-    for _ in 0..OPS_PER_THREAD {
+    for _ in 0..ops_per_thread() {
         ops += 1;
         match rng.below(10) {
             0..=2 => {
@@ -99,10 +109,11 @@ fn worker(pool: &BlockPool, owner: &[AtomicU32], me: u32) -> u64 {
 fn many_threads_mixed_operations_lose_nothing() {
     let pool = Arc::new(BlockPool::new(NUM_BLOCKS).unwrap());
     let owner: Arc<Vec<AtomicU32>> = Arc::new((0..NUM_BLOCKS).map(|_| AtomicU32::new(0)).collect());
+    let start = Arc::new(Barrier::new(THREADS as usize));
     let handles: Vec<_> = (0..THREADS)
         .map(|me| {
-            let (pool, owner) = (pool.clone(), owner.clone());
-            std::thread::spawn(move || worker(&pool, &owner, me))
+            let (pool, owner, start) = (pool.clone(), owner.clone(), start.clone());
+            std::thread::spawn(move || worker(&pool, &owner, me, &start))
         })
         .collect();
     let total: u64 = handles.into_iter().map(|h| h.join().unwrap()).sum();
