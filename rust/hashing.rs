@@ -143,8 +143,9 @@ pub fn check_tokens<T: TokenId>(tokens: &[T]) -> Result<()> {
     )))
 }
 
-/// Hashes token sequences into chained block hashes.
-#[derive(Clone, Debug)]
+/// Hashes token sequences into chained block hashes. Two hashers are equal when they produce
+/// the same hashes (same algorithm, block size and seed).
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlockHasher {
     algo: HashAlgo,
     block_size: usize,

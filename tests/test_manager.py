@@ -398,3 +398,25 @@ def test_token_lists_accept_int_like_items_and_survive_mutation_by_index() -> No
     assert req.num_tokens <= 104
     with pytest.raises(hk.HybridKvError, match="position 1"):
         hk.Request("x", [1, 2**70])
+
+
+def test_prompt_hashes_made_with_another_block_size_are_recomputed() -> None:
+    manager = hk.KVCacheManager([{"kind": "full", "block_size": 16}], 32, 1024)
+    assert manager.hash_block_size == 16
+    prompt = list(range(70))
+    a = hk.Request("a", prompt, block_size=16)  # reused as is
+    manager.allocate_slots(a, 70)
+    b = hk.Request("b", prompt, block_size=4, hash_algo="sha256")  # re-read and rehashed
+    _, hit = manager.get_computed_blocks(b)
+    assert hit == 64 == manager.probe(prompt)
+
+
+def test_prompt_resized_after_the_request_was_made_is_an_error() -> None:
+    manager = hk.KVCacheManager([{"kind": "full", "block_size": 16}], 32, 1024)
+    prompt = list(range(40))
+    req = hk.Request("r", prompt, block_size=8)  # not reusable: the manager re-reads the prompt
+    prompt.append(7)
+    before = (manager.num_free_blocks, manager.num_cached_blocks, manager.num_requests)
+    with pytest.raises(hk.HybridKvError, match="changed from 40 to 41 tokens"):
+        manager.allocate_slots(req, 40)
+    assert (manager.num_free_blocks, manager.num_cached_blocks, manager.num_requests) == before

@@ -148,6 +148,10 @@ class Request:
         cache_salt: str | None = None,
         lora_name: str | None = None,
         mm_inputs: Sequence[tuple[str, int, int]] | None = None,
+        *,
+        block_size: int = 16,
+        hash_algo: str = "xxh3",
+        hash_seed: str = "",
     ) -> Request: ...
     @property
     def request_id(self) -> str: ...
@@ -207,6 +211,8 @@ class KVCacheManager:
     def block_sizes(self) -> list[int]: ...
     @property
     def scheduler_block_size(self) -> int: ...
+    @property
+    def hash_block_size(self) -> int: ...
     @property
     def usage(self) -> float: ...
     @property

@@ -157,7 +157,7 @@ def replay(
     pending: deque[_Req] = deque()
     for r in workload["requests"]:
         t0 = perf()
-        request = Request(r["rid"], r["prompt"])
+        request = Request(r["rid"], r["prompt"], block_size=manager.hash_block_size)
         manager.add_request(request)
         stats.record("make_request", perf() - t0)
         pending.append(_Req(r["rid"], r["arrival_step"], r["prompt"], r["output"], request))

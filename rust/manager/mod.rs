@@ -306,6 +306,52 @@ impl KVCacheManager {
         Ok(())
     }
 
+    /// Registers a request whose prompt the caller already hashed with this manager's hasher
+    /// (see [`KVCacheManager::hasher`]): the `hashes` of its full blocks and the `tail` tokens
+    /// after them. With KV events on, use [`KVCacheManager::add_request`] (events report the
+    /// prompt's token ids).
+    pub fn add_request_prehashed(
+        &mut self,
+        request_id: &str,
+        num_prompt_tokens: usize,
+        hashes: Vec<crate::types::BlockHash>,
+        tail: Vec<u32>,
+        extra: ExtraKeys,
+    ) -> Result<()> {
+        if self.requests.contains_key(request_id) {
+            return invalid(format!("request {request_id:?} was already added"));
+        }
+        if num_prompt_tokens == 0 {
+            return invalid(format!("request {request_id:?} has an empty prompt"));
+        }
+        if self.pool.events_enabled() {
+            return invalid(format!(
+                "request {request_id:?}: KV events need the prompt's token ids; use add_request"
+            ));
+        }
+        let request = Request::from_prehashed(
+            request_id.to_owned(),
+            num_prompt_tokens,
+            self.hasher.clone(),
+            extra,
+            hashes,
+            tail,
+        )?;
+        self.requests.insert(
+            request_id.to_owned(),
+            RequestState {
+                request,
+                tables: vec![GroupTable::default(); self.groups.len()],
+            },
+        );
+        Ok(())
+    }
+
+    /// The hasher of request block hashes (at `hash_block_size`).
+    pub fn hasher(&self) -> &BlockHasher {
+        &self.hasher
+    }
+
     /// Appends output tokens to a request (hashing the blocks they complete).
     pub fn append_token_ids<T: TokenId>(&mut self, request_id: &str, tokens: &[T]) -> Result<()> {
         self.state_mut(request_id)?.request.append(tokens)

@@ -48,6 +48,37 @@ impl Request {
         })
     }
 
+    /// A request whose prompt was hashed by the caller with `hasher`: `hashes` of its full
+    /// blocks and the `tail` tokens after them (the prompt itself is not needed).
+    pub(crate) fn from_prehashed(
+        id: String,
+        num_prompt_tokens: usize,
+        hasher: BlockHasher,
+        extra: ExtraKeys,
+        hashes: Vec<BlockHash>,
+        tail: Vec<u32>,
+    ) -> Result<Self> {
+        let bs = hasher.block_size();
+        if hashes.len() != num_prompt_tokens / bs || tail.len() != num_prompt_tokens % bs {
+            return Err(crate::error::CoreError::InvalidArgument(format!(
+                "request {id:?}: {} hashes and {} tail tokens do not make a {num_prompt_tokens}-token \
+                 prompt at block size {bs}",
+                hashes.len(),
+                tail.len()
+            )));
+        }
+        Ok(Request {
+            id,
+            num_prompt_tokens,
+            num_tokens: num_prompt_tokens,
+            hasher,
+            extra,
+            hashes,
+            tail,
+            all: None,
+        })
+    }
+
     pub fn id(&self) -> &str {
         &self.id
     }

@@ -6,17 +6,18 @@
 //! `Request` object is garbage collected or `remove_request` is called, so hashes live exactly as
 //! long as the request, as vLLM's live on its `Request`.
 
-use super::convert::{ids_to_numpy, Tokens};
+use super::convert::{ids_to_numpy, TokenFn, Tokens};
 use super::errors::HybridKvError;
 use super::hashing::extra_keys;
 use super::pool::event_to_py;
-use crate::hashing::{ExtraKeys, HashAlgo};
+use crate::error::Result as CoreResult;
+use crate::hashing::{check_tokens, BlockHasher, ExtraKeys, HashAlgo, TokenId};
 use crate::manager::{
     AllocateArgs, AttentionKind, ComputedBlocks, GroupSpec, KVCacheManager, ManagerConfig,
     PrefixCacheStats, Prober,
 };
 
-use crate::types::RequestMap;
+use crate::types::{BlockHash, RequestMap};
 use crossbeam_queue::SegQueue;
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::exceptions::PyTypeError;
@@ -49,49 +50,98 @@ struct Registration {
     removals: u64,
 }
 
+/// The prompt's hashes computed when the `Request` was made, for the first manager whose
+/// hasher matches (as vLLM hashes a prompt when it builds the `Request`).
+struct Prehashed {
+    hasher: BlockHasher,
+    hashes: Vec<BlockHash>,
+    /// Tokens after the last full block.
+    tail: Vec<u32>,
+}
+
 struct RequestData {
-    prompt: Vec<u32>,
     output: Vec<u32>,
     num_computed_tokens: usize,
+    prehashed: Option<Prehashed>,
     /// Managers holding a hashed copy of this request.
     registered: Vec<Registration>,
 }
 
 /// A request as the scheduler sees it: prompt, outputs appended as they are sampled, and the
-/// scheduler's count of computed tokens. Thread-safe.
+/// scheduler's count of computed tokens. The prompt is validated and hashed when the request is
+/// made (with `block_size`, `hash_algo`, `hash_seed`: the manager's hashing, for the hashes to
+/// be reused); like vLLM's `Request`, it keeps a reference to the caller's prompt rather than a
+/// copy. Thread-safe.
 #[pyclass(frozen, name = "Request", module = "hybrid_kv")]
 pub(crate) struct PyRequest {
     request_id: String,
     extra: ExtraKeys,
     serial: u64,
+    prompt: Py<PyAny>,
+    num_prompt_tokens: usize,
     data: Mutex<RequestData>,
+}
+
+struct Prehash<'a> {
+    hasher: &'a BlockHasher,
+    extra: &'a ExtraKeys,
+}
+
+impl TokenFn<CoreResult<(usize, Vec<BlockHash>, Vec<u32>)>> for Prehash<'_> {
+    fn call<T: TokenId + Send + Sync>(
+        self,
+        tokens: &[T],
+    ) -> CoreResult<(usize, Vec<BlockHash>, Vec<u32>)> {
+        check_tokens(tokens)?;
+        let mut hashes = Vec::new();
+        self.hasher
+            .hash_blocks(None, tokens, 0, self.extra, &mut hashes)?;
+        let full = hashes.len() * self.hasher.block_size();
+        let tail = tokens[full..].iter().map(|t| t.as_u32()).collect();
+        Ok((tokens.len(), hashes, tail))
+    }
 }
 
 #[pymethods]
 impl PyRequest {
     #[new]
-    #[pyo3(signature = (request_id, prompt_token_ids, cache_salt = None, lora_name = None, mm_inputs = None))]
+    #[pyo3(signature = (request_id, prompt_token_ids, cache_salt = None, lora_name = None, mm_inputs = None, *, block_size = 16, hash_algo = "xxh3", hash_seed = ""))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         request_id: String,
         prompt_token_ids: &Bound<'_, PyAny>,
         cache_salt: Option<String>,
         lora_name: Option<String>,
         mm_inputs: Option<Vec<(String, usize, usize)>>,
+        block_size: usize,
+        hash_algo: &str,
+        hash_seed: &str,
     ) -> PyResult<Self> {
-        let prompt = Tokens::extract(prompt_token_ids)?.into_u32()?;
-        if prompt.is_empty() {
+        let extra = extra_keys(cache_salt, lora_name, mm_inputs)?;
+        let hasher = BlockHasher::new(block_size, HashAlgo::parse(hash_algo)?, hash_seed)?;
+        let (len, hashes, tail) = Tokens::extract(prompt_token_ids)?.with_slice(Prehash {
+            hasher: &hasher,
+            extra: &extra,
+        })?;
+        if len == 0 {
             return Err(HybridKvError::new_err(format!(
                 "request {request_id:?} has an empty prompt"
             )));
         }
         Ok(PyRequest {
             request_id,
-            extra: extra_keys(cache_salt, lora_name, mm_inputs)?,
+            extra,
             serial: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            prompt: prompt_token_ids.clone().unbind(),
+            num_prompt_tokens: len,
             data: Mutex::new(RequestData {
-                prompt,
                 output: Vec::new(),
                 num_computed_tokens: 0,
+                prehashed: Some(Prehashed {
+                    hasher,
+                    hashes,
+                    tail,
+                }),
                 registered: Vec::new(),
             }),
         })
@@ -104,13 +154,12 @@ impl PyRequest {
 
     #[getter]
     fn num_tokens(&self) -> usize {
-        let d = lock(&self.data);
-        d.prompt.len() + d.output.len()
+        self.num_prompt_tokens + lock(&self.data).output.len()
     }
 
     #[getter]
     fn num_prompt_tokens(&self) -> usize {
-        lock(&self.data).prompt.len()
+        self.num_prompt_tokens
     }
 
     #[getter]
@@ -127,7 +176,7 @@ impl PyRequest {
     fn set_num_computed_tokens(&self, value: i64) -> PyResult<()> {
         let value = count(value, "num_computed_tokens")?;
         let mut d = lock(&self.data);
-        let total = d.prompt.len() + d.output.len();
+        let total = self.num_prompt_tokens + d.output.len();
         if value > total {
             return Err(HybridKvError::new_err(format!(
                 "num_computed_tokens {value} exceeds the request's {total} tokens"
@@ -138,8 +187,8 @@ impl PyRequest {
     }
 
     #[getter]
-    fn prompt_token_ids<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u32>> {
-        PyArray1::from_slice(py, &lock(&self.data).prompt)
+    fn prompt_token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<u32>>> {
+        Ok(PyArray1::from_vec(py, self.read_prompt(py)?))
     }
 
     #[getter]
@@ -176,7 +225,7 @@ impl PyRequest {
         format!(
             "Request({:?}, num_tokens={}, num_computed_tokens={})",
             self.request_id,
-            d.prompt.len() + d.output.len(),
+            self.num_prompt_tokens + d.output.len(),
             d.num_computed_tokens
         )
     }
@@ -185,8 +234,23 @@ impl PyRequest {
 impl PyRequest {
     /// Whether calls with this request should release the GIL (hashing a long prompt).
     fn is_long(&self) -> bool {
-        let d = lock(&self.data);
-        d.prompt.len() + d.output.len() >= DETACH_TOKENS
+        self.num_prompt_tokens + lock(&self.data).output.len() >= DETACH_TOKENS
+    }
+
+    /// The prompt's token ids, read again from the caller's object (which must not have
+    /// changed length since the request was made).
+    fn read_prompt(&self, py: Python<'_>) -> PyResult<Vec<u32>> {
+        let tokens = Tokens::extract(self.prompt.bind(py))?.into_u32()?;
+        if tokens.len() != self.num_prompt_tokens {
+            return Err(HybridKvError::new_err(format!(
+                "the prompt of request {:?} changed from {} to {} tokens after the Request was \
+                 made",
+                self.request_id,
+                self.num_prompt_tokens,
+                tokens.len()
+            )));
+        }
+        Ok(tokens)
     }
 }
 
@@ -355,27 +419,34 @@ impl PyKVCacheManager {
     }
 
     /// Registers `request` or brings the manager's copy up to date with its tokens; returns the
-    /// request's `num_computed_tokens`. The hot path (a registered request with a few new
-    /// tokens) needs no id lookup besides the manager's own append.
-    fn sync(&self, inner: &mut Inner, request: &PyRequest) -> PyResult<usize> {
+    /// request's `num_computed_tokens`, or `None` when a first registration needs the prompt's
+    /// token ids (`prompt`) and they were not given. The hot path (a registered request with a
+    /// few new tokens) needs no id lookup besides the manager's own append.
+    fn sync(
+        &self,
+        inner: &mut Inner,
+        request: &PyRequest,
+        prompt: Option<&[u32]>,
+    ) -> PyResult<Option<usize>> {
         let mut data = lock(&request.data);
         let data = &mut *data;
         let removals = self.shared.removals.load(Ordering::Acquire);
         let me = Arc::as_ptr(&self.shared);
-        let total = data.prompt.len() + data.output.len();
+        let num_prompt = request.num_prompt_tokens;
+        let total = num_prompt + data.output.len();
         if let Some(reg) = data
             .registered
             .iter_mut()
             .find(|r| r.removals == removals && std::ptr::eq(r.shared.as_ptr(), me))
         {
             if reg.synced < total {
-                let start = reg.synced - data.prompt.len();
+                let start = reg.synced - num_prompt;
                 inner
                     .manager
                     .append_token_ids(&request.request_id, &data.output[start..])?;
                 reg.synced = total;
             }
-            return Ok(data.num_computed_tokens);
+            return Ok(Some(data.num_computed_tokens));
         }
         match inner.serials.get(&request.request_id) {
             Some(&serial) if serial != request.serial => {
@@ -386,7 +457,7 @@ impl PyKVCacheManager {
             }
             Some(_) => {
                 let known = inner.manager.request(&request.request_id)?.num_tokens();
-                let start = known - data.prompt.len();
+                let start = known - num_prompt;
                 if start < data.output.len() {
                     inner
                         .manager
@@ -394,19 +465,33 @@ impl PyKVCacheManager {
                 }
             }
             None => {
-                inner.manager.add_request(
-                    &request.request_id,
-                    &data.prompt,
-                    request.extra.clone(),
-                )?;
-                if !data.output.is_empty() {
+                let id = &request.request_id;
+                let reusable = !inner.manager.pool().events_enabled()
+                    && data
+                        .prehashed
+                        .as_ref()
+                        .is_some_and(|p| p.hasher == *inner.manager.hasher());
+                if reusable {
+                    let pre = data.prehashed.take().expect("checked above");
+                    inner.manager.add_request_prehashed(
+                        id,
+                        num_prompt,
+                        pre.hashes,
+                        pre.tail,
+                        request.extra.clone(),
+                    )?;
+                } else {
+                    let Some(prompt) = prompt else {
+                        return Ok(None);
+                    };
                     inner
                         .manager
-                        .append_token_ids(&request.request_id, &data.output)?;
+                        .add_request(id, prompt, request.extra.clone())?;
                 }
-                inner
-                    .serials
-                    .insert(request.request_id.clone(), request.serial);
+                if !data.output.is_empty() {
+                    inner.manager.append_token_ids(id, &data.output)?;
+                }
+                inner.serials.insert(id.clone(), request.serial);
             }
         }
         data.registered
@@ -416,7 +501,35 @@ impl PyKVCacheManager {
             synced: total,
             removals,
         });
-        Ok(data.num_computed_tokens)
+        Ok(Some(data.num_computed_tokens))
+    }
+
+    /// Brings `request` up to date (reading its prompt with the GIL if a first registration
+    /// needs it), then runs `f` with the manager locked and the request's
+    /// `num_computed_tokens`; the GIL is released meanwhile when `long`.
+    fn with_request<R: Send>(
+        &self,
+        py: Python<'_>,
+        request: &PyRequest,
+        long: bool,
+        f: impl Fn(&mut Inner, usize) -> PyResult<R> + Send + Sync,
+    ) -> PyResult<R> {
+        let mut prompt: Option<Vec<u32>> = None;
+        loop {
+            let given = prompt.as_deref();
+            let done = self.run(py, long, || {
+                let mut inner = self.inner();
+                match self.sync(&mut inner, request, given)? {
+                    Some(num_computed) => f(&mut inner, num_computed).map(Some),
+                    None => Ok(None),
+                }
+            })?;
+            match done {
+                Some(result) => return Ok(result),
+                // Read outside the lock: reading a Python object needs the GIL.
+                None => prompt = Some(request.read_prompt(py)?),
+            }
+        }
     }
 
     /// Runs `f` (which takes the manager lock itself) with the GIL released when `long`. The
@@ -547,6 +660,13 @@ impl PyKVCacheManager {
         self.inner().manager.scheduler_block_size()
     }
 
+    /// Tokens per request block hash: pass it as `Request(..., block_size=...)` so the hashes
+    /// computed when the request is made are the ones this manager uses.
+    #[getter]
+    fn hash_block_size(&self) -> usize {
+        self.inner().manager.hash_block_size()
+    }
+
     #[getter]
     fn usage(&self) -> f64 {
         self.shared.prober.pool().usage()
@@ -570,9 +690,7 @@ impl PyKVCacheManager {
 
     /// Registers a request and hashes its prompt now (otherwise done by its first call).
     fn add_request(&self, py: Python<'_>, request: &PyRequest) -> PyResult<()> {
-        self.run(py, request.is_long(), || {
-            self.sync(&mut self.inner(), request).map(|_| ())
-        })
+        self.with_request(py, request, request.is_long(), |_, _| Ok(()))
     }
 
     /// Frees the request's blocks and forgets its hashes.
@@ -594,9 +712,7 @@ impl PyKVCacheManager {
         py: Python<'_>,
         request: &PyRequest,
     ) -> PyResult<(Py<PyKVCacheBlocks>, usize)> {
-        let computed = self.run(py, request.is_long(), || {
-            let mut inner = self.inner();
-            self.sync(&mut inner, request)?;
+        let computed = self.with_request(py, request, request.is_long(), |inner, _| {
             Ok(inner.manager.get_computed_blocks(&request.request_id)?)
         })?;
         let n = computed.num_computed_tokens;
@@ -630,7 +746,7 @@ impl PyKVCacheManager {
                 ));
             }
         }
-        let mut args = AllocateArgs {
+        let args = AllocateArgs {
             num_new_tokens,
             num_computed_tokens: 0,
             num_new_computed_tokens,
@@ -642,9 +758,11 @@ impl PyKVCacheManager {
             has_scheduled_reqs,
         };
         let long = num_new_tokens >= DETACH_TOKENS;
-        let new = self.run(py, long, || {
-            let mut inner = self.inner();
-            args.num_computed_tokens = self.sync(&mut inner, request)?;
+        let new = self.with_request(py, request, long, |inner, num_computed_tokens| {
+            let args = AllocateArgs {
+                num_computed_tokens,
+                ..args
+            };
             Ok(inner.manager.allocate_slots(&request.request_id, &args)?)
         })?;
         new.map(|blocks| {
@@ -734,16 +852,17 @@ impl PyKVCacheManager {
     #[pyo3(signature = (request, num_hits, preempted = false))]
     fn record_prefix_cache_stats(
         &self,
+        py: Python<'_>,
         request: &PyRequest,
         num_hits: i64,
         preempted: bool,
     ) -> PyResult<()> {
         let num_hits = count(num_hits, "num_hits")?;
-        let mut inner = self.inner();
-        self.sync(&mut inner, request)?;
-        Ok(inner
-            .manager
-            .record_prefix_cache_stats(&request.request_id, num_hits, preempted)?)
+        self.with_request(py, request, false, |inner, _| {
+            Ok(inner
+                .manager
+                .record_prefix_cache_stats(&request.request_id, num_hits, preempted)?)
+        })
     }
 
     /// The prefix-cache statistics so far (requests, queries, hits, hit_rate, preempted_*).
