@@ -93,7 +93,13 @@ fn worker(pool: &BlockPool, owner: &[AtomicU32], me: u32, start: &Barrier) -> u6
             }
             _ => {
                 let b = 1 + rng.below(NUM_BLOCKS as u64 - 1) as u32;
-                pool.evict_blocks(&[b]).unwrap();
+                if rng.below(2) == 0 {
+                    pool.evict_blocks(&[b]).unwrap();
+                } else if pool.touch(&[b]).is_ok() {
+                    // Any block, free or not, cached or not: revives uncached free blocks out of
+                    // the LIFO too (stale stack entries, stack compaction).
+                    shared.push(b);
+                }
             }
         }
     }
