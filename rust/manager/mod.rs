@@ -283,12 +283,7 @@ impl KVCacheManager {
         prompt: &[T],
         extra: ExtraKeys,
     ) -> Result<()> {
-        if self.requests.contains_key(request_id) {
-            return invalid(format!("request {request_id:?} was already added"));
-        }
-        if prompt.is_empty() {
-            return invalid(format!("request {request_id:?} has an empty prompt"));
-        }
+        self.check_new_request(request_id, prompt.len())?;
         let request = Request::new(
             request_id.to_owned(),
             prompt,
@@ -296,13 +291,7 @@ impl KVCacheManager {
             extra,
             self.pool.events_enabled(),
         )?;
-        self.requests.insert(
-            request_id.to_owned(),
-            RequestState {
-                request,
-                tables: vec![GroupTable::default(); self.groups.len()],
-            },
-        );
+        self.insert_request(request);
         Ok(())
     }
 
@@ -318,12 +307,7 @@ impl KVCacheManager {
         tail: Vec<u32>,
         extra: ExtraKeys,
     ) -> Result<()> {
-        if self.requests.contains_key(request_id) {
-            return invalid(format!("request {request_id:?} was already added"));
-        }
-        if num_prompt_tokens == 0 {
-            return invalid(format!("request {request_id:?} has an empty prompt"));
-        }
+        self.check_new_request(request_id, num_prompt_tokens)?;
         if self.pool.events_enabled() {
             return invalid(format!(
                 "request {request_id:?}: KV events need the prompt's token ids; use add_request"
@@ -337,14 +321,24 @@ impl KVCacheManager {
             hashes,
             tail,
         )?;
-        self.requests.insert(
-            request_id.to_owned(),
-            RequestState {
-                request,
-                tables: vec![GroupTable::default(); self.groups.len()],
-            },
-        );
+        self.insert_request(request);
         Ok(())
+    }
+
+    fn check_new_request(&self, request_id: &str, num_prompt_tokens: usize) -> Result<()> {
+        if self.requests.contains_key(request_id) {
+            return invalid(format!("request {request_id:?} was already added"));
+        }
+        if num_prompt_tokens == 0 {
+            return invalid(format!("request {request_id:?} has an empty prompt"));
+        }
+        Ok(())
+    }
+
+    fn insert_request(&mut self, request: Request) {
+        let tables = vec![GroupTable::default(); self.groups.len()];
+        self.requests
+            .insert(request.id().to_owned(), RequestState { request, tables });
     }
 
     /// The hasher of request block hashes (at `hash_block_size`).
