@@ -24,6 +24,24 @@ def test_int32_int64_uint32_and_lists_hash_identically() -> None:
     np.testing.assert_array_equal(hk.hash_token_blocks(strided, 16), ref)
 
 
+def test_list_ints_read_like_arrays_across_the_interpreter_digit_boundaries() -> None:
+    # Lists are read straight from the int objects when they have one 30-bit digit; zero,
+    # cached small ints, the largest one-digit value, two-digit values up to 2^32 - 1, an int
+    # subclass (bool) and an int subclass with a digit must all read as their values.
+    class Tok(int):
+        pass
+
+    values = [0, 1, 5, 256, 257, 2**30 - 1, 2**30, 2**31 + 3, 2**32 - 1, 128_255]
+    tokens = values + [True, Tok(7), Tok(2**30 + 1), 0, 9, 2**30 - 2]
+    ref = hk.hash_token_blocks(np.array([int(t) for t in tokens], dtype=np.int64), 4)
+    np.testing.assert_array_equal(hk.hash_token_blocks(tokens, 4), ref)
+    request = hk.Request("r", tokens, block_size=4)
+    np.testing.assert_array_equal(request.prompt_token_ids, [int(t) for t in tokens])
+    for bad in ([1, 2**32], [2**32 + 5], [-1], [3, -(2**30)], [2**70]):
+        with pytest.raises(hk.HybridKvError):
+            hk.hash_token_blocks(bad, 1)
+
+
 def test_chain_shares_prefix_hashes_and_diverges_after_a_change() -> None:
     a = np.arange(64, dtype=np.int64)
     b = a.copy()

@@ -62,28 +62,136 @@ pub(crate) fn extract_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
     values.into_iter().map(id_from_i64).collect()
 }
 
+/// How this interpreter stores a one-digit `int`, read directly by [`read_int_list`]; `None`
+/// when the layout is not one we know (then every item goes through the C API).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum IntLayout {
+    /// CPython 3.10 and 3.11: `ob_size` (signed digit count), then 30-bit digits.
+    SizeThenDigits,
+    /// CPython 3.12 and later: `lv_tag` (digit count << 3 | sign bits), then 30-bit digits.
+    TagThenDigits,
+}
+
+static INT_LAYOUT: std::sync::OnceLock<Option<IntLayout>> = std::sync::OnceLock::new();
+
+/// Offsets of the size word and of the first digit in an `int` object, after the two words of
+/// the object header (reference count and type).
+const INT_SIZE_OFFSET: usize = 2 * std::mem::size_of::<usize>();
+const INT_DIGIT_OFFSET: usize = 3 * std::mem::size_of::<usize>();
+
+/// The value of a non-negative one-digit `int` (or zero), `None` for any other `int`.
+///
+/// # Safety
+/// `item` must point to a live object whose type is exactly `int`, laid out as `layout` says.
+#[inline(always)]
+unsafe fn small_int(item: *mut pyo3::ffi::PyObject, layout: IntLayout) -> Option<u32> {
+    // SAFETY: per the contract, `item` is an exact `int`: its header is followed by the size
+    // word and at least one digit (CPython allocates one digit even for zero).
+    let (size, digit) = unsafe {
+        let base = item.cast::<u8>();
+        (
+            base.add(INT_SIZE_OFFSET).cast::<usize>().read(),
+            base.add(INT_DIGIT_OFFSET).cast::<u32>().read(),
+        )
+    };
+    match layout {
+        IntLayout::SizeThenDigits => match size as isize {
+            0 => Some(0),
+            1 => Some(digit),
+            _ => None,
+        },
+        // Bits 0-1 hold the sign (0 positive, 1 zero, 2 negative), bit 2 may mark an immortal
+        // small int (3.14), and the digit count starts at bit 3.
+        IntLayout::TagThenDigits => match (size >> 3, size & 3) {
+            (1, 0) => Some(digit),
+            (0, 1) => Some(0),
+            _ => None,
+        },
+    }
+}
+
+/// The `int` layout of the running interpreter, checked against the C API on sample values
+/// (cached small ints and freshly made ones); any disagreement disables direct reads.
+fn detect_int_layout(py: Python<'_>) -> Option<IntLayout> {
+    let v = py.version_info();
+    let layout = match (v.major, v.minor) {
+        (3, 10) | (3, 11) => IntLayout::SizeThenDigits,
+        (3, m) if m >= 12 => IntLayout::TagThenDigits,
+        _ => return None,
+    };
+    let int_info = py.import("sys").and_then(|s| s.getattr("int_info")).ok()?;
+    let bits: u32 = int_info.getattr("bits_per_digit").ok()?.extract().ok()?;
+    let size: u32 = int_info.getattr("sizeof_digit").ok()?.extract().ok()?;
+    if bits != 30 || size != 4 {
+        return None;
+    }
+    let int_type = std::ptr::addr_of_mut!(pyo3::ffi::PyLong_Type);
+    let samples: [i64; 12] = [
+        0,
+        1,
+        7,
+        255,
+        256,
+        257,
+        1000,
+        65_535,
+        128_256,
+        (1 << 30) - 1,
+        1 << 30,
+        -5,
+    ];
+    for value in samples {
+        let obj = value.into_pyobject(py).ok()?;
+        // SAFETY: `obj` is alive for the read, and `small_int` is only called once its type is
+        // known to be exactly `int`.
+        let read = unsafe {
+            if pyo3::ffi::Py_TYPE(obj.as_ptr()) != int_type {
+                return None;
+            }
+            small_int(obj.as_ptr(), layout)
+        };
+        let expected = (0..1 << 30).contains(&value).then_some(value as u32);
+        if read != expected {
+            return None;
+        }
+    }
+    Some(layout)
+}
+
 /// Reads a list of Python `int`s straight into range-checked `u32`s; `None` if an item is not
 /// an `int` (numpy scalars, objects with `__index__`), for the caller's generic path.
 ///
-/// Lists are the common case (vLLM's `prompt_token_ids`). Reading items through the C API
-/// without a reference count each is ~4.5x faster than `extract` per item (3,500 tokens:
-/// 24 us -> 5.2 us, best of 300).
+/// Lists are the common case (vLLM's `prompt_token_ids`). Exact one-digit ints (every token id
+/// below 2^30) are read from the object in the layout [`detect_int_layout`] verified; other
+/// items go through `PyLong_AsLongLong`. Warm 3,000-token list: 4.9 -> 2.5 ns per token.
 fn read_int_list(list: &Bound<'_, PyList>) -> PyResult<Option<Vec<u32>>> {
+    let py = list.py();
+    let layout = *INT_LAYOUT.get_or_init(|| detect_int_layout(py));
+    let int_type = std::ptr::addr_of_mut!(pyo3::ffi::PyLong_Type);
     let len = list.len();
     let mut values = Vec::with_capacity(len);
     for i in 0..len {
         // SAFETY: the GIL is held (`list` is bound to it) and `i < len`. Only exact or
         // subclassed `int`s are converted, and converting those runs no Python code, so the
         // list cannot change size during the loop; each item is a borrowed reference the list
-        // keeps alive while we read it.
+        // keeps alive while we read it. `small_int` only gets exact `int`s, in the layout
+        // `detect_int_layout` verified for this interpreter.
         let v = unsafe {
             let item = pyo3::ffi::PyList_GET_ITEM(list.as_ptr(), i as pyo3::ffi::Py_ssize_t);
+            let fast = match layout {
+                Some(layout) if pyo3::ffi::Py_TYPE(item) == int_type => small_int(item, layout),
+                _ => None,
+            };
+            if let Some(token) = fast {
+                values.push(token);
+                continue;
+            }
             if pyo3::ffi::PyLong_Check(item) == 0 {
                 return Ok(None);
             }
             pyo3::ffi::PyLong_AsLongLong(item)
         };
-        if v == -1 && PyErr::take(list.py()).is_some() {
+        if v == -1 && PyErr::take(py).is_some() {
             // Overflow of i64: certainly outside the token id range.
             return Err(HybridKvError::new_err(format!(
                 "token id at position {i} is outside [0, 2^32)"
