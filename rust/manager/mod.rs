@@ -99,6 +99,133 @@ impl PrefixCacheStats {
     }
 }
 
+/// A request's slot in a [`KVCacheManager`], returned by `add_request`: naming a request by its
+/// handle skips the id lookup. A handle goes stale when its request is removed (a later request
+/// may reuse the slot, under a new generation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RequestHandle {
+    slot: u32,
+    generation: u32,
+}
+
+/// Names a request in [`KVCacheManager`] calls: by id (`&str`) or by [`RequestHandle`].
+#[derive(Clone, Copy, Debug)]
+pub enum RequestKey<'a> {
+    Id(&'a str),
+    Handle(RequestHandle),
+}
+
+impl<'a> From<&'a str> for RequestKey<'a> {
+    fn from(id: &'a str) -> Self {
+        RequestKey::Id(id)
+    }
+}
+
+impl<'a> From<&'a String> for RequestKey<'a> {
+    fn from(id: &'a String) -> Self {
+        RequestKey::Id(id)
+    }
+}
+
+impl From<RequestHandle> for RequestKey<'_> {
+    fn from(handle: RequestHandle) -> Self {
+        RequestKey::Handle(handle)
+    }
+}
+
+/// Request states in slots, with an id index; slots of removed requests are reused.
+#[derive(Default)]
+struct Requests {
+    slots: Vec<Slot>,
+    free_slots: Vec<u32>,
+    ids: RequestMap<u32>,
+}
+
+struct Slot {
+    generation: u32,
+    state: Option<RequestState>,
+}
+
+impl Requests {
+    fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    fn contains(&self, id: &str) -> bool {
+        self.ids.contains_key(id)
+    }
+
+    fn handle(&self, id: &str) -> Option<RequestHandle> {
+        let slot = *self.ids.get(id)?;
+        Some(RequestHandle {
+            slot,
+            generation: self.slots[slot as usize].generation,
+        })
+    }
+
+    fn index(&self, key: RequestKey<'_>) -> Result<usize> {
+        match key {
+            RequestKey::Id(id) => match self.ids.get(id) {
+                Some(&slot) => Ok(slot as usize),
+                None => invalid(format!("unknown request id {id:?}")),
+            },
+            RequestKey::Handle(h) => match self.slots.get(h.slot as usize) {
+                Some(s) if s.generation == h.generation && s.state.is_some() => Ok(h.slot as usize),
+                _ => invalid(format!(
+                    "stale request handle {h:?}: its request was removed"
+                )),
+            },
+        }
+    }
+
+    fn get(&self, key: RequestKey<'_>) -> Result<&RequestState> {
+        let i = self.index(key)?;
+        Ok(self.slots[i]
+            .state
+            .as_ref()
+            .expect("index checks occupancy"))
+    }
+
+    fn get_mut(&mut self, key: RequestKey<'_>) -> Result<&mut RequestState> {
+        let i = self.index(key)?;
+        Ok(self.slots[i]
+            .state
+            .as_mut()
+            .expect("index checks occupancy"))
+    }
+
+    fn insert(&mut self, state: RequestState) -> RequestHandle {
+        let id = state.request.id().to_owned();
+        let slot = match self.free_slots.pop() {
+            Some(slot) => slot,
+            None => {
+                self.slots.push(Slot {
+                    generation: 0,
+                    state: None,
+                });
+                (self.slots.len() - 1) as u32
+            }
+        };
+        let entry = &mut self.slots[slot as usize];
+        entry.state = Some(state);
+        self.ids.insert(id, slot);
+        RequestHandle {
+            slot,
+            generation: entry.generation,
+        }
+    }
+
+    fn remove(&mut self, key: RequestKey<'_>) -> Result<RequestState> {
+        let i = self.index(key)?;
+        let entry = &mut self.slots[i];
+        let state = entry.state.take().expect("index checks occupancy");
+        entry.generation = entry.generation.wrapping_add(1);
+        self.ids.remove(state.request.id());
+        self.free_slots.push(i as u32);
+        Ok(state)
+    }
+}
+
 #[derive(Debug)]
 struct RequestState {
     request: Request,
@@ -188,7 +315,7 @@ pub struct KVCacheManager {
     enable_caching: bool,
     scheduler_block_size: usize,
     hash_block_size: usize,
-    requests: RequestMap<RequestState>,
+    requests: Requests,
     stats: PrefixCacheStats,
     scratch: Vec<BlockId>,
 }
@@ -231,7 +358,7 @@ impl KVCacheManager {
             enable_caching: config.enable_caching,
             scheduler_block_size,
             hash_block_size,
-            requests: RequestMap::default(),
+            requests: Requests::default(),
             stats: PrefixCacheStats::default(),
             scratch: Vec::new(),
         })
@@ -282,7 +409,7 @@ impl KVCacheManager {
         request_id: &str,
         prompt: &[T],
         extra: ExtraKeys,
-    ) -> Result<()> {
+    ) -> Result<RequestHandle> {
         self.check_new_request(request_id, prompt.len())?;
         let request = Request::new(
             request_id.to_owned(),
@@ -291,8 +418,7 @@ impl KVCacheManager {
             extra,
             self.pool.events_enabled(),
         )?;
-        self.insert_request(request);
-        Ok(())
+        Ok(self.insert_request(request))
     }
 
     /// Registers a request whose prompt the caller already hashed with this manager's hasher
@@ -306,7 +432,7 @@ impl KVCacheManager {
         hashes: Vec<crate::types::BlockHash>,
         tail: Vec<u32>,
         extra: ExtraKeys,
-    ) -> Result<()> {
+    ) -> Result<RequestHandle> {
         self.check_new_request(request_id, num_prompt_tokens)?;
         if self.pool.events_enabled() {
             return invalid(format!(
@@ -321,12 +447,11 @@ impl KVCacheManager {
             hashes,
             tail,
         )?;
-        self.insert_request(request);
-        Ok(())
+        Ok(self.insert_request(request))
     }
 
     fn check_new_request(&self, request_id: &str, num_prompt_tokens: usize) -> Result<()> {
-        if self.requests.contains_key(request_id) {
+        if self.requests.contains(request_id) {
             return invalid(format!("request {request_id:?} was already added"));
         }
         if num_prompt_tokens == 0 {
@@ -335,10 +460,17 @@ impl KVCacheManager {
         Ok(())
     }
 
-    fn insert_request(&mut self, request: Request) {
+    fn insert_request(&mut self, request: Request) -> RequestHandle {
         let tables = vec![GroupTable::default(); self.groups.len()];
-        self.requests
-            .insert(request.id().to_owned(), RequestState { request, tables });
+        self.requests.insert(RequestState { request, tables })
+    }
+
+    /// The handle of a registered request (see [`RequestHandle`]).
+    pub fn handle(&self, request_id: &str) -> Result<RequestHandle> {
+        match self.requests.handle(request_id) {
+            Some(h) => Ok(h),
+            None => invalid(format!("unknown request id {request_id:?}")),
+        }
     }
 
     /// The hasher of request block hashes (at `hash_block_size`).
@@ -347,41 +479,39 @@ impl KVCacheManager {
     }
 
     /// Appends output tokens to a request (hashing the blocks they complete).
-    pub fn append_token_ids<T: TokenId>(&mut self, request_id: &str, tokens: &[T]) -> Result<()> {
-        self.state_mut(request_id)?.request.append(tokens)
+    pub fn append_token_ids<'a, T: TokenId>(
+        &mut self,
+        request: impl Into<RequestKey<'a>>,
+        tokens: &[T],
+    ) -> Result<()> {
+        self.requests
+            .get_mut(request.into())?
+            .request
+            .append(tokens)
     }
 
     /// Frees the request's blocks (if any) and forgets it.
-    pub fn remove_request(&mut self, request_id: &str) -> Result<()> {
-        self.free(request_id)?;
-        self.requests.remove(request_id);
+    pub fn remove_request<'a>(&mut self, request: impl Into<RequestKey<'a>>) -> Result<()> {
+        let key = request.into();
+        self.free(key)?;
+        self.requests.remove(key)?;
         Ok(())
     }
 
-    pub fn request(&self, request_id: &str) -> Result<&Request> {
-        Ok(&self.state(request_id)?.request)
+    pub fn request<'a>(&self, request: impl Into<RequestKey<'a>>) -> Result<&Request> {
+        Ok(&self.state(request)?.request)
     }
 
     pub fn contains_request(&self, request_id: &str) -> bool {
-        self.requests.contains_key(request_id)
+        self.requests.contains(request_id)
     }
 
     pub fn num_requests(&self) -> usize {
         self.requests.len()
     }
 
-    fn state(&self, request_id: &str) -> Result<&RequestState> {
-        match self.requests.get(request_id) {
-            Some(s) => Ok(s),
-            None => invalid(format!("unknown request id {request_id:?}")),
-        }
-    }
-
-    fn state_mut(&mut self, request_id: &str) -> Result<&mut RequestState> {
-        match self.requests.get_mut(request_id) {
-            Some(s) => Ok(s),
-            None => invalid(format!("unknown request id {request_id:?}")),
-        }
+    fn state<'a>(&self, request: impl Into<RequestKey<'a>>) -> Result<&RequestState> {
+        self.requests.get(request.into())
     }
 
     // ----- scheduler API ----------------------------------------------------------------
@@ -389,8 +519,11 @@ impl KVCacheManager {
     /// The request's cached prefix: per-group hit blocks and the hit length, at most
     /// `num_tokens - 1` tokens (the last token is recomputed for its logits). Reference counts
     /// are not touched: pass the result to `allocate_slots` before any other allocation.
-    pub fn get_computed_blocks(&self, request_id: &str) -> Result<ComputedBlocks> {
-        let state = self.state(request_id)?;
+    pub fn get_computed_blocks<'a>(
+        &self,
+        request: impl Into<RequestKey<'a>>,
+    ) -> Result<ComputedBlocks> {
+        let state = self.state(request)?;
         let mut blocks = Vec::new();
         let max_len = state.request.num_tokens().saturating_sub(1);
         let hit = self.finder.find(
@@ -415,17 +548,30 @@ impl KVCacheManager {
     /// newly allocated blocks per group, or `Ok(None)` when the pool cannot supply them: then
     /// nothing changed except that blocks out of the sliding window / chunk were freed (as
     /// vLLM does first). Bad arguments are an error and change nothing.
-    pub fn allocate_slots(
+    pub fn allocate_slots<'a>(
         &mut self,
-        request_id: &str,
+        request: impl Into<RequestKey<'a>>,
         args: &AllocateArgs<'_>,
     ) -> Result<Option<Vec<Vec<BlockId>>>> {
-        let num_groups = self.groups.len();
+        let mut new_blocks = Vec::new();
+        Ok(self
+            .allocate_slots_into(request, args, &mut new_blocks)?
+            .then_some(new_blocks))
+    }
+
+    /// [`KVCacheManager::allocate_slots`] writing the new blocks into `new_blocks` (resized to
+    /// one list per group; lists are cleared first, keeping their capacity). Returns `false`
+    /// when the pool cannot supply the blocks (then `new_blocks` holds empty lists).
+    pub fn allocate_slots_into<'a>(
+        &mut self,
+        request: impl Into<RequestKey<'a>>,
+        args: &AllocateArgs<'_>,
+        new_blocks: &mut Vec<Vec<BlockId>>,
+    ) -> Result<bool> {
+        new_blocks.resize_with(self.groups.len(), Vec::new);
+        new_blocks.iter_mut().for_each(Vec::clear);
         let pool = &*self.pool;
-        let state = match self.requests.get_mut(request_id) {
-            Some(s) => s,
-            None => return invalid(format!("unknown request id {request_id:?}")),
-        };
+        let state = self.requests.get_mut(request.into())?;
         let empty: [Vec<BlockId>; 0] = [];
         let hits: &[Vec<BlockId>] = match args.new_computed_blocks {
             Some(c) if !c.is_empty() => &c.blocks,
@@ -466,7 +612,7 @@ impl KVCacheManager {
                 .map(|(g, (m, t))| m.num_blocks_to_allocate(pool, t, full, hit_of(g), total, true))
                 .sum();
             if need + watermark > pool.num_free_blocks() {
-                return Ok(None);
+                return Ok(false);
             }
         }
 
@@ -486,7 +632,7 @@ impl KVCacheManager {
             })
             .sum();
         if need + watermark > pool.num_free_blocks() {
-            return Ok(None);
+            return Ok(false);
         }
 
         if !hits.is_empty() {
@@ -495,7 +641,6 @@ impl KVCacheManager {
             }
         }
 
-        let mut new_blocks = vec![Vec::new(); num_groups];
         for ((m, t), out) in self
             .groups
             .iter()
@@ -519,7 +664,7 @@ impl KVCacheManager {
                 )?;
             }
         }
-        Ok(Some(new_blocks))
+        Ok(true)
     }
 
     fn validate_allocate(
@@ -619,12 +764,9 @@ impl KVCacheManager {
 
     /// Frees all of a request's blocks, every group tail first (the request stays known, e.g.
     /// for a preempted request that will be re-admitted).
-    pub fn free(&mut self, request_id: &str) -> Result<()> {
+    pub fn free<'a>(&mut self, request: impl Into<RequestKey<'a>>) -> Result<()> {
         let pool = &*self.pool;
-        let state = match self.requests.get_mut(request_id) {
-            Some(s) => s,
-            None => return invalid(format!("unknown request id {request_id:?}")),
-        };
+        let state = self.requests.get_mut(request.into())?;
         for (m, t) in self.groups.iter().zip(state.tables.iter_mut()) {
             m.free(pool, t, &mut self.scratch)?;
         }
@@ -633,16 +775,13 @@ impl KVCacheManager {
 
     /// Frees the blocks that fell out of the window after `num_computed_tokens` (vLLM's
     /// `remove_skipped_blocks`); `allocate_slots` already does this.
-    pub fn remove_skipped_blocks(
+    pub fn remove_skipped_blocks<'a>(
         &mut self,
-        request_id: &str,
+        request: impl Into<RequestKey<'a>>,
         num_computed_tokens: usize,
     ) -> Result<()> {
         let pool = &*self.pool;
-        let state = match self.requests.get_mut(request_id) {
-            Some(s) => s,
-            None => return invalid(format!("unknown request id {request_id:?}")),
-        };
+        let state = self.requests.get_mut(request.into())?;
         for (m, t) in self.groups.iter().zip(state.tables.iter_mut()) {
             m.remove_skipped_blocks(pool, t, num_computed_tokens, &mut self.scratch)?;
         }
@@ -650,8 +789,12 @@ impl KVCacheManager {
     }
 
     /// The request's block table in `group` (null blocks included).
-    pub fn block_ids(&self, request_id: &str, group: usize) -> Result<&[BlockId]> {
-        let state = self.state(request_id)?;
+    pub fn block_ids<'a>(
+        &self,
+        request: impl Into<RequestKey<'a>>,
+        group: usize,
+    ) -> Result<&[BlockId]> {
+        let state = self.state(request)?;
         match state.tables.get(group) {
             Some(t) => Ok(&t.blocks),
             None => invalid(format!(
@@ -662,9 +805,12 @@ impl KVCacheManager {
     }
 
     /// The request's block tables, one per group.
-    pub fn get_block_ids(&self, request_id: &str) -> Result<Vec<Vec<BlockId>>> {
+    pub fn get_block_ids<'a>(
+        &self,
+        request: impl Into<RequestKey<'a>>,
+    ) -> Result<Vec<Vec<BlockId>>> {
         Ok(self
-            .state(request_id)?
+            .state(request)?
             .tables
             .iter()
             .map(|t| t.blocks.clone())
@@ -699,7 +845,7 @@ impl KVCacheManager {
         }
         let mut tables = Vec::with_capacity(req_ids.len());
         for id in req_ids {
-            let blocks = &self.state(id)?.tables[group].blocks;
+            let blocks = &self.state(*id)?.tables[group].blocks;
             if blocks.len() > row_stride {
                 return invalid(format!(
                     "request {id:?} holds {} blocks in group {group}, more than the row stride \
@@ -720,13 +866,13 @@ impl KVCacheManager {
     /// Records one admission's prefix-cache lookup in the stats (vLLM calls this after a
     /// successful `allocate_slots` of a waiting request). Re-admissions of preempted requests
     /// are counted apart (`preempted_*`), as in vLLM.
-    pub fn record_prefix_cache_stats(
+    pub fn record_prefix_cache_stats<'a>(
         &mut self,
-        request_id: &str,
+        request: impl Into<RequestKey<'a>>,
         num_hits: usize,
         preempted: bool,
     ) -> Result<()> {
-        let queries = self.state(request_id)?.request.num_tokens() as u64;
+        let queries = self.state(request)?.request.num_tokens() as u64;
         let s = &mut self.stats;
         if preempted {
             s.preempted_requests += 1;

@@ -4,7 +4,7 @@
 //!
 //! Parsing the workload JSON is left to the caller (tests, benches, bindings).
 
-use super::{AllocateArgs, KVCacheManager, PrefixCacheStats};
+use super::{AllocateArgs, KVCacheManager, PrefixCacheStats, RequestHandle};
 use crate::error::{CoreError, Result};
 use crate::hashing::ExtraKeys;
 use crate::types::BlockId;
@@ -234,6 +234,11 @@ pub fn replay<'w>(
         })
         .collect();
     let num_tokens = |s: &ReqState, i: usize| reqs[i].prompt.len() + s.num_outputs;
+    // Requests are named by the handle `add_request` returns, as the Python layer does.
+    let mut handles: Vec<Option<RequestHandle>> = vec![None; reqs.len()];
+    let handle = |handles: &[Option<RequestHandle>], i: usize| {
+        handles[i].expect("requests are added on arrival, before any call names them")
+    };
 
     let mut summary = ReplaySummary::default();
     let mut waiting: VecDeque<usize> = VecDeque::new();
@@ -260,7 +265,8 @@ pub fn replay<'w>(
         while next < order.len() && reqs[order[next]].arrival_step <= step {
             let i = order[next];
             let t = Instant::now();
-            manager.add_request(&reqs[i].rid, &reqs[i].prompt, ExtraKeys::default())?;
+            handles[i] =
+                Some(manager.add_request(&reqs[i].rid, &reqs[i].prompt, ExtraKeys::default())?);
             summary.time("make_request", elapsed_ns(t));
             waiting.push_back(i);
             next += 1;
@@ -303,7 +309,7 @@ pub fn replay<'w>(
                 let computed = states[i].num_computed;
                 let t = Instant::now();
                 let r = manager.allocate_slots(
-                    &reqs[i].rid,
+                    handle(&handles, i),
                     &AllocateArgs {
                         num_new_tokens: n,
                         num_computed_tokens: computed,
@@ -339,7 +345,7 @@ pub fn replay<'w>(
                 }
                 let victim = running.pop().expect("the request itself is running");
                 let t = Instant::now();
-                manager.free(&reqs[victim].rid)?;
+                manager.free(handle(&handles, victim))?;
                 let ns = elapsed_ns(t);
                 summary.time("free", ns);
                 call!(
@@ -369,7 +375,7 @@ pub fn replay<'w>(
                 }
                 let rid = reqs[i].rid.as_str();
                 let t = Instant::now();
-                let computed = manager.get_computed_blocks(rid)?;
+                let computed = manager.get_computed_blocks(handle(&handles, i))?;
                 let gcb_ns = elapsed_ns(t);
                 summary.time("get_computed_blocks", gcb_ns);
                 let (gcb_free, gcb_cached) = (manager.num_free_blocks(), manager.num_cached_keys());
@@ -401,7 +407,7 @@ pub fn replay<'w>(
                 }
                 let t = Instant::now();
                 let r = manager.allocate_slots(
-                    rid,
+                    handle(&handles, i),
                     &AllocateArgs {
                         num_new_tokens: n,
                         num_computed_tokens: 0,
@@ -431,7 +437,11 @@ pub fn replay<'w>(
                 if !ok {
                     break;
                 }
-                manager.record_prefix_cache_stats(rid, hit, states[i].num_preemptions > 0)?;
+                manager.record_prefix_cache_stats(
+                    handle(&handles, i),
+                    hit,
+                    states[i].num_preemptions > 0,
+                )?;
                 waiting.pop_front();
                 running.push(i);
                 states[i].num_computed = hit;
@@ -462,13 +472,16 @@ pub fn replay<'w>(
             }
             if s.num_outputs < r.output.len() {
                 let t = Instant::now();
-                manager.append_token_ids(&r.rid, &r.output[s.num_outputs..s.num_outputs + 1])?;
+                manager.append_token_ids(
+                    handle(&handles, i),
+                    &r.output[s.num_outputs..s.num_outputs + 1],
+                )?;
                 summary.time("append_token", elapsed_ns(t));
                 s.num_outputs += 1;
             }
             if s.num_outputs >= r.output.len() || r.prompt.len() + s.num_outputs >= max_model_len {
                 let t = Instant::now();
-                manager.free(&r.rid)?;
+                manager.free(handle(&handles, i))?;
                 let ns = elapsed_ns(t);
                 summary.time("free", ns);
                 call!(
@@ -478,7 +491,7 @@ pub fn replay<'w>(
                     },
                     ns
                 );
-                manager.remove_request(&r.rid)?;
+                manager.remove_request(handle(&handles, i))?;
                 running.retain(|&x| x != i);
                 summary.num_finished += 1;
             }

@@ -577,6 +577,44 @@ fn reset_prefix_cache_is_refused_while_blocks_are_in_use() {
 }
 
 #[test]
+fn a_handle_names_its_request_until_removed_and_a_reused_slot_gets_a_new_one() {
+    let mut m = manager(vec![GroupSpec::full(16)], 32);
+    let a = m
+        .add_request("a", &tokens(0, 40), ExtraKeys::default())
+        .unwrap();
+    assert_eq!(m.handle("a").unwrap(), a);
+    let b = m
+        .add_request("b", &tokens(100, 20), ExtraKeys::default())
+        .unwrap();
+    assert_ne!(a, b);
+    // Calls by handle and by id act on the same request.
+    m.allocate_slots(a, &new_tokens(40, 0)).unwrap().unwrap();
+    assert_eq!(m.block_ids("a", 0).unwrap().len(), 3);
+    m.append_token_ids(a, &[1u32]).unwrap();
+    assert_eq!(m.request("a").unwrap().num_tokens(), 41);
+    m.remove_request(a).unwrap();
+    assert!(!m.contains_request("a"));
+    assert_eq!(m.num_free_blocks(), 31);
+    // The removed request's handle is stale, also once its slot holds another request.
+    let c = m
+        .add_request("c", &tokens(200, 20), ExtraKeys::default())
+        .unwrap();
+    assert_ne!(c, a);
+    for err in [
+        m.allocate_slots(a, &new_tokens(1, 40)).map(|_| ()),
+        m.free(a),
+        m.append_token_ids(a, &[2u32]),
+        m.remove_request(a),
+    ] {
+        assert!(matches!(err, Err(CoreError::InvalidArgument(msg)) if msg.contains("stale")));
+    }
+    assert_eq!(m.handle("c").unwrap(), c);
+    assert_eq!(m.handle("b").unwrap(), b);
+    assert_eq!(m.num_requests(), 2);
+    assert!(m.handle("a").is_err());
+}
+
+#[test]
 fn events_report_stored_blocks_per_group() {
     let mut c = config(
         vec![GroupSpec::full(16), GroupSpec::sliding_window(16, 32)],

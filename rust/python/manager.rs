@@ -14,7 +14,7 @@ use crate::error::Result as CoreResult;
 use crate::hashing::{check_tokens, BlockHasher, ExtraKeys, HashAlgo, TokenId};
 use crate::manager::{
     AllocateArgs, AttentionKind, ComputedBlocks, GroupSpec, KVCacheManager, ManagerConfig,
-    PrefixCacheStats, Prober,
+    PrefixCacheStats, Prober, RequestHandle,
 };
 
 use crate::types::{BlockHash, RequestMap};
@@ -44,6 +44,8 @@ fn count(v: i64, what: &str) -> PyResult<usize> {
 /// A manager holding a hashed copy of a request, and how much of it is up to date.
 struct Registration {
     shared: Weak<Shared>,
+    /// The request's slot in that manager.
+    handle: RequestHandle,
     /// Tokens the manager's copy holds.
     synced: usize,
     /// The manager's `removals` count when this was last checked.
@@ -319,6 +321,16 @@ struct Inner {
     manager: KVCacheManager,
     /// Request id → the serial of the `Request` object registered under it.
     serials: RequestMap<u64>,
+    /// Reused for the new blocks of `allocate_slots`.
+    new_blocks: Vec<Vec<crate::types::BlockId>>,
+}
+
+/// A request brought up to date in the manager: its handle and the scheduler's count of its
+/// computed tokens.
+#[derive(Clone, Copy)]
+struct Synced {
+    handle: RequestHandle,
+    num_computed_tokens: usize,
 }
 
 struct Shared {
@@ -418,16 +430,16 @@ impl PyKVCacheManager {
         inner
     }
 
-    /// Registers `request` or brings the manager's copy up to date with its tokens; returns the
-    /// request's `num_computed_tokens`, or `None` when a first registration needs the prompt's
+    /// Registers `request` or brings the manager's copy up to date with its tokens; returns its
+    /// handle and `num_computed_tokens`, or `None` when a first registration needs the prompt's
     /// token ids (`prompt`) and they were not given. The hot path (a registered request with a
-    /// few new tokens) needs no id lookup besides the manager's own append.
+    /// few new tokens) does no id lookup: the registration keeps the request's handle.
     fn sync(
         &self,
         inner: &mut Inner,
         request: &PyRequest,
         prompt: Option<&[u32]>,
-    ) -> PyResult<Option<usize>> {
+    ) -> PyResult<Option<Synced>> {
         let mut data = lock(&request.data);
         let data = &mut *data;
         let removals = self.shared.removals.load(Ordering::Acquire);
@@ -443,35 +455,39 @@ impl PyKVCacheManager {
                 let start = reg.synced - num_prompt;
                 inner
                     .manager
-                    .append_token_ids(&request.request_id, &data.output[start..])?;
+                    .append_token_ids(reg.handle, &data.output[start..])?;
                 reg.synced = total;
             }
-            return Ok(Some(data.num_computed_tokens));
+            return Ok(Some(Synced {
+                handle: reg.handle,
+                num_computed_tokens: data.num_computed_tokens,
+            }));
         }
-        match inner.serials.get(&request.request_id) {
+        let id = &request.request_id;
+        let handle = match inner.serials.get(id) {
             Some(&serial) if serial != request.serial => {
                 return Err(HybridKvError::new_err(format!(
-                    "request id {:?} is already used by another Request object",
-                    request.request_id
+                    "request id {id:?} is already used by another Request object"
                 )))
             }
             Some(_) => {
-                let known = inner.manager.request(&request.request_id)?.num_tokens();
+                let handle = inner.manager.handle(id)?;
+                let known = inner.manager.request(handle)?.num_tokens();
                 let start = known - num_prompt;
                 if start < data.output.len() {
                     inner
                         .manager
-                        .append_token_ids(&request.request_id, &data.output[start..])?;
+                        .append_token_ids(handle, &data.output[start..])?;
                 }
+                handle
             }
             None => {
-                let id = &request.request_id;
                 let reusable = !inner.manager.pool().events_enabled()
                     && data
                         .prehashed
                         .as_ref()
                         .is_some_and(|p| p.hasher == *inner.manager.hasher());
-                if reusable {
+                let handle = if reusable {
                     let pre = data.prehashed.take().expect("checked above");
                     inner.manager.add_request_prehashed(
                         id,
@@ -479,29 +495,34 @@ impl PyKVCacheManager {
                         pre.hashes,
                         pre.tail,
                         request.extra.clone(),
-                    )?;
+                    )?
                 } else {
                     let Some(prompt) = prompt else {
                         return Ok(None);
                     };
                     inner
                         .manager
-                        .add_request(id, prompt, request.extra.clone())?;
-                }
+                        .add_request(id, prompt, request.extra.clone())?
+                };
                 if !data.output.is_empty() {
-                    inner.manager.append_token_ids(id, &data.output)?;
+                    inner.manager.append_token_ids(handle, &data.output)?;
                 }
                 inner.serials.insert(id.clone(), request.serial);
+                handle
             }
-        }
+        };
         data.registered
             .retain(|r| !std::ptr::eq(r.shared.as_ptr(), me));
         data.registered.push(Registration {
             shared: Arc::downgrade(&self.shared),
+            handle,
             synced: total,
             removals,
         });
-        Ok(Some(data.num_computed_tokens))
+        Ok(Some(Synced {
+            handle,
+            num_computed_tokens: data.num_computed_tokens,
+        }))
     }
 
     /// Brings `request` up to date (reading its prompt with the GIL if a first registration
@@ -512,7 +533,7 @@ impl PyKVCacheManager {
         py: Python<'_>,
         request: &PyRequest,
         long: bool,
-        f: impl Fn(&mut Inner, usize) -> PyResult<R> + Send + Sync,
+        f: impl Fn(&mut Inner, Synced) -> PyResult<R> + Send + Sync,
     ) -> PyResult<R> {
         let mut prompt: Option<Vec<u32>> = None;
         loop {
@@ -520,7 +541,7 @@ impl PyKVCacheManager {
             let done = self.run(py, long, || {
                 let mut inner = self.inner();
                 match self.sync(&mut inner, request, given)? {
-                    Some(num_computed) => f(&mut inner, num_computed).map(Some),
+                    Some(synced) => f(&mut inner, synced).map(Some),
                     None => Ok(None),
                 }
             })?;
@@ -546,6 +567,18 @@ impl PyKVCacheManager {
         } else {
             f()
         }
+    }
+
+    /// The request's handle in this manager if its registration is current (no explicit
+    /// removal since); call with the manager locked.
+    fn registered_handle(&self, request: &PyRequest) -> Option<RequestHandle> {
+        let removals = self.shared.removals.load(Ordering::Acquire);
+        let me = Arc::as_ptr(&self.shared);
+        lock(&request.data)
+            .registered
+            .iter()
+            .find(|r| r.removals == removals && std::ptr::eq(r.shared.as_ptr(), me))
+            .map(|r| r.handle)
     }
 
     fn blocks(&self, py: Python<'_>, computed: ComputedBlocks) -> PyResult<Py<PyKVCacheBlocks>> {
@@ -621,6 +654,7 @@ impl PyKVCacheManager {
                 inner: Mutex::new(Inner {
                     manager,
                     serials: RequestMap::default(),
+                    new_blocks: Vec::new(),
                 }),
                 dropped: SegQueue::new(),
                 removals: AtomicU64::new(0),
@@ -712,8 +746,8 @@ impl PyKVCacheManager {
         py: Python<'_>,
         request: &PyRequest,
     ) -> PyResult<(Py<PyKVCacheBlocks>, usize)> {
-        let computed = self.with_request(py, request, request.is_long(), |inner, _| {
-            Ok(inner.manager.get_computed_blocks(&request.request_id)?)
+        let computed = self.with_request(py, request, request.is_long(), |inner, r| {
+            Ok(inner.manager.get_computed_blocks(r.handle)?)
         })?;
         let n = computed.num_computed_tokens;
         Ok((self.blocks(py, computed)?, n))
@@ -758,28 +792,45 @@ impl PyKVCacheManager {
             has_scheduled_reqs,
         };
         let long = num_new_tokens >= DETACH_TOKENS;
-        let new = self.with_request(py, request, long, |inner, num_computed_tokens| {
+        // None: out of blocks; Some(None): nothing new (the shared empty result).
+        let new = self.with_request(py, request, long, |inner, r| {
             let args = AllocateArgs {
-                num_computed_tokens,
+                num_computed_tokens: r.num_computed_tokens,
                 ..args
             };
-            Ok(inner.manager.allocate_slots(&request.request_id, &args)?)
+            let Inner {
+                manager,
+                new_blocks,
+                ..
+            } = inner;
+            if !manager.allocate_slots_into(r.handle, &args, new_blocks)? {
+                return Ok(None);
+            }
+            Ok(Some(
+                (!new_blocks.iter().all(Vec::is_empty)).then(|| new_blocks.clone()),
+            ))
         })?;
-        new.map(|blocks| {
-            self.blocks(
-                py,
-                ComputedBlocks {
-                    blocks,
-                    ..ComputedBlocks::default()
-                },
-            )
-        })
-        .transpose()
+        match new {
+            None => Ok(None),
+            Some(None) => Ok(Some(self.empty.clone_ref(py))),
+            Some(Some(blocks)) => self
+                .blocks(
+                    py,
+                    ComputedBlocks {
+                        blocks,
+                        ..ComputedBlocks::default()
+                    },
+                )
+                .map(Some),
+        }
     }
 
     /// Frees the request's blocks, tail first (a request never allocated is a no-op).
     fn free(&self, request: &PyRequest) -> PyResult<()> {
         let mut inner = self.inner();
+        if let Some(handle) = self.registered_handle(request) {
+            return Ok(inner.manager.free(handle)?);
+        }
         match inner.serials.get(&request.request_id) {
             Some(&s) if s == request.serial => Ok(inner.manager.free(&request.request_id)?),
             Some(_) => Err(HybridKvError::new_err(format!(
@@ -858,10 +909,10 @@ impl PyKVCacheManager {
         preempted: bool,
     ) -> PyResult<()> {
         let num_hits = count(num_hits, "num_hits")?;
-        self.with_request(py, request, false, |inner, _| {
+        self.with_request(py, request, false, |inner, r| {
             Ok(inner
                 .manager
-                .record_prefix_cache_stats(&request.request_id, num_hits, preempted)?)
+                .record_prefix_cache_stats(r.handle, num_hits, preempted)?)
         })
     }
 
