@@ -1,5 +1,7 @@
 """Replays vLLM 0.33's own traces through the Python API: every call must match, block ids too."""
 
+import gzip
+import json
 import subprocess
 import sys
 import threading
@@ -38,6 +40,16 @@ def test_replay_is_identical_to_vllm(conformance_dir: Path, tmp_path: Path, name
     assert code == 0
     report = trace_diff(conformance_dir, out, name)
     assert "IDENTICAL" in report, report[:3000]
+    # trace_diff does not compare request lines: they must match too (arrival, sizes, digest).
+    ours = req_lines(out)
+    assert len(ours) == len(load_json(conformance_dir / f"{name}.workload.json.gz")["requests"])
+    assert ours == req_lines(conformance_dir / f"{name}.vllm.jsonl.gz")
+
+
+def req_lines(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return [json.loads(line) for line in f if line.startswith('{"kind":"req"')]
 
 
 def test_replay_stays_identical_while_other_threads_probe(

@@ -168,9 +168,8 @@ def replay(
                 "arrival_step": r["arrival_step"],
                 "num_prompt_tokens": len(r["prompt"]),
                 "max_tokens": len(r["output"]),
-                "prompt_digest": hashlib.sha256(
-                    json.dumps(r["prompt"], separators=(",", ":")).encode()
-                ).hexdigest()[:16],
+                # As vLLM's traces compute it (json.dumps' default separators).
+                "prompt_digest": hashlib.sha256(json.dumps(r["prompt"]).encode()).hexdigest()[:16],
             }
         )
 
