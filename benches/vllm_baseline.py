@@ -1,0 +1,649 @@
+"""Manager CPU time of the real vLLM 0.33 `KVCacheManager` vs hybrid-kv, on the same machine.
+
+`compare_manager.py` compares hybrid-kv with the timings stored in the conformance fixtures, which
+were recorded on another machine. This script instead imports vLLM 0.33 itself, builds its
+`KVCacheManager` from each fixture's trace header (the same KV cache groups, pool size, block and
+hash sizes and dense retention), and replays the fixture's workload with the scheduler loop of
+`hybrid_kv.replay.replay` (shared/conformance/README.md): the same manager calls in the same order,
+each timed with `perf_counter_ns` around the manager call alone, under the same op names. In the
+same process it then runs hybrid-kv's replay of the same workload, and prints both side by side.
+
+Before timing, one traced vLLM replay per fixture is written as kvtrace/1 and compared with the
+recorded vLLM trace by `trace_diff.py --ids`; `IDENTICAL` shows the harness reproduces the
+recorded run call by call (hits, allocations, block ids, free-block counts).
+
+Setup (vLLM is installed without its dependency tree; the second pip line is what importing
+`vllm.v1.core.kv_cache_manager`, `vllm.v1.request` and `vllm.sampling_params` needs on top of a
+Python 3.11 that already has numpy, torch, pydantic and hybrid_kv; pip warns that vLLM pins other
+torch / transformers / xgrammar versions, which is harmless for the manager):
+
+    python3 -m venv --system-site-packages VENV
+    VENV/bin/pip install --no-deps vllm==0.33.0
+    VENV/bin/pip install psutil pyzmq msgspec cbor2 transformers aiohttp openai-harmony openai \\
+        pybase64 cachetools uvloop py-cpuinfo prometheus_client xgrammar fastapi \\
+        partial-json-parser llguidance
+
+Run (from the repository root):
+
+    VENV/bin/python benches/vllm_baseline.py [--repeat 3] [--per-op] [--no-check]
+
+Timed ops, as in hybrid_kv.replay: make_request (vLLM `Request(...)` construction, which hashes
+the prompt with the engine's request block hasher, "sha256" = pickle + SHA-256 by default; the
+`SamplingParams` it takes arrive with the request and are built before the timer starts),
+get_computed_blocks, allocate_slots (+ .admit / .chunk / .decode), free, append_token
+(`Request.append_output_token_ids`, incl. incremental hashing) and new_step_starts. The manager
+total is the sum of the first five, as in vLLM's trace summaries.
+
+The manager is built as vLLM's scheduler builds it, with log_stats=True (the recorded summaries
+carry prefix-cache stats; the flag does not touch any timed call) and max_in_flight_tokens =
+max_num_batched_tokens (a synchronous engine; `--max-in-flight` shows the fixtures replay
+identically with any choice). `--hash-algo` picks vLLM's prefix_caching_hash_algo: the recorded
+make_request times match the default "sha256"; "sha256_cbor" is about twice as slow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+CONFORMANCE = Path(__file__).resolve().parents[1].parent / "shared" / "conformance"
+FIXTURES = ["gpt-oss.shared-prefix", "full-attn.eviction", "gemma3-27b.eviction"]
+OPS = ("allocate_slots", "free", "get_computed_blocks", "make_request", "append_token")
+ALL_OPS = (
+    "make_request",
+    "get_computed_blocks",
+    "allocate_slots",
+    "allocate_slots.admit",
+    "allocate_slots.chunk",
+    "allocate_slots.decode",
+    "free",
+    "append_token",
+    "new_step_starts",
+)
+
+
+def _import_hybrid_kv(attempts: int = 10, wait_s: float = 60.0) -> Any:
+    """`hybrid_kv.replay`, retried while the native extension is being rebuilt."""
+    for attempt in range(attempts):
+        try:
+            import hybrid_kv.replay as replay_module
+
+            return replay_module
+        except ImportError as error:
+            if attempt == attempts - 1:
+                raise
+            print(f"import hybrid_kv failed ({error}); retrying in {wait_s:.0f} s", file=sys.stderr)
+            for name in [m for m in sys.modules if m.startswith("hybrid_kv")]:
+                del sys.modules[name]
+            time.sleep(wait_s)
+    raise AssertionError("unreachable")
+
+
+HK = _import_hybrid_kv()
+
+
+# --------------------------------------------------------------------------- vLLM construction
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def vllm_kv_cache_config(header: dict[str, Any]) -> Any:
+    """vLLM `KVCacheConfig` with exactly the groups, layers and pool size of a trace header."""
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+
+    kv = header["kv_cache"]
+    layers = header["layout"]["layers"]
+    groups = []
+    for group in kv["groups"]:
+        layer = layers[group["layer_ids"][0]]
+        common = {
+            "block_size": group["block_size"],
+            "num_kv_heads": layer["num_kv_heads"],
+            "head_size": layer["head_size"],
+            "dtype": _torch_dtype(layer["dtype"]),
+        }
+        kind = group["kind"]
+        if kind == "full":
+            spec = FullAttentionSpec(**common)
+        elif kind == "sliding_window":
+            spec = SlidingWindowSpec(**common, sliding_window=group["sliding_window"])
+        elif kind == "chunked_local":
+            spec = ChunkedLocalAttentionSpec(
+                **common, attention_chunk_size=group["attention_chunk_size"]
+            )
+        else:
+            raise ValueError(f"replaying {kind!r} groups is not supported")
+        if spec.page_size_bytes != group["page_size_bytes_per_layer"]:
+            raise ValueError(
+                f"group {kind}: page size {spec.page_size_bytes} != "
+                f"{group['page_size_bytes_per_layer']} in the header"
+            )
+        names = [f"model.layers.{i}.attn" for i in group["layer_ids"]]
+        groups.append(KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec))
+    return KVCacheConfig(
+        num_blocks=kv["num_blocks"],
+        kv_cache_tensors=[],
+        kv_cache_groups=groups,
+        prefix_cache_retention_interval=kv.get("prefix_cache_retention_interval"),
+        hash_block_size=kv["hash_block_size"],
+    )
+
+
+def vllm_manager(header: dict[str, Any], sched: dict[str, Any], max_in_flight: str) -> Any:
+    """vLLM's `KVCacheManager` as its scheduler builds it (prefix caching on, log_stats on).
+
+    `max_in_flight` is "batch" (VllmConfig.max_in_flight_tokens of a synchronous engine:
+    max_num_batched_tokens), "async" (two batches in flight) or "unset" (the manager's
+    fallback, max_model_len). It only matters for sliding-window admission caps.
+    """
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    kv = header["kv_cache"]
+    max_model_len = sched["max_model_len"]
+    in_flight = {
+        "batch": sched["max_num_batched_tokens"],
+        "async": 2 * sched["max_num_batched_tokens"],
+        "unset": None,
+    }[max_in_flight]
+    return KVCacheManager(
+        kv_cache_config=vllm_kv_cache_config(header),
+        max_model_len=max_model_len,
+        scheduler_block_size=kv["scheduler_block_size"],
+        hash_block_size=kv["hash_block_size"],
+        max_in_flight_tokens=in_flight,
+        enable_caching=True,
+        log_stats=True,
+    )
+
+
+def vllm_block_hasher(hash_algo: str, hash_block_size: int) -> Callable[[Any], list[Any]]:
+    """The request block hasher vLLM's engine core installs (`init_none_hash` first)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    hash_fn = get_hash_fn_by_name(hash_algo)
+    init_none_hash(hash_fn)
+    return get_request_block_hasher(hash_block_size, hash_fn)
+
+
+# --------------------------------------------------------------------------- vLLM replay
+
+
+def _encode(block_ids: Sequence[Sequence[int]]) -> list[list[Any]]:
+    return HK._encode_blocks([np.asarray(ids, dtype=np.int64) for ids in block_ids])
+
+
+def _prompt_digest(prompt: list[int]) -> str:
+    # As in the recorded vLLM traces: json.dumps with its default separators.
+    return hashlib.sha256(json.dumps(prompt).encode()).hexdigest()[:16]
+
+
+def vllm_replay(
+    workload: dict[str, Any],
+    header: dict[str, Any],
+    hash_algo: str = "sha256",
+    max_in_flight: str = "batch",
+    out: IO[str] | None = None,
+    freeze_gc: bool = False,
+) -> Any:
+    """The loop of `hybrid_kv.replay.replay`, driving vLLM's manager; returns a ReplayResult."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request, RequestStatus
+
+    sched = workload["sched"]
+    max_model_len = sched["max_model_len"]
+    max_num_seqs = sched["max_num_seqs"]
+    max_batched = sched["max_num_batched_tokens"]
+    threshold = sched.get("long_prefill_token_threshold") or 0
+    manager = vllm_manager(header, sched, max_in_flight)
+    pool = manager.block_pool
+    hasher = vllm_block_hasher(hash_algo, header["kv_cache"]["hash_block_size"])
+    if freeze_gc:
+        _freeze_gc()
+    perf = time.perf_counter_ns
+    result = HK.ResultWriter(out)
+    stats = result.stats
+    result.write(_trace_header(workload, header, hash_algo, max_in_flight))
+
+    # Each entry: (request, prompt length, pre-drawn outputs, arrival step).
+    pending: deque[tuple[Any, int, list[int], int]] = deque()
+    for r in workload["requests"]:
+        params = SamplingParams(max_tokens=len(r["output"]))
+        t0 = perf()
+        request = Request(r["rid"], r["prompt"], params, None, block_hasher=hasher)
+        stats.record("make_request", perf() - t0)
+        pending.append((request, len(r["prompt"]), r["output"], r["arrival_step"]))
+        result.write(
+            {
+                "kind": "req",
+                "rid": r["rid"],
+                "arrival_step": r["arrival_step"],
+                "num_prompt_tokens": len(r["prompt"]),
+                "max_tokens": len(r["output"]),
+                "prompt_digest": _prompt_digest(r["prompt"]),
+            }
+        )
+    prompt_len = {req.request_id: n for req, n, _, _ in pending}
+    outputs = {req.request_id: out_ids for req, _, out_ids, _ in pending}
+
+    def cap(req: Any, computed: int, budget: int) -> int:
+        n = req.num_tokens - computed
+        if threshold:
+            n = min(n, threshold)
+        return max(0, min(n, budget, max_model_len - 1 - computed))
+
+    def call(op: str, rid: str, step: int, ns: int, **fields: Any) -> None:
+        result.seq += 1
+        record = {"kind": "call", "step": step, "op": op, "rid": rid, **fields, "ns": ns}
+        record["free"] = pool.get_num_free_blocks()
+        record["cached"] = len(pool.cached_block_hash_to_block)
+        record["seq"] = result.seq
+        result.write(record)
+
+    def allocated(
+        req: Any, step: int, ns: int, n: int, hit: int, computed: int, admit: bool, new: Any
+    ) -> None:
+        stats.record("allocate_slots", ns)
+        kind = "admit" if admit else ("decode" if n == 1 else "chunk")
+        stats.record(f"allocate_slots.{kind}", ns)
+        if out is None:
+            return
+        call(
+            "allocate_slots",
+            req.request_id,
+            step,
+            ns,
+            num_new_tokens=n,
+            num_new_computed_tokens=hit,
+            num_computed_tokens=computed,
+            admit=admit,
+            ok=new is not None,
+            new_blocks=None if new is None else _encode(new.get_block_ids()),
+        )
+
+    waiting: deque[Any] = deque()
+    running: list[Any] = []
+    step = 0
+    wall0 = time.perf_counter()
+    while pending or waiting or running:
+        while pending and pending[0][3] <= step:
+            waiting.append(pending.popleft()[0])
+        if not running and not waiting:
+            step = pending[0][3]
+            continue
+        result.write(
+            {"kind": "step", "step": step, "running": len(running), "waiting": len(waiting)}
+        )
+        t0 = perf()
+        manager.new_step_starts()
+        stats.record("new_step_starts", perf() - t0)
+        stats.num_steps += 1
+        budget = max_batched
+        preempted = False
+        scheduled: list[tuple[Any, int]] = []
+
+        # A) running requests, in order
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            computed = req.num_computed_tokens
+            n = cap(req, computed, budget)
+            if n == 0:
+                i += 1
+                continue
+            while True:
+                t0 = perf()
+                new = manager.allocate_slots(req, n)
+                allocated(req, step, perf() - t0, n, 0, computed, False, new)
+                if new is not None:
+                    scheduled.append((req, n))
+                    budget -= n
+                    i += 1
+                    break
+                victim = running.pop()
+                t0 = perf()
+                manager.free(victim)
+                ns = perf() - t0
+                stats.record("free", ns)
+                if out is not None:
+                    call("free", victim.request_id, step, ns, reason="preempted")
+                victim.status = RequestStatus.PREEMPTED
+                victim.num_computed_tokens = 0
+                victim.num_preemptions += 1
+                stats.num_preemptions += 1
+                waiting.appendleft(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if preempted and (not running or req not in running):
+                break
+
+        # B) waiting requests
+        if not preempted:
+            while waiting and budget > 0 and len(running) < max_num_seqs:
+                req = waiting[0]
+                t0 = perf()
+                blocks, hit, spb = manager.get_computed_blocks(req)
+                ns = perf() - t0
+                stats.record("get_computed_blocks", ns)
+                req.shared_prefix_boundary = spb
+                if out is not None:
+                    call(
+                        "get_computed_blocks",
+                        req.request_id,
+                        step,
+                        ns,
+                        num_tokens=req.num_tokens,
+                        hit_tokens=hit,
+                        hit_blocks=_encode(blocks.get_block_ids()),
+                        spb=spb,
+                    )
+                n = cap(req, hit, budget)
+                if n == 0:
+                    break
+                t0 = perf()
+                new = manager.allocate_slots(
+                    req,
+                    n,
+                    num_new_computed_tokens=hit,
+                    new_computed_blocks=blocks,
+                    full_sequence_must_fit=True,
+                    has_scheduled_reqs=bool(running),
+                )
+                ns = perf() - t0
+                allocated(req, step, ns, n, hit, req.num_computed_tokens, True, new)
+                if new is None:
+                    break
+                manager.record_prefix_cache_stats(req, hit)
+                waiting.popleft()
+                running.append(req)
+                req.status = RequestStatus.RUNNING
+                req.num_computed_tokens = hit
+                scheduled.append((req, n))
+                budget -= n
+
+        # C) execute, D) sample and finish
+        for req, n in scheduled:
+            req.num_computed_tokens += n
+        for req, _ in scheduled:
+            if req.num_computed_tokens != req.num_tokens:
+                continue
+            output = outputs[req.request_id]
+            produced = req.num_tokens - prompt_len[req.request_id]
+            t0 = perf()
+            req.append_output_token_ids(output[produced])
+            stats.record("append_token", perf() - t0)
+            if produced + 1 == len(output) or req.num_tokens >= max_model_len:
+                req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                t0 = perf()
+                manager.free(req)
+                ns = perf() - t0
+                stats.record("free", ns)
+                if out is not None:
+                    call("free", req.request_id, step, ns, reason="finished")
+                running.remove(req)
+                stats.num_finished += 1
+        step += 1
+    stats.wall_s = time.perf_counter() - wall0
+    if freeze_gc:
+        gc.unfreeze()
+    pc = manager.make_prefix_cache_stats()
+    stats.prefix_cache = {
+        "requests": pc.requests,
+        "queries": pc.queries,
+        "hits": pc.hits,
+        "hit_rate": pc.hits / pc.queries if pc.queries else 0.0,
+        "preempted_requests": pc.preempted_requests,
+        "preempted_queries": pc.preempted_queries,
+        "preempted_hits": pc.preempted_hits,
+    }
+    summary = stats.summary()
+    summary["free_at_end"] = pool.get_num_free_blocks()
+    result.write(summary)
+    return stats
+
+
+def _trace_header(
+    workload: dict[str, Any], header: dict[str, Any], hash_algo: str, max_in_flight: str
+) -> dict[str, Any]:
+    import vllm
+
+    blob = json.dumps(workload, sort_keys=True, separators=(",", ":")).encode()
+    return {
+        "kind": "header",
+        "format": "kvtrace/1",
+        "impl": f"vllm-{vllm.__version__}",
+        "harness": {
+            "script": "benches/vllm_baseline.py",
+            "prefix_caching_hash_algo": hash_algo,
+            "max_in_flight_tokens": max_in_flight,
+            "log_stats": True,
+        },
+        "layout": header.get("layout"),
+        "workload": {
+            "name": workload.get("name"),
+            "seed": workload.get("seed"),
+            "digest": hashlib.sha256(blob).hexdigest()[:16],
+            "sched": workload["sched"],
+            "num_requests": len(workload["requests"]),
+        },
+        "kv_cache": header["kv_cache"],
+    }
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def recorded_summary(path: Path) -> dict[str, Any]:
+    with HK._open(path) as f:
+        for line in f:
+            if '"kind":"summary"' in line:
+                return json.loads(line)
+    raise ValueError(f"{path}: no summary line")
+
+
+def check_trace(ours: Path, recorded: Path, verbose: bool) -> tuple[bool, str]:
+    """Runs trace_diff.py --ids; returns (identical, its verdict line)."""
+    diff = subprocess.run(
+        [sys.executable, str(CONFORMANCE / "trace_diff.py"), str(ours), str(recorded), "--ids"],
+        capture_output=True,
+        text=True,
+    )
+    verdict = next(
+        (ln for ln in diff.stdout.splitlines() if "IDENTICAL" in ln or "MISMATCH" in ln),
+        diff.stdout.strip() or diff.stderr.strip(),
+    )
+    if verbose or diff.returncode != 0:
+        print(diff.stdout + diff.stderr)
+    return diff.returncode == 0, verdict
+
+
+def _freeze_gc() -> None:
+    """What vLLM's engine core does once the scheduler is built (`freeze_gc_heap`)."""
+    for generation in (0, 1, 2):
+        gc.collect(generation)
+    gc.freeze()
+
+
+def hybrid_kv_replay(
+    workload: dict[str, Any], header: dict[str, Any], freeze_gc: bool = False
+) -> Any:
+    """hybrid-kv's own replay of the workload, as `compare_manager.py` runs it."""
+    manager = HK.manager_from_header(header, workload["sched"]["max_model_len"])
+    if freeze_gc:
+        _freeze_gc()
+    try:
+        return HK.replay(workload, manager)
+    finally:
+        if freeze_gc:
+            gc.unfreeze()
+
+
+def best_of(runs: int, fn: Callable[[], Any]) -> Any:
+    best = None
+    for _ in range(runs):
+        gc.collect()
+        result = fn()
+        if best is None or result.manager_seconds() < best.manager_seconds():
+            best = result
+    return best
+
+
+def p50(result: Any, op: str) -> float:
+    values = result.timings.get(op)
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def total_s(result: Any, op: str) -> float:
+    return sum(result.timings.get(op, [])) / 1e9
+
+
+def print_fixture(name: str, recorded: dict[str, Any], vllm: Any, ours: Any, per_op: bool) -> None:
+    timing = recorded["timing"]
+    rec_total = sum(timing[op]["total_s"] for op in OPS)
+    v_total, h_total = vllm.manager_seconds(), ours.manager_seconds()
+    print(f"\n### {name}\n")
+    print(
+        "| manager time (s) | vLLM recorded | vLLM here | hybrid-kv here | speed-up here |\n"
+        "|---|---:|---:|---:|---:|"
+    )
+    print(f"| total | {rec_total:.4f} | {v_total:.4f} | {h_total:.4f} | {v_total / h_total:.0f}× |")
+    print("\n| p50 (ns) | vLLM recorded | vLLM here | hybrid-kv here | speed-up here |")
+    print("|---|---:|---:|---:|---:|")
+    for op in ("allocate_slots.decode", "make_request"):
+        v, h = p50(vllm, op), p50(ours, op)
+        print(f"| {op} | {timing[op]['median_ns']} | {v:.0f} | {h:.0f} | {v / h:.1f}× |")
+    if not per_op:
+        return
+    print(
+        "\n| op | count | total s: vLLM recorded | vLLM here | hybrid-kv here | speed-up "
+        "| p50 ns: vLLM here | hybrid-kv here |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for op in ALL_OPS:
+        if op not in vllm.timings:
+            continue
+        v, h = total_s(vllm, op), total_s(ours, op)
+        rec = timing.get(op, {}).get("total_s", float("nan"))
+        ratio = f"{v / h:.0f}×" if h else "-"
+        print(
+            f"| {op} | {len(vllm.timings[op])} | {rec:.4f} | {v:.4f} | {h:.4f} | {ratio} "
+            f"| {p50(vllm, op):.0f} | {p50(ours, op):.0f} |"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=3, help="timed replays per fixture (best)")
+    parser.add_argument("--fixtures", nargs="+", default=FIXTURES, choices=FIXTURES)
+    parser.add_argument("--conformance", type=Path, default=CONFORMANCE, help="fixture dir")
+    parser.add_argument("--per-op", action="store_true", help="also print per-op totals")
+    parser.add_argument(
+        "--no-check", action="store_true", help="skip the traced replay and trace_diff.py --ids"
+    )
+    parser.add_argument("--trace-dir", type=Path, help="keep the vLLM harness traces here")
+    parser.add_argument("--verbose", action="store_true", help="print trace_diff.py output")
+    parser.add_argument(
+        "--freeze-gc",
+        action="store_true",
+        help="gc.freeze() once each manager is built, as vLLM's engine core does",
+    )
+    parser.add_argument(
+        "--hash-algo",
+        default="sha256",
+        choices=["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"],
+        help="CacheConfig.prefix_caching_hash_algo (vLLM's default: sha256)",
+    )
+    parser.add_argument(
+        "--max-in-flight",
+        default="batch",
+        choices=["batch", "async", "unset"],
+        help="max_in_flight_tokens given to the manager (see vllm_manager)",
+    )
+    args = parser.parse_args(argv)
+
+    import vllm
+
+    print(
+        f"vLLM {vllm.__version__} KVCacheManager vs hybrid-kv ({HK.IMPL}); Python "
+        f"{sys.version.split()[0]}, {os.cpu_count()} CPUs; best of {args.repeat}; "
+        f"hash {args.hash_algo}, max_in_flight_tokens={args.max_in_flight}, log_stats=True, "
+        f"gc {'frozen after manager init' if args.freeze_gc else 'as is'}"
+    )
+    scratch = tempfile.TemporaryDirectory(prefix="vllm_baseline.")
+    trace_dir = args.trace_dir or Path(scratch.name)
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    all_identical = True
+    rows = []
+    for name in args.fixtures:
+        workload = HK.load_json(args.conformance / f"{name}.workload.json.gz")
+        recorded_path = args.conformance / f"{name}.vllm.jsonl.gz"
+        header = HK.read_header(recorded_path)
+        recorded = recorded_summary(recorded_path)
+        if not args.no_check:
+            trace = trace_dir / f"{name}.vllm-harness.jsonl"
+            with open(trace, "w") as out:
+                vllm_replay(workload, header, args.hash_algo, args.max_in_flight, out)
+            identical, verdict = check_trace(trace, recorded_path, args.verbose)
+            all_identical &= identical
+            print(f"\n{name}: trace_diff.py {trace} --ids: {verdict}")
+        vllm_best = best_of(
+            args.repeat,
+            lambda w=workload, h=header: vllm_replay(
+                w, h, args.hash_algo, args.max_in_flight, freeze_gc=args.freeze_gc
+            ),
+        )
+        ours_best = best_of(
+            args.repeat,
+            lambda w=workload, h=header: hybrid_kv_replay(w, h, freeze_gc=args.freeze_gc),
+        )
+        print_fixture(name, recorded, vllm_best, ours_best, args.per_op)
+        rec_total = sum(recorded["timing"][op]["total_s"] for op in OPS)
+        rows.append((name, rec_total, vllm_best, ours_best))
+
+    print("\n### Summary (manager time, s)\n")
+    print("| fixture | vLLM recorded | vLLM here | hybrid-kv here | speed-up here |")
+    print("|---|---:|---:|---:|---:|")
+    for name, rec_total, v, h in rows:
+        vs, hs = v.manager_seconds(), h.manager_seconds()
+        print(f"| {name} | {rec_total:.4f} | {vs:.4f} | {hs:.4f} | {vs / hs:.0f}× |")
+    if not args.no_check:
+        verdict = "all IDENTICAL" if all_identical else "MISMATCH"
+        kept = f" (kept in {trace_dir})" if args.trace_dir else ""
+        print(f"\nvLLM harness traces vs recorded (trace_diff.py --ids): {verdict}{kept}")
+    scratch.cleanup()
+    options = shlex.join(sys.argv[1:] if argv is None else argv)
+    print(f"\nreproduce: VENV/bin/python benches/vllm_baseline.py {options}".rstrip())
+    return 0 if all_identical else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
