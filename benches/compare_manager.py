@@ -5,7 +5,7 @@ recorded with) and compares per-op times with the `summary` line of vLLM's own t
 a 2-core CPU machine of the same class). The pure-Rust floor of the same replay is
 `cargo bench --bench replay`.
 
-    python3 benches/compare_manager.py [--repeat 3]
+    python3 benches/compare_manager.py [--repeat 3] [--prompts list|numpy]
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import json
 import statistics
 from pathlib import Path
 
+import numpy as np
 from hybrid_kv.replay import load_json, manager_from_header, read_header, replay
 
 CONFORMANCE = Path(__file__).resolve().parents[1].parent / "shared" / "conformance"
@@ -34,6 +35,13 @@ def vllm_summary(name: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3, help="replays per fixture (best kept)")
+    parser.add_argument(
+        "--prompts",
+        choices=("list", "numpy"),
+        default="list",
+        help="prompt type given to Request: the workload's lists, or int32 arrays made before "
+        "the replay (a tokenizer can hand over either)",
+    )
     args = parser.parse_args()
     print(
         "| fixture | vLLM manager s | hybrid-kv s | speed-up | decode p50 ns (vLLM) "
@@ -42,6 +50,9 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|")
     for name in FIXTURES:
         workload = load_json(CONFORMANCE / f"{name}.workload.json.gz")
+        if args.prompts == "numpy":
+            for r in workload["requests"]:
+                r["prompt"] = np.array(r["prompt"], dtype=np.int32)
         header = read_header(CONFORMANCE / f"{name}.vllm.jsonl.gz")
         best = None
         for _ in range(args.repeat):
@@ -61,7 +72,8 @@ def main() -> None:
             f"| {make:.1f} ({theirs['make_request']['median_ns'] / 1e3:.0f}, "
             f"{theirs['make_request']['median_ns'] / 1e3 / make:.0f}×) |"
         )
-    print("\nreproduce: python3 benches/compare_manager.py")
+    extra = " --prompts numpy" if args.prompts == "numpy" else ""
+    print(f"\nreproduce: python3 benches/compare_manager.py --repeat {args.repeat}{extra}")
 
 
 if __name__ == "__main__":

@@ -168,8 +168,7 @@ def replay(
                 "arrival_step": r["arrival_step"],
                 "num_prompt_tokens": len(r["prompt"]),
                 "max_tokens": len(r["output"]),
-                # As vLLM's traces compute it (json.dumps' default separators).
-                "prompt_digest": hashlib.sha256(json.dumps(r["prompt"]).encode()).hexdigest()[:16],
+                "prompt_digest": _prompt_digest(r["prompt"]),
             }
         )
 
@@ -341,6 +340,12 @@ class ResultWriter:
     def write(self, record: dict[str, Any]) -> None:
         if self.out is not None:
             self.out.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+
+def _prompt_digest(prompt: Sequence[int] | np.ndarray) -> str:
+    """As vLLM's traces compute it (json.dumps' default separators); prompts may be arrays."""
+    tokens = prompt.tolist() if isinstance(prompt, np.ndarray) else prompt
+    return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
 
 
 def _digest(workload: dict[str, Any]) -> str:
