@@ -126,6 +126,32 @@ def test_garbage_collected_request_is_forgotten() -> None:
     assert manager.num_requests == 0, "its hashes went with the Request object"
 
 
+def test_one_request_driven_through_three_managers_stays_in_step_with_each() -> None:
+    # Each manager keeps its own hashed copy of the request; appends made between calls reach
+    # every one of them, removing it from one leaves the others, and dropping it frees all.
+    groups = [{"kind": "full", "block_size": 4}]
+    managers = [hk.KVCacheManager(groups, 32, 1024) for _ in range(3)]
+    req = hk.Request("r", list(range(10)), block_size=4)
+    for m in managers:
+        assert m.allocate_slots(req, 10) is not None
+    req.num_computed_tokens = 10
+    for step in range(6):
+        req.append_output_token_ids(100 + step)
+        for m in reversed(managers):
+            m.allocate_slots(req, 1)
+        req.num_computed_tokens += 1
+    # 16 tokens: four full blocks, each cached by every manager.
+    assert [m.num_cached_blocks for m in managers] == [4, 4, 4]
+    managers[1].remove_request("r")
+    assert [m.num_requests for m in managers] == [1, 0, 1]
+    req.append_output_token_ids(200)
+    managers[2].allocate_slots(req, 1)
+    assert len(managers[2].get_block_ids("r")[0]) == 5
+    del req
+    gc.collect()
+    assert [m.num_requests for m in managers] == [0, 0, 0]
+
+
 def test_appended_outputs_are_hashed_and_cached_incrementally() -> None:
     manager = hk.KVCacheManager([{"kind": "full", "block_size": 4}], 32, 1024)
     req = hk.Request("r", [1, 2, 3])
