@@ -162,51 +162,79 @@ fn detect_int_layout(py: Python<'_>) -> Option<IntLayout> {
 /// an `int` (numpy scalars, objects with `__index__`), for the caller's generic path.
 ///
 /// Lists are the common case (vLLM's `prompt_token_ids`). Exact one-digit ints (every token id
-/// below 2^30) are read from the object in the layout [`detect_int_layout`] verified; other
-/// items go through `PyLong_AsLongLong`. Warm 3,000-token list: 4.9 -> 2.5 ns per token.
+/// below 2^30) are read from the object in the layout [`detect_int_layout`] verified, in one
+/// pass over the list's item array into the vector's spare capacity; other items go through
+/// `PyLong_AsLongLong`. Warm 3,000-token list: 4.9 ns per token through the C API, 1.85 ns
+/// here; cold (the replay's prompts), about 4.5.
 fn read_int_list(list: &Bound<'_, PyList>) -> PyResult<Option<Vec<u32>>> {
     let py = list.py();
     let layout = *INT_LAYOUT.get_or_init(|| detect_int_layout(py));
     let int_type = std::ptr::addr_of_mut!(pyo3::ffi::PyLong_Type);
     let len = list.len();
-    let mut values = Vec::with_capacity(len);
-    for i in 0..len {
-        // SAFETY: the GIL is held (`list` is bound to it) and `i < len`. Only exact or
-        // subclassed `int`s are converted, and converting those runs no Python code, so the
-        // list cannot change size during the loop; each item is a borrowed reference the list
-        // keeps alive while we read it. `small_int` only gets exact `int`s, in the layout
-        // `detect_int_layout` verified for this interpreter.
-        let v = unsafe {
-            let item = pyo3::ffi::PyList_GET_ITEM(list.as_ptr(), i as pyo3::ffi::Py_ssize_t);
-            let fast = match layout {
-                Some(layout) if pyo3::ffi::Py_TYPE(item) == int_type => small_int(item, layout),
-                _ => None,
-            };
-            if let Some(token) = fast {
-                values.push(token);
-                continue;
-            }
-            if pyo3::ffi::PyLong_Check(item) == 0 {
-                return Ok(None);
-            }
-            pyo3::ffi::PyLong_AsLongLong(item)
-        };
-        if v == -1 && PyErr::take(py).is_some() {
-            // Overflow of i64: certainly outside the token id range.
-            return Err(HybridKvError::new_err(format!(
-                "token id at position {i} is outside [0, 2^32)"
-            )));
-        }
-        match u32::try_from(v) {
-            Ok(t) => values.push(t),
-            Err(_) => {
-                return Err(HybridKvError::new_err(format!(
-                    "token id {v} at position {i} is outside [0, 2^32)"
-                )))
-            }
-        }
+    if len == 0 {
+        return Ok(Some(Vec::new()));
     }
+    // SAFETY: the GIL is held (`list` is bound to it), and a non-empty list's `ob_item` points
+    // to its `len` item pointers. Nothing below runs Python code (only exact or subclassed
+    // `int`s are converted, which runs none), so the list is neither resized nor changed while
+    // the slice is read, and each item is a borrowed reference the list keeps alive.
+    let items: &[*mut pyo3::ffi::PyObject] = unsafe {
+        let list = list.as_ptr().cast::<pyo3::ffi::PyListObject>();
+        std::slice::from_raw_parts((*list).ob_item, len)
+    };
+    let mut values: Vec<u32> = Vec::with_capacity(len);
+    for (i, (slot, &item)) in values
+        .spare_capacity_mut()
+        .iter_mut()
+        .zip(items)
+        .enumerate()
+    {
+        // SAFETY: `item` is alive (see above); `small_int` only gets exact `int`s, in the
+        // layout `detect_int_layout` verified for this interpreter.
+        let fast = match layout {
+            Some(layout) if unsafe { pyo3::ffi::Py_TYPE(item) } == int_type => unsafe {
+                small_int(item, layout)
+            },
+            _ => None,
+        };
+        let token = match fast {
+            Some(token) => token,
+            None => match int_item(py, item, i)? {
+                Some(token) => token,
+                None => return Ok(None),
+            },
+        };
+        slot.write(token);
+    }
+    // SAFETY: the loop wrote all `len` slots (it returns early otherwise).
+    unsafe { values.set_len(len) };
     Ok(Some(values))
+}
+
+/// A list item that is not an exact one-digit `int`, read through the C API: its token id,
+/// `None` if it is not an `int` at all, or an error if it is out of range.
+#[cold]
+fn int_item(py: Python<'_>, item: *mut pyo3::ffi::PyObject, i: usize) -> PyResult<Option<u32>> {
+    // SAFETY: `item` is a live object (a list item, see `read_int_list`) and the GIL is held;
+    // converting an `int` (or subclass) runs no Python code.
+    let v = unsafe {
+        if pyo3::ffi::PyLong_Check(item) == 0 {
+            return Ok(None);
+        }
+        pyo3::ffi::PyLong_AsLongLong(item)
+    };
+    if v == -1 && PyErr::take(py).is_some() {
+        // Overflow of i64: certainly outside the token id range.
+        return Err(HybridKvError::new_err(format!(
+            "token id at position {i} is outside [0, 2^32)"
+        )));
+    }
+    match u32::try_from(v) {
+        Ok(t) => Ok(Some(t)),
+        Err(_) => Err(HybridKvError::new_err(format!(
+            "token id {v} at position {i} is outside [0, 2^32)"
+        ))),
+    }
 }
 
 /// Token ids, borrowed from numpy without copying where possible.
