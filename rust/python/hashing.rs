@@ -8,8 +8,8 @@ use numpy::PyArray2;
 use pyo3::prelude::*;
 use std::sync::Mutex;
 
-/// Token arrays at least this long are hashed with the GIL released.
-const DETACH_TOKENS: usize = 1 << 14;
+/// Token arrays at least this long are hashed with the GIL released (also by `Request`).
+pub(crate) const DETACH_TOKENS: usize = 1 << 14;
 
 pub(crate) fn extra_keys(
     cache_salt: Option<String>,

@@ -85,6 +85,7 @@ pub(crate) struct PyRequest {
 }
 
 struct Prehash<'a> {
+    py: Python<'a>,
     hasher: &'a BlockHasher,
     extra: &'a ExtraKeys,
 }
@@ -94,13 +95,22 @@ impl TokenFn<CoreResult<(usize, Vec<BlockHash>, Vec<u32>)>> for Prehash<'_> {
         self,
         tokens: &[T],
     ) -> CoreResult<(usize, Vec<BlockHash>, Vec<u32>)> {
-        check_tokens(tokens)?;
-        let mut hashes = Vec::new();
-        self.hasher
-            .hash_blocks(None, tokens, 0, self.extra, &mut hashes)?;
-        let full = hashes.len() * self.hasher.block_size();
-        let tail = tokens[full..].iter().map(|t| t.as_u32()).collect();
-        Ok((tokens.len(), hashes, tail))
+        let run = || {
+            check_tokens(tokens)?;
+            let mut hashes = Vec::new();
+            self.hasher
+                .hash_blocks(None, tokens, 0, self.extra, &mut hashes)?;
+            let full = hashes.len() * self.hasher.block_size();
+            let tail = tokens[full..].iter().map(|t| t.as_u32()).collect();
+            Ok((tokens.len(), hashes, tail))
+        };
+        if tokens.len() >= super::hashing::DETACH_TOKENS {
+            // A long prompt is hashed with the GIL released, as `hash_token_blocks` does; the
+            // tokens are borrowed read-only from numpy, or were copied out of the list.
+            self.py.detach(run)
+        } else {
+            run()
+        }
     }
 }
 
@@ -122,6 +132,7 @@ impl PyRequest {
         let extra = extra_keys(cache_salt, lora_name, mm_inputs)?;
         let hasher = BlockHasher::new(block_size, HashAlgo::parse(hash_algo)?, hash_seed)?;
         let (len, hashes, tail) = Tokens::extract(prompt_token_ids)?.with_slice(Prehash {
+            py: prompt_token_ids.py(),
             hasher: &hasher,
             extra: &extra,
         })?;
@@ -263,6 +274,19 @@ impl Drop for PyRequest {
             // Never block here: the manager may be busy in another thread.
             shared.dropped.push((self.request_id.clone(), self.serial));
         }
+    }
+}
+
+/// `Prober::probe` over borrowed tokens, with the GIL released.
+struct ProbeFn<'a> {
+    py: Python<'a>,
+    prober: &'a Prober,
+    extra: &'a ExtraKeys,
+}
+
+impl TokenFn<CoreResult<usize>> for ProbeFn<'_> {
+    fn call<T: TokenId + Send + Sync>(self, tokens: &[T]) -> CoreResult<usize> {
+        self.py.detach(|| self.prober.probe(tokens, self.extra))
     }
 }
 
@@ -894,9 +918,12 @@ impl PyKVCacheManager {
         mm_inputs: Option<Vec<(String, usize, usize)>>,
     ) -> PyResult<usize> {
         let extra = extra_keys(cache_salt, lora_name, mm_inputs)?;
-        let tokens = Tokens::extract(token_ids)?.into_u32()?;
-        let prober = &self.shared.prober;
-        Ok(py.detach(|| prober.probe(&tokens, &extra))?)
+        // A numpy prompt is probed in place (no copy made with the GIL held).
+        Ok(Tokens::extract(token_ids)?.with_slice(ProbeFn {
+            py,
+            prober: &self.shared.prober,
+            extra: &extra,
+        })?)
     }
 
     /// Records one admission's prefix-cache lookup (call after a successful admission).

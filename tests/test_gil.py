@@ -1,0 +1,64 @@
+"""Long calls release the GIL: another Python thread keeps running while they work in Rust."""
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import hybrid_kv as hk
+import numpy as np
+import pytest
+
+# Long enough for calls of tens of milliseconds, far above the switch interval set below.
+LONG = np.arange(12_000_000, dtype=np.int32) % 150_000
+
+
+def longest_pause(call: Callable[[], object]) -> tuple[float, float]:
+    """Runs `call` while another thread records timestamps as fast as it can; returns the
+    longest gap between its timestamps during the call, and the call's duration (seconds). A
+    call that holds the GIL shows as one gap about as long as itself."""
+    stamps: list[float] = []
+    stop = threading.Event()
+
+    def ticker() -> None:
+        while not stop.is_set():
+            stamps.append(time.perf_counter())
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)
+    thread = threading.Thread(target=ticker)
+    thread.start()
+    try:
+        while len(stamps) < 100:
+            time.sleep(0.001)
+        start = time.perf_counter()
+        call()
+        end = time.perf_counter()
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(old)
+    during = [start] + [t for t in stamps if start < t < end] + [end]
+    return max(b - a for a, b in zip(during[:-1], during[1:], strict=True)), end - start
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["hash_token_blocks", "Request", "probe"],
+)
+def test_long_calls_let_other_threads_run(name: str) -> None:
+    manager = hk.KVCacheManager([{"kind": "full", "block_size": 16}], 64, 16_000_000)
+    calls: dict[str, Callable[[], object]] = {
+        "hash_token_blocks": lambda: hk.hash_token_blocks(LONG, 16),
+        "Request": lambda: hk.Request("long", LONG),
+        "probe": lambda: manager.probe(LONG),
+    }
+    pause, seconds = longest_pause(calls[name])
+    assert seconds > 0.012, f"{name} took only {seconds:.4f} s: the test needs a longer call"
+    assert pause < seconds / 2, f"other threads stalled {pause:.4f} s of {name}'s {seconds:.4f} s"
+
+
+def test_the_check_sees_a_call_that_holds_the_gil() -> None:
+    # The same measurement on a C loop that never releases the GIL.
+    pause, seconds = longest_pause(lambda: sum(range(20_000_000)))
+    assert pause > seconds / 2
