@@ -164,8 +164,8 @@ fn detect_int_layout(py: Python<'_>) -> Option<IntLayout> {
 /// Lists are the common case (vLLM's `prompt_token_ids`). Exact one-digit ints (every token id
 /// below 2^30) are read from the object in the layout [`detect_int_layout`] verified, in one
 /// pass over the list's item array into the vector's spare capacity; other items go through
-/// `PyLong_AsLongLong`. Warm 3,000-token list: 4.9 ns per token through the C API, 1.85 ns
-/// here; cold (the replay's prompts), about 4.5.
+/// `PyLong_AsLongLong`. A `Request` made from a warm 3,000-token list (reading and hashing)
+/// takes 4.9 ns per token with every item read through the C API, 1.85 ns with this loop.
 fn read_int_list(list: &Bound<'_, PyList>) -> PyResult<Option<Vec<u32>>> {
     let py = list.py();
     let layout = *INT_LAYOUT.get_or_init(|| detect_int_layout(py));
