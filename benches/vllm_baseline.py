@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import json
 import os
 import shlex
@@ -54,7 +53,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -197,13 +195,66 @@ def vllm_block_hasher(hash_algo: str, hash_block_size: int) -> Callable[[Any], l
 # --------------------------------------------------------------------------- vLLM replay
 
 
-def _encode(block_ids: Sequence[Sequence[int]]) -> list[list[Any]]:
-    return HK._encode_blocks([np.asarray(ids, dtype=np.int64) for ids in block_ids])
+class VllmEngine:
+    """vLLM's `KVCacheManager` and `Request` as a `hybrid_kv.replay.Engine`: the replay loop is
+    hybrid-kv's own, so both sides run exactly the same calls, timed the same way."""
 
+    def __init__(
+        self, header: dict[str, Any], sched: dict[str, Any], hash_algo: str, max_in_flight: str
+    ) -> None:
+        from vllm.v1.request import RequestStatus
 
-def _prompt_digest(prompt: list[int]) -> str:
-    # As in the recorded vLLM traces: json.dumps with its default separators.
-    return hashlib.sha256(json.dumps(prompt).encode()).hexdigest()[:16]
+        self.manager = vllm_manager(header, sched, max_in_flight)
+        self.pool = self.manager.block_pool
+        self.hasher = vllm_block_hasher(hash_algo, header["kv_cache"]["hash_block_size"])
+        self.status = RequestStatus
+
+    def request_maker(self, r: dict[str, Any]) -> Callable[[], Any]:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        # The sampling parameters arrive with the request: built before the timer starts.
+        params = SamplingParams(max_tokens=len(r["output"]))
+        rid, prompt, hasher = r["rid"], r["prompt"], self.hasher
+        return lambda: Request(rid, prompt, params, None, block_hasher=hasher)
+
+    def hit(self, request: Any, result: Any) -> tuple[Any, int, int]:
+        blocks, hit, spb = result
+        request.shared_prefix_boundary = spb
+        return blocks, hit, spb
+
+    def block_ids(self, blocks: Any) -> Sequence[np.ndarray]:
+        return [np.asarray(ids, dtype=np.int64) for ids in blocks.get_block_ids()]
+
+    def num_free_blocks(self) -> int:
+        return self.pool.get_num_free_blocks()
+
+    def num_cached_blocks(self) -> int:
+        return len(self.pool.cached_block_hash_to_block)
+
+    def admitted(self, request: Any, hit: int, preempted: bool) -> None:
+        # vLLM tells re-admissions apart by the request's own preemption count.
+        self.manager.record_prefix_cache_stats(request, hit)
+        request.status = self.status.RUNNING
+
+    def preempted(self, request: Any) -> None:
+        request.status = self.status.PREEMPTED
+        request.num_preemptions += 1
+
+    def finished(self, request: Any) -> None:
+        request.status = self.status.FINISHED_LENGTH_CAPPED
+
+    def prefix_cache_stats(self) -> dict[str, Any]:
+        pc = self.manager.make_prefix_cache_stats()
+        return {
+            "requests": pc.requests,
+            "queries": pc.queries,
+            "hits": pc.hits,
+            "hit_rate": pc.hits / pc.queries if pc.queries else 0.0,
+            "preempted_requests": pc.preempted_requests,
+            "preempted_queries": pc.preempted_queries,
+            "preempted_hits": pc.preempted_hits,
+        }
 
 
 def vllm_replay(
@@ -214,221 +265,16 @@ def vllm_replay(
     out: IO[str] | None = None,
     freeze_gc: bool = False,
 ) -> Any:
-    """The loop of `hybrid_kv.replay.replay`, driving vLLM's manager; returns a ReplayResult."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request, RequestStatus
-
-    sched = workload["sched"]
-    max_model_len = sched["max_model_len"]
-    max_num_seqs = sched["max_num_seqs"]
-    max_batched = sched["max_num_batched_tokens"]
-    threshold = sched.get("long_prefill_token_threshold") or 0
-    manager = vllm_manager(header, sched, max_in_flight)
-    pool = manager.block_pool
-    hasher = vllm_block_hasher(hash_algo, header["kv_cache"]["hash_block_size"])
+    """`hybrid_kv.replay.replay` driving vLLM's manager; returns a ReplayResult."""
+    engine = VllmEngine(header, workload["sched"], hash_algo, max_in_flight)
     if freeze_gc:
         _freeze_gc()
-    perf = time.perf_counter_ns
-    result = HK.ResultWriter(out)
-    stats = result.stats
-    result.write(_trace_header(workload, header, hash_algo, max_in_flight))
-
-    # Each entry: (request, prompt length, pre-drawn outputs, arrival step).
-    pending: deque[tuple[Any, int, list[int], int]] = deque()
-    for r in workload["requests"]:
-        params = SamplingParams(max_tokens=len(r["output"]))
-        t0 = perf()
-        request = Request(r["rid"], r["prompt"], params, None, block_hasher=hasher)
-        stats.record("make_request", perf() - t0)
-        pending.append((request, len(r["prompt"]), r["output"], r["arrival_step"]))
-        result.write(
-            {
-                "kind": "req",
-                "rid": r["rid"],
-                "arrival_step": r["arrival_step"],
-                "num_prompt_tokens": len(r["prompt"]),
-                "max_tokens": len(r["output"]),
-                "prompt_digest": _prompt_digest(r["prompt"]),
-            }
-        )
-    prompt_len = {req.request_id: n for req, n, _, _ in pending}
-    outputs = {req.request_id: out_ids for req, _, out_ids, _ in pending}
-
-    def cap(req: Any, computed: int, budget: int) -> int:
-        n = req.num_tokens - computed
-        if threshold:
-            n = min(n, threshold)
-        return max(0, min(n, budget, max_model_len - 1 - computed))
-
-    def call(op: str, rid: str, step: int, ns: int, **fields: Any) -> None:
-        result.seq += 1
-        record = {"kind": "call", "step": step, "op": op, "rid": rid, **fields, "ns": ns}
-        record["free"] = pool.get_num_free_blocks()
-        record["cached"] = len(pool.cached_block_hash_to_block)
-        record["seq"] = result.seq
-        result.write(record)
-
-    def allocated(
-        req: Any, step: int, ns: int, n: int, hit: int, computed: int, admit: bool, new: Any
-    ) -> None:
-        stats.record("allocate_slots", ns)
-        kind = "admit" if admit else ("decode" if n == 1 else "chunk")
-        stats.record(f"allocate_slots.{kind}", ns)
-        if out is None:
-            return
-        call(
-            "allocate_slots",
-            req.request_id,
-            step,
-            ns,
-            num_new_tokens=n,
-            num_new_computed_tokens=hit,
-            num_computed_tokens=computed,
-            admit=admit,
-            ok=new is not None,
-            new_blocks=None if new is None else _encode(new.get_block_ids()),
-        )
-
-    waiting: deque[Any] = deque()
-    running: list[Any] = []
-    step = 0
-    wall0 = time.perf_counter()
-    while pending or waiting or running:
-        while pending and pending[0][3] <= step:
-            waiting.append(pending.popleft()[0])
-        if not running and not waiting:
-            step = pending[0][3]
-            continue
-        result.write(
-            {"kind": "step", "step": step, "running": len(running), "waiting": len(waiting)}
-        )
-        t0 = perf()
-        manager.new_step_starts()
-        stats.record("new_step_starts", perf() - t0)
-        stats.num_steps += 1
-        budget = max_batched
-        preempted = False
-        scheduled: list[tuple[Any, int]] = []
-
-        # A) running requests, in order
-        i = 0
-        while i < len(running) and budget > 0:
-            req = running[i]
-            computed = req.num_computed_tokens
-            n = cap(req, computed, budget)
-            if n == 0:
-                i += 1
-                continue
-            while True:
-                t0 = perf()
-                new = manager.allocate_slots(req, n)
-                allocated(req, step, perf() - t0, n, 0, computed, False, new)
-                if new is not None:
-                    scheduled.append((req, n))
-                    budget -= n
-                    i += 1
-                    break
-                victim = running.pop()
-                t0 = perf()
-                manager.free(victim)
-                ns = perf() - t0
-                stats.record("free", ns)
-                if out is not None:
-                    call("free", victim.request_id, step, ns, reason="preempted")
-                victim.status = RequestStatus.PREEMPTED
-                victim.num_computed_tokens = 0
-                victim.num_preemptions += 1
-                stats.num_preemptions += 1
-                waiting.appendleft(victim)
-                preempted = True
-                if victim is req:
-                    break
-            if preempted and (not running or req not in running):
-                break
-
-        # B) waiting requests
-        if not preempted:
-            while waiting and budget > 0 and len(running) < max_num_seqs:
-                req = waiting[0]
-                t0 = perf()
-                blocks, hit, spb = manager.get_computed_blocks(req)
-                ns = perf() - t0
-                stats.record("get_computed_blocks", ns)
-                req.shared_prefix_boundary = spb
-                if out is not None:
-                    call(
-                        "get_computed_blocks",
-                        req.request_id,
-                        step,
-                        ns,
-                        num_tokens=req.num_tokens,
-                        hit_tokens=hit,
-                        hit_blocks=_encode(blocks.get_block_ids()),
-                        spb=spb,
-                    )
-                n = cap(req, hit, budget)
-                if n == 0:
-                    break
-                t0 = perf()
-                new = manager.allocate_slots(
-                    req,
-                    n,
-                    num_new_computed_tokens=hit,
-                    new_computed_blocks=blocks,
-                    full_sequence_must_fit=True,
-                    has_scheduled_reqs=bool(running),
-                )
-                ns = perf() - t0
-                allocated(req, step, ns, n, hit, req.num_computed_tokens, True, new)
-                if new is None:
-                    break
-                manager.record_prefix_cache_stats(req, hit)
-                waiting.popleft()
-                running.append(req)
-                req.status = RequestStatus.RUNNING
-                req.num_computed_tokens = hit
-                scheduled.append((req, n))
-                budget -= n
-
-        # C) execute, D) sample and finish
-        for req, n in scheduled:
-            req.num_computed_tokens += n
-        for req, _ in scheduled:
-            if req.num_computed_tokens != req.num_tokens:
-                continue
-            output = outputs[req.request_id]
-            produced = req.num_tokens - prompt_len[req.request_id]
-            t0 = perf()
-            req.append_output_token_ids(output[produced])
-            stats.record("append_token", perf() - t0)
-            if produced + 1 == len(output) or req.num_tokens >= max_model_len:
-                req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-                t0 = perf()
-                manager.free(req)
-                ns = perf() - t0
-                stats.record("free", ns)
-                if out is not None:
-                    call("free", req.request_id, step, ns, reason="finished")
-                running.remove(req)
-                stats.num_finished += 1
-        step += 1
-    stats.wall_s = time.perf_counter() - wall0
-    if freeze_gc:
-        gc.unfreeze()
-    pc = manager.make_prefix_cache_stats()
-    stats.prefix_cache = {
-        "requests": pc.requests,
-        "queries": pc.queries,
-        "hits": pc.hits,
-        "hit_rate": pc.hits / pc.queries if pc.queries else 0.0,
-        "preempted_requests": pc.preempted_requests,
-        "preempted_queries": pc.preempted_queries,
-        "preempted_hits": pc.preempted_hits,
-    }
-    summary = stats.summary()
-    summary["free_at_end"] = pool.get_num_free_blocks()
-    result.write(summary)
-    return stats
+    try:
+        trace_header = _trace_header(workload, header, hash_algo, max_in_flight)
+        return HK.replay(workload, engine, out, trace_header if out is not None else None)
+    finally:
+        if freeze_gc:
+            gc.unfreeze()
 
 
 def _trace_header(
@@ -436,7 +282,6 @@ def _trace_header(
 ) -> dict[str, Any]:
     import vllm
 
-    blob = json.dumps(workload, sort_keys=True, separators=(",", ":")).encode()
     return {
         "kind": "header",
         "format": "kvtrace/1",
@@ -451,7 +296,7 @@ def _trace_header(
         "workload": {
             "name": workload.get("name"),
             "seed": workload.get("seed"),
-            "digest": hashlib.sha256(blob).hexdigest()[:16],
+            "digest": HK._digest(workload),
             "sched": workload["sched"],
             "num_requests": len(workload["requests"]),
         },

@@ -22,13 +22,21 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import numpy as np
 
 from hybrid_kv._core import KVCacheManager, Request
 
-__all__ = ["ReplayResult", "load_json", "main", "manager_from_header", "replay"]
+__all__ = [
+    "Engine",
+    "HybridKvEngine",
+    "ReplayResult",
+    "load_json",
+    "main",
+    "manager_from_header",
+    "replay",
+]
 
 IMPL = "hybrid-kv-0.1.0"
 
@@ -79,13 +87,92 @@ def _encode_blocks(block_ids: Sequence[np.ndarray]) -> list[list[Any]]:
     return out
 
 
+class Engine(Protocol):
+    """What the replay loop needs from a KV cache manager implementation, so that hybrid-kv and
+    vLLM's own manager (`benches/vllm_baseline.py`) run the same loop, timed the same way.
+
+    The loop calls `manager.allocate_slots`, `manager.get_computed_blocks`, `manager.free`,
+    `manager.new_step_starts` and the requests' `append_output_token_ids` directly, each timed
+    alone; everything else here runs outside the timed calls.
+    """
+
+    manager: Any
+
+    def request_maker(self, r: dict[str, Any]) -> Callable[[], Any]:
+        """Prepares workload request `r`; the returned call (timed as make_request) builds it."""
+        ...
+
+    def hit(self, request: Any, result: Any) -> tuple[Any, int, int]:
+        """`get_computed_blocks`' result as (blocks, hit tokens, shared-prefix boundary)."""
+        ...
+
+    def block_ids(self, blocks: Any) -> Sequence[np.ndarray]: ...
+
+    def num_free_blocks(self) -> int: ...
+
+    def num_cached_blocks(self) -> int: ...
+
+    def admitted(self, request: Any, hit: int, preempted: bool) -> None:
+        """After a successful admission: prefix-cache stats (and request status)."""
+        ...
+
+    def preempted(self, request: Any) -> None: ...
+
+    def finished(self, request: Any) -> None: ...
+
+    def prefix_cache_stats(self) -> dict[str, Any]: ...
+
+
+class HybridKvEngine:
+    """hybrid-kv's `KVCacheManager` as a replay [`Engine`]."""
+
+    def __init__(self, manager: KVCacheManager) -> None:
+        self.manager = manager
+        self.hash_block_size = manager.hash_block_size
+
+    def request_maker(self, r: dict[str, Any]) -> Callable[[], Any]:
+        manager, rid, prompt, bs = self.manager, r["rid"], r["prompt"], self.hash_block_size
+
+        def make() -> Request:
+            request = Request(rid, prompt, block_size=bs)
+            manager.add_request(request)
+            return request
+
+        return make
+
+    def hit(self, request: Request, result: Any) -> tuple[Any, int, int]:
+        blocks, hit = result
+        return blocks, hit, blocks.shared_prefix_boundary
+
+    def block_ids(self, blocks: Any) -> Sequence[np.ndarray]:
+        return blocks.get_block_ids()
+
+    def num_free_blocks(self) -> int:
+        return self.manager.num_free_blocks
+
+    def num_cached_blocks(self) -> int:
+        return self.manager.num_cached_blocks
+
+    def admitted(self, request: Request, hit: int, preempted: bool) -> None:
+        self.manager.record_prefix_cache_stats(request, hit, preempted)
+
+    def preempted(self, request: Request) -> None:
+        pass
+
+    def finished(self, request: Request) -> None:
+        pass
+
+    def prefix_cache_stats(self) -> dict[str, Any]:
+        return self.manager.prefix_cache_stats()
+
+
 @dataclass
 class _Req:
     rid: str
     arrival_step: int
-    prompt: list[int]
+    num_prompt_tokens: int
     output: list[int]
-    request: Request
+    request: Any
     num_preemptions: int = 0
 
     @property
@@ -136,13 +223,17 @@ class ReplayResult:
 
 def replay(
     workload: dict[str, Any],
-    manager: KVCacheManager,
+    manager: KVCacheManager | Engine,
     out: IO[str] | None = None,
     header: dict[str, Any] | None = None,
     max_steps: int | None = None,
     on_step: Callable[[int, ReplayResult], None] | None = None,
 ) -> ReplayResult:
-    """Runs the conformance scheduler loop over `manager`; writes kvtrace/1 lines to `out`."""
+    """Runs the conformance scheduler loop over `manager` (a hybrid-kv manager or any
+    [`Engine`]); writes kvtrace/1 lines to `out`. Trace records are only built when `out` is
+    given, so a timing run does no work between calls besides the loop's own."""
+    engine = HybridKvEngine(manager) if isinstance(manager, KVCacheManager) else manager
+    mgr = engine.manager
     sched = workload["sched"]
     max_model_len = sched["max_model_len"]
     max_num_seqs = sched["max_num_seqs"]
@@ -151,26 +242,28 @@ def replay(
     perf = time.perf_counter_ns
     result = ResultWriter(out)
     stats = result.stats
+    tracing = out is not None
     if header is not None:
         result.write(header)
 
     pending: deque[_Req] = deque()
     for r in workload["requests"]:
+        make = engine.request_maker(r)
         t0 = perf()
-        request = Request(r["rid"], r["prompt"], block_size=manager.hash_block_size)
-        manager.add_request(request)
+        request = make()
         stats.record("make_request", perf() - t0)
-        pending.append(_Req(r["rid"], r["arrival_step"], r["prompt"], r["output"], request))
-        result.write(
-            {
-                "kind": "req",
-                "rid": r["rid"],
-                "arrival_step": r["arrival_step"],
-                "num_prompt_tokens": len(r["prompt"]),
-                "max_tokens": len(r["output"]),
-                "prompt_digest": _prompt_digest(r["prompt"]),
-            }
-        )
+        pending.append(_Req(r["rid"], r["arrival_step"], len(r["prompt"]), r["output"], request))
+        if tracing:
+            result.write(
+                {
+                    "kind": "req",
+                    "rid": r["rid"],
+                    "arrival_step": r["arrival_step"],
+                    "num_prompt_tokens": len(r["prompt"]),
+                    "max_tokens": len(r["output"]),
+                    "prompt_digest": _prompt_digest(r["prompt"]),
+                }
+            )
 
     def cap(req: _Req, computed: int, budget: int) -> int:
         n = req.num_tokens - computed
@@ -181,8 +274,8 @@ def replay(
     def call(op: str, rid: str, step: int, ns: int, **fields: Any) -> None:
         result.seq += 1
         record = {"kind": "call", "step": step, "op": op, "rid": rid, **fields, "ns": ns}
-        record["free"] = manager.num_free_blocks
-        record["cached"] = manager.num_cached_blocks
+        record["free"] = engine.num_free_blocks()
+        record["cached"] = engine.num_cached_blocks()
         record["seq"] = result.seq
         result.write(record)
 
@@ -192,18 +285,19 @@ def replay(
         stats.record("allocate_slots", ns)
         kind = "admit" if admit else ("decode" if n == 1 else "chunk")
         stats.record(f"allocate_slots.{kind}", ns)
-        call(
-            "allocate_slots",
-            req.rid,
-            step,
-            ns,
-            num_new_tokens=n,
-            num_new_computed_tokens=hit,
-            num_computed_tokens=computed,
-            admit=admit,
-            ok=new is not None,
-            new_blocks=None if new is None else _encode_blocks(new.get_block_ids()),
-        )
+        if tracing:
+            call(
+                "allocate_slots",
+                req.rid,
+                step,
+                ns,
+                num_new_tokens=n,
+                num_new_computed_tokens=hit,
+                num_computed_tokens=computed,
+                admit=admit,
+                ok=new is not None,
+                new_blocks=None if new is None else _encode_blocks(engine.block_ids(new)),
+            )
 
     waiting: deque[_Req] = deque()
     running: list[_Req] = []
@@ -221,7 +315,7 @@ def replay(
             {"kind": "step", "step": step, "running": len(running), "waiting": len(waiting)}
         )
         t0 = perf()
-        manager.new_step_starts()
+        mgr.new_step_starts()
         stats.record("new_step_starts", perf() - t0)
         stats.num_steps += 1
         budget = max_batched
@@ -239,7 +333,7 @@ def replay(
                 continue
             while True:
                 t0 = perf()
-                new = manager.allocate_slots(req.request, n)
+                new = mgr.allocate_slots(req.request, n)
                 allocated(req, step, perf() - t0, n, 0, computed, False, new)
                 if new is not None:
                     scheduled.append((req, n))
@@ -248,10 +342,12 @@ def replay(
                     break
                 victim = running.pop()
                 t0 = perf()
-                manager.free(victim.request)
+                mgr.free(victim.request)
                 ns = perf() - t0
                 stats.record("free", ns)
-                call("free", victim.rid, step, ns, reason="preempted")
+                if tracing:
+                    call("free", victim.rid, step, ns, reason="preempted")
+                engine.preempted(victim.request)
                 victim.request.num_computed_tokens = 0
                 victim.num_preemptions += 1
                 stats.num_preemptions += 1
@@ -267,24 +363,26 @@ def replay(
             while waiting and budget > 0 and len(running) < max_num_seqs:
                 req = waiting[0]
                 t0 = perf()
-                blocks, hit = manager.get_computed_blocks(req.request)
+                found = mgr.get_computed_blocks(req.request)
                 ns = perf() - t0
                 stats.record("get_computed_blocks", ns)
-                call(
-                    "get_computed_blocks",
-                    req.rid,
-                    step,
-                    ns,
-                    num_tokens=req.num_tokens,
-                    hit_tokens=hit,
-                    hit_blocks=_encode_blocks(blocks.get_block_ids()),
-                    spb=blocks.shared_prefix_boundary,
-                )
+                blocks, hit, spb = engine.hit(req.request, found)
+                if tracing:
+                    call(
+                        "get_computed_blocks",
+                        req.rid,
+                        step,
+                        ns,
+                        num_tokens=req.num_tokens,
+                        hit_tokens=hit,
+                        hit_blocks=_encode_blocks(engine.block_ids(blocks)),
+                        spb=spb,
+                    )
                 n = cap(req, hit, budget)
                 if n == 0:
                     break
                 t0 = perf()
-                new = manager.allocate_slots(
+                new = mgr.allocate_slots(
                     req.request,
                     n,
                     num_new_computed_tokens=hit,
@@ -296,7 +394,7 @@ def replay(
                 allocated(req, step, ns, n, hit, req.request.num_computed_tokens, True, new)
                 if new is None:
                     break
-                manager.record_prefix_cache_stats(req.request, hit, req.num_preemptions > 0)
+                engine.admitted(req.request, hit, req.num_preemptions > 0)
                 waiting.popleft()
                 running.append(req)
                 req.request.num_computed_tokens = hit
@@ -309,24 +407,25 @@ def replay(
         for req, _ in scheduled:
             if req.request.num_computed_tokens != req.num_tokens:
                 continue
-            produced = req.num_tokens - len(req.prompt)
+            produced = req.num_tokens - req.num_prompt_tokens
             t0 = perf()
             req.request.append_output_token_ids(req.output[produced])
             stats.record("append_token", perf() - t0)
             if produced + 1 == len(req.output) or req.num_tokens >= max_model_len:
+                engine.finished(req.request)
                 t0 = perf()
-                manager.free(req.request)
+                mgr.free(req.request)
                 ns = perf() - t0
                 stats.record("free", ns)
-                call("free", req.rid, step, ns, reason="finished")
+                if tracing:
+                    call("free", req.rid, step, ns, reason="finished")
                 running.remove(req)
                 stats.num_finished += 1
         if on_step is not None:
             on_step(step, stats)
         step += 1
     stats.wall_s = time.perf_counter() - wall0
-    pc = manager.prefix_cache_stats()
-    stats.prefix_cache = pc
+    stats.prefix_cache = engine.prefix_cache_stats()
     result.write(stats.summary())
     return stats
 
