@@ -10,6 +10,14 @@ fn manager(groups: Vec<GroupSpec>, num_blocks: usize) -> KVCacheManager {
     KVCacheManager::new(&config(groups, num_blocks)).unwrap()
 }
 
+/// A manager holding one request "r" with a prompt of tokens `0..prompt_len`.
+fn manager_with_r(groups: Vec<GroupSpec>, num_blocks: usize, prompt_len: usize) -> KVCacheManager {
+    let mut m = manager(groups, num_blocks);
+    m.add_request("r", &tokens(0, prompt_len), ExtraKeys::default())
+        .unwrap();
+    m
+}
+
 fn tokens(start: u32, n: usize) -> Vec<u32> {
     (start..start + n as u32).collect()
 }
@@ -253,9 +261,7 @@ fn design_worked_example_full_and_two_sliding_window_groups() {
         GroupSpec::sliding_window(16, 32),
         GroupSpec::sliding_window(16, 32),
     ];
-    let mut m = manager(groups, 64);
-    m.add_request("r", &tokens(0, 112), ExtraKeys::default())
-        .unwrap();
+    let mut m = manager_with_r(groups, 64, 112);
     let new = m.allocate_slots("r", &new_tokens(112, 0)).unwrap().unwrap();
     assert_eq!(new.iter().map(Vec::len).collect::<Vec<_>>(), [7, 7, 7]);
     m.remove_skipped_blocks("r", 112).unwrap();
@@ -270,9 +276,7 @@ fn design_worked_example_full_and_two_sliding_window_groups() {
 #[test]
 fn decode_frees_blocks_that_slide_out_of_the_window() {
     let groups = vec![GroupSpec::full(16), GroupSpec::sliding_window(16, 32)];
-    let mut m = manager(groups, 64);
-    m.add_request("r", &tokens(0, 112), ExtraKeys::default())
-        .unwrap();
+    let mut m = manager_with_r(groups, 64, 112);
     m.allocate_slots("r", &new_tokens(112, 0)).unwrap().unwrap();
     m.append_token_ids("r", &[7u32]).unwrap();
     let new = m.allocate_slots("r", &new_tokens(1, 112)).unwrap().unwrap();
@@ -396,9 +400,7 @@ fn watermark_holds_blocks_back_from_waiting_requests_only() {
 
 #[test]
 fn lookahead_tokens_get_slots_but_are_never_cached() {
-    let mut m = manager(vec![GroupSpec::full(16)], 64);
-    m.add_request("r", &tokens(0, 32), ExtraKeys::default())
-        .unwrap();
+    let mut m = manager_with_r(vec![GroupSpec::full(16)], 64, 32);
     let args = AllocateArgs {
         num_new_tokens: 32,
         num_lookahead_tokens: 16,
@@ -411,9 +413,7 @@ fn lookahead_tokens_get_slots_but_are_never_cached() {
 
 #[test]
 fn delay_cache_blocks_skips_caching() {
-    let mut m = manager(vec![GroupSpec::full(16)], 64);
-    m.add_request("r", &tokens(0, 32), ExtraKeys::default())
-        .unwrap();
+    let mut m = manager_with_r(vec![GroupSpec::full(16)], 64, 32);
     let args = AllocateArgs {
         num_new_tokens: 32,
         delay_cache_blocks: true,
@@ -425,9 +425,7 @@ fn delay_cache_blocks_skips_caching() {
 
 #[test]
 fn free_returns_uncached_blocks_tail_first_to_the_front() {
-    let mut m = manager(vec![GroupSpec::full(16)], 8);
-    m.add_request("r", &tokens(0, 40), ExtraKeys::default())
-        .unwrap();
+    let mut m = manager_with_r(vec![GroupSpec::full(16)], 8, 40);
     let args = AllocateArgs {
         num_new_tokens: 40,
         delay_cache_blocks: true,
@@ -441,9 +439,7 @@ fn free_returns_uncached_blocks_tail_first_to_the_front() {
 
 #[test]
 fn free_puts_cached_blocks_at_the_back_tail_first() {
-    let mut m = manager(vec![GroupSpec::full(16)], 8);
-    m.add_request("r", &tokens(0, 48), ExtraKeys::default())
-        .unwrap();
+    let mut m = manager_with_r(vec![GroupSpec::full(16)], 8, 48);
     m.allocate_slots("r", &new_tokens(48, 0)).unwrap().unwrap();
     m.free("r").unwrap();
     // Tail evicted first.
