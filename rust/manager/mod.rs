@@ -178,16 +178,38 @@ impl Requests {
         }
     }
 
+    /// The request a live handle names, without the id lookup or error paths of `index`.
+    #[inline]
+    fn by_handle(&self, key: RequestKey<'_>) -> Option<usize> {
+        match key {
+            RequestKey::Handle(h) => match self.slots.get(h.slot as usize) {
+                Some(s) if s.generation == h.generation && s.state.is_some() => {
+                    Some(h.slot as usize)
+                }
+                _ => None,
+            },
+            RequestKey::Id(_) => None,
+        }
+    }
+
+    #[inline]
     fn get(&self, key: RequestKey<'_>) -> Result<&RequestState> {
-        let i = self.index(key)?;
+        let i = match self.by_handle(key) {
+            Some(i) => i,
+            None => self.index(key)?,
+        };
         Ok(self.slots[i]
             .state
             .as_ref()
             .expect("index checks occupancy"))
     }
 
+    #[inline]
     fn get_mut(&mut self, key: RequestKey<'_>) -> Result<&mut RequestState> {
-        let i = self.index(key)?;
+        let i = match self.by_handle(key) {
+            Some(i) => i,
+            None => self.index(key)?,
+        };
         Ok(self.slots[i]
             .state
             .as_mut()
@@ -230,6 +252,52 @@ impl Requests {
 struct RequestState {
     request: Request,
     tables: Vec<GroupTable>,
+}
+
+/// `allocate_slots` for a request that already holds its blocks in every group and adopts no
+/// hit (decode steps and continued prefill): the same decisions as the general path, in one
+/// pass that frees what left the window and counts the blocks needed, and a second that
+/// allocates and caches.
+struct RunningStep {
+    /// Tokens processed: blocks before the window of these are freed.
+    processed: usize,
+    /// Slots the request needs after this step.
+    need_slot: usize,
+    /// Tokens whose full blocks are cached; `None` when caching is off or delayed.
+    cache_tokens: Option<usize>,
+    hash_block_size: usize,
+}
+
+impl RunningStep {
+    fn apply(
+        &self,
+        groups: &[GroupManager],
+        pool: &BlockPool,
+        state: &mut RequestState,
+        new_blocks: &mut [Vec<BlockId>],
+        scratch: &mut Vec<BlockId>,
+    ) -> Result<bool> {
+        let mut need = 0;
+        for (m, t) in groups.iter().zip(state.tables.iter_mut()) {
+            m.remove_skipped_blocks(pool, t, self.processed, scratch)?;
+            need += self
+                .need_slot
+                .div_ceil(m.spec.block_size)
+                .saturating_sub(t.blocks.len());
+        }
+        if need > pool.num_free_blocks() {
+            return Ok(false);
+        }
+        for ((m, t), out) in groups.iter().zip(state.tables.iter_mut()).zip(new_blocks) {
+            if need > 0 {
+                m.allocate_new_blocks(pool, t, self.need_slot, out)?;
+            }
+            if let Some(n) = self.cache_tokens {
+                m.cache_blocks(pool, t, &state.request, n, self.hash_block_size, scratch)?;
+            }
+        }
+        Ok(true)
+    }
 }
 
 impl RequestState {
@@ -318,6 +386,9 @@ pub struct KVCacheManager {
     requests: Requests,
     stats: PrefixCacheStats,
     scratch: Vec<BlockId>,
+    /// Tests: take the general allocation path even for running requests.
+    #[cfg(test)]
+    general_path_only: bool,
 }
 
 impl KVCacheManager {
@@ -361,6 +432,8 @@ impl KVCacheManager {
             requests: Requests::default(),
             stats: PrefixCacheStats::default(),
             scratch: Vec::new(),
+            #[cfg(test)]
+            general_path_only: false,
         })
     }
 
@@ -597,6 +670,22 @@ impl KVCacheManager {
         let num_tokens = state.request.num_tokens();
 
         // A waiting (or preempted) request holds no blocks yet.
+        let processed = total.saturating_sub(args.num_in_flight_tokens);
+        let running = state.tables.iter().all(|t| t.num_cached.is_some());
+        #[cfg(test)]
+        let running = running && !self.general_path_only;
+        if running && hits.is_empty() && !args.full_sequence_must_fit {
+            let caching = self.enable_caching && !args.delay_cache_blocks;
+            let step = RunningStep {
+                processed,
+                need_slot,
+                cache_tokens: caching.then(|| {
+                    main.min(num_tokens) / self.scheduler_block_size * self.scheduler_block_size
+                }),
+                hash_block_size: self.hash_block_size,
+            };
+            return step.apply(&self.groups, pool, state, new_blocks, &mut self.scratch);
+        }
         let watermark = if args.has_scheduled_reqs && !state.is_tracked() {
             self.watermark_blocks
         } else {
@@ -617,7 +706,6 @@ impl KVCacheManager {
         }
 
         // Free what fell out of the window before counting: fewer evictions.
-        let processed = total.saturating_sub(args.num_in_flight_tokens);
         for (m, t) in self.groups.iter().zip(state.tables.iter_mut()) {
             m.remove_skipped_blocks(pool, t, processed, &mut self.scratch)?;
         }

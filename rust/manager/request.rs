@@ -104,12 +104,27 @@ impl Request {
 
     /// Appends output tokens (all or nothing: out-of-range ids are rejected).
     pub(crate) fn append<T: TokenId>(&mut self, tokens: &[T]) -> Result<()> {
+        if let ([token], None) = (tokens, &self.all) {
+            // One sampled token (a decode step): no division, no bulk copy.
+            let token = check_tokens(std::slice::from_ref(token)).map(|()| token.as_u32())?;
+            self.tail.push(token);
+            self.num_tokens += 1;
+            if self.tail.len() < self.hasher.block_size() {
+                return Ok(());
+            }
+            return self.hash_tail();
+        }
         check_tokens(tokens)?;
         self.tail.extend(tokens.iter().map(|t| t.as_u32()));
         if let Some(all) = &mut self.all {
             all.extend(tokens.iter().map(|t| t.as_u32()));
         }
         self.num_tokens += tokens.len();
+        self.hash_tail()
+    }
+
+    /// Hashes the full blocks of `tail` and keeps only the tokens after them.
+    fn hash_tail(&mut self) -> Result<()> {
         let bs = self.hasher.block_size();
         let full = self.tail.len() / bs * bs;
         if full > 0 {

@@ -1084,3 +1084,132 @@ fn manager_and_prober_are_send_and_sync() {
     check::<KVCacheManager>();
     check::<Prober>();
 }
+
+/// One scheduler-like call in `running_step_path_matches_the_general_path`.
+#[derive(Clone, Debug)]
+enum PairOp {
+    /// Admit request `i` (if it holds nothing) or schedule up to `n` of its tokens, with
+    /// `lookahead` speculative slots and caching delayed or not.
+    Step {
+        i: usize,
+        n: usize,
+        lookahead: usize,
+        delay: bool,
+    },
+    /// Request `i` samples a token (once all its tokens are computed).
+    Sample { i: usize },
+    /// Request `i` is freed (finished or preempted) and will be admitted again.
+    Free { i: usize },
+}
+
+fn pair_op() -> impl Strategy<Value = PairOp> {
+    prop_oneof![
+        4 => (0..4usize, 1..40usize, 0..5usize, any::<bool>())
+            .prop_map(|(i, n, lookahead, delay)| PairOp::Step { i, n, lookahead, delay }),
+        3 => (0..4usize).prop_map(|i| PairOp::Sample { i }),
+        1 => (0..4usize).prop_map(|i| PairOp::Free { i }),
+    ]
+}
+
+/// The layouts the running-request path is checked on (block sizes 4 and 8, every kind).
+fn pair_layouts() -> Vec<Vec<GroupSpec>> {
+    vec![
+        vec![GroupSpec::full(4)],
+        vec![GroupSpec::full(4), GroupSpec::sliding_window(4, 6)],
+        vec![
+            GroupSpec::sliding_window(4, 5),
+            GroupSpec::chunked_local(4, 8),
+        ],
+        vec![GroupSpec::full(8), GroupSpec::sliding_window(8, 12)],
+        vec![GroupSpec::full(4), GroupSpec::mamba(4)],
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+
+    /// `allocate_slots` for a running request without a hit takes a shorter path; a manager
+    /// forced onto the general path must make every decision the same way: results, block
+    /// tables, free order and cache entries after every call.
+    #[test]
+    fn running_step_path_matches_the_general_path(
+        layout in 0..5usize,
+        num_blocks in 6..40usize,
+        ops in proptest::collection::vec(pair_op(), 1..80),
+    ) {
+        let groups = pair_layouts().swap_remove(layout);
+        let mut fast = manager(groups.clone(), num_blocks);
+        let mut general = manager(groups.clone(), num_blocks);
+        general.general_path_only = true;
+        let ids = ["a", "b", "c", "d"];
+        for (k, id) in ids.iter().enumerate() {
+            // Two requests share their first 16 tokens: hits happen.
+            let mut prompt = tokens(100, 16);
+            prompt.extend(tokens(1_000 * (k as u32 + 1), 3 + 5 * k));
+            fast.add_request(id, &prompt, ExtraKeys::default()).unwrap();
+            general.add_request(id, &prompt, ExtraKeys::default()).unwrap();
+        }
+        let mut computed = [0usize; 4];
+        for op in ops {
+            match op {
+                PairOp::Step { i, n, lookahead, delay } => {
+                    let id = ids[i];
+                    let num_tokens = fast.request(id).unwrap().num_tokens();
+                    if computed[i] == num_tokens {
+                        continue;
+                    }
+                    if computed[i] == 0 {
+                        let hit_f = fast.get_computed_blocks(id).unwrap();
+                        let hit_g = general.get_computed_blocks(id).unwrap();
+                        prop_assert_eq!(&hit_f, &hit_g);
+                        let n = (num_tokens - hit_f.num_computed_tokens).min(n.max(1));
+                        let args = AllocateArgs {
+                            num_new_tokens: n,
+                            num_new_computed_tokens: hit_f.num_computed_tokens,
+                            new_computed_blocks: Some(&hit_f),
+                            full_sequence_must_fit: true,
+                            ..Default::default()
+                        };
+                        let got = fast.allocate_slots(id, &args).unwrap();
+                        let args = AllocateArgs { new_computed_blocks: Some(&hit_g), ..args };
+                        prop_assert_eq!(&got, &general.allocate_slots(id, &args).unwrap());
+                        if got.is_some() {
+                            computed[i] = hit_f.num_computed_tokens + n;
+                        }
+                    } else {
+                        let args = AllocateArgs {
+                            num_new_tokens: (num_tokens - computed[i]).min(n),
+                            num_computed_tokens: computed[i],
+                            num_lookahead_tokens: lookahead,
+                            delay_cache_blocks: delay,
+                            ..Default::default()
+                        };
+                        let got = fast.allocate_slots(id, &args).unwrap();
+                        prop_assert_eq!(&got, &general.allocate_slots(id, &args).unwrap());
+                        if got.is_some() {
+                            computed[i] += args.num_new_tokens;
+                        }
+                    }
+                }
+                PairOp::Sample { i } => {
+                    let id = ids[i];
+                    if computed[i] > 0 && computed[i] == fast.request(id).unwrap().num_tokens() {
+                        let token = [7 + computed[i] as u32];
+                        fast.append_token_ids(id, &token).unwrap();
+                        general.append_token_ids(id, &token).unwrap();
+                    }
+                }
+                PairOp::Free { i } => {
+                    fast.free(ids[i]).unwrap();
+                    general.free(ids[i]).unwrap();
+                    computed[i] = 0;
+                }
+            }
+            prop_assert_eq!(fast.pool().free_order(), general.pool().free_order());
+            prop_assert_eq!(fast.num_cached_keys(), general.num_cached_keys());
+            for id in ids {
+                prop_assert_eq!(fast.get_block_ids(id).unwrap(), general.get_block_ids(id).unwrap());
+            }
+        }
+    }
+}
