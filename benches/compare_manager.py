@@ -5,7 +5,7 @@ recorded with) and compares per-op times with the `summary` line of vLLM's own t
 a 2-core CPU machine of the same class). The pure-Rust floor of the same replay is
 `cargo bench --bench replay`.
 
-    python3 benches/compare_manager.py [--repeat 3] [--prompts list|numpy]
+    python3 benches/compare_manager.py [--repeat 3] [--prompts fresh|loaded|numpy]
 """
 
 from __future__ import annotations
@@ -37,10 +37,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="replays per fixture (best kept)")
     parser.add_argument(
         "--prompts",
-        choices=("list", "numpy"),
-        default="list",
-        help="prompt type given to Request: the workload's lists, or int32 arrays made before "
-        "the replay (a tokenizer can hand over either)",
+        choices=("fresh", "loaded", "numpy"),
+        default="fresh",
+        help="prompt given to Request: a list just copied, as an engine gets it from its "
+        "tokenizer or input thread (fresh); the workload's lists as loaded, out of the CPU "
+        "caches by then (loaded); or int32 arrays made before the replay (numpy)",
     )
     args = parser.parse_args()
     print(
@@ -57,7 +58,7 @@ def main() -> None:
         best = None
         for _ in range(args.repeat):
             manager = manager_from_header(header, workload["sched"]["max_model_len"])
-            result = replay(workload, manager)
+            result = replay(workload, manager, fresh_prompts=args.prompts == "fresh")
             if best is None or result.manager_seconds() < best.manager_seconds():
                 best = result
         assert best is not None
@@ -72,7 +73,7 @@ def main() -> None:
             f"| {make:.1f} ({theirs['make_request']['median_ns'] / 1e3:.0f}, "
             f"{theirs['make_request']['median_ns'] / 1e3 / make:.0f}×) |"
         )
-    extra = " --prompts numpy" if args.prompts == "numpy" else ""
+    extra = f" --prompts {args.prompts}" if args.prompts != "fresh" else ""
     print(f"\nreproduce: python3 benches/compare_manager.py --repeat {args.repeat}{extra}")
 
 

@@ -264,6 +264,7 @@ def vllm_replay(
     max_in_flight: str = "batch",
     out: IO[str] | None = None,
     freeze_gc: bool = False,
+    fresh_prompts: bool = True,
 ) -> Any:
     """`hybrid_kv.replay.replay` driving vLLM's manager; returns a ReplayResult."""
     engine = VllmEngine(header, workload["sched"], hash_algo, max_in_flight)
@@ -271,7 +272,13 @@ def vllm_replay(
         _freeze_gc()
     try:
         trace_header = _trace_header(workload, header, hash_algo, max_in_flight)
-        return HK.replay(workload, engine, out, trace_header if out is not None else None)
+        return HK.replay(
+            workload,
+            engine,
+            out,
+            trace_header if out is not None else None,
+            fresh_prompts=fresh_prompts,
+        )
     finally:
         if freeze_gc:
             gc.unfreeze()
@@ -339,14 +346,17 @@ def _freeze_gc() -> None:
 
 
 def hybrid_kv_replay(
-    workload: dict[str, Any], header: dict[str, Any], freeze_gc: bool = False
+    workload: dict[str, Any],
+    header: dict[str, Any],
+    freeze_gc: bool = False,
+    fresh_prompts: bool = True,
 ) -> Any:
     """hybrid-kv's own replay of the workload, as `compare_manager.py` runs it."""
     manager = HK.manager_from_header(header, workload["sched"]["max_model_len"])
     if freeze_gc:
         _freeze_gc()
     try:
-        return HK.replay(workload, manager)
+        return HK.replay(workload, manager, fresh_prompts=fresh_prompts)
     finally:
         if freeze_gc:
             gc.unfreeze()
@@ -425,6 +435,14 @@ def main(argv: list[str] | None = None) -> int:
         help="gc.freeze() once each manager is built, as vLLM's engine core does",
     )
     parser.add_argument(
+        "--prompts",
+        choices=("fresh", "loaded"),
+        default="fresh",
+        help="make_request reads each prompt list just copied, as an engine gets it from its "
+        "tokenizer or input thread (fresh), or as loaded with the workload, out of the CPU "
+        "caches by then (loaded); both sides get the same lists",
+    )
+    parser.add_argument(
         "--hash-algo",
         default="sha256",
         choices=["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"],
@@ -444,12 +462,14 @@ def main(argv: list[str] | None = None) -> int:
         f"vLLM {vllm.__version__} KVCacheManager vs hybrid-kv ({HK.IMPL}); Python "
         f"{sys.version.split()[0]}, {os.cpu_count()} CPUs; best of {args.repeat}; "
         f"hash {args.hash_algo}, max_in_flight_tokens={args.max_in_flight}, log_stats=True, "
-        f"gc {'frozen after manager init' if args.freeze_gc else 'as is'}"
+        f"gc {'frozen after manager init' if args.freeze_gc else 'as is'}, "
+        f"{args.prompts} prompts"
     )
     scratch = tempfile.TemporaryDirectory(prefix="vllm_baseline.")
     trace_dir = args.trace_dir or Path(scratch.name)
     trace_dir.mkdir(parents=True, exist_ok=True)
     all_identical = True
+    fresh = args.prompts == "fresh"
     rows = []
     for name in args.fixtures:
         workload = HK.load_json(args.conformance / f"{name}.workload.json.gz")
@@ -466,9 +486,16 @@ def main(argv: list[str] | None = None) -> int:
         vllm_best, ours_best = best_of(
             args.repeat,
             lambda w=workload, h=header: vllm_replay(
-                w, h, args.hash_algo, args.max_in_flight, freeze_gc=args.freeze_gc
+                w,
+                h,
+                args.hash_algo,
+                args.max_in_flight,
+                freeze_gc=args.freeze_gc,
+                fresh_prompts=fresh,
             ),
-            lambda w=workload, h=header: hybrid_kv_replay(w, h, freeze_gc=args.freeze_gc),
+            lambda w=workload, h=header: hybrid_kv_replay(
+                w, h, freeze_gc=args.freeze_gc, fresh_prompts=fresh
+            ),
         )
         print_fixture(name, recorded, vllm_best, ours_best, args.per_op)
         rec_total = sum(recorded["timing"][op]["total_s"] for op in OPS)
