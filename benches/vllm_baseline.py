@@ -25,11 +25,13 @@ torch / transformers / xgrammar versions, which is harmless for the manager):
 
 Run (from the repository root):
 
-    VENV/bin/python benches/vllm_baseline.py [--repeat 3] [--per-op] [--no-check]
+    VENV/bin/python benches/vllm_baseline.py [--repeat 3] [--per-op] [--no-check] \
+        [--prompts fresh|loaded]
 
-Timed ops, as in hybrid_kv.replay: make_request (vLLM `Request(...)` construction, which hashes
-the prompt with the engine's request block hasher, "sha256" = pickle + SHA-256 by default; the
-`SamplingParams` it takes arrive with the request and are built before the timer starts),
+Timed ops, as in hybrid_kv.replay: make_request (`Request(...)` construction on both sides; vLLM's
+hashes the prompt with the engine's request block hasher, "sha256" = pickle + SHA-256 by default,
+and the `SamplingParams` it takes arrive with the request and are built before the timer starts;
+hybrid-kv's hashes it with XXH3, and the manager takes the hashes over in its first call),
 get_computed_blocks, allocate_slots (+ .admit / .chunk / .decode), free, append_token
 (`Request.append_output_token_ids`, incl. incremental hashing) and new_step_starts. The manager
 total is the sum of the first five, as in vLLM's trace summaries.
@@ -37,8 +39,10 @@ total is the sum of the first five, as in vLLM's trace summaries.
 The manager is built as vLLM's scheduler builds it, with log_stats=True (the recorded summaries
 carry prefix-cache stats; the flag does not touch any timed call) and max_in_flight_tokens =
 max_num_batched_tokens (a synchronous engine; `--max-in-flight` shows the fixtures replay
-identically with any choice). `--hash-algo` picks vLLM's prefix_caching_hash_algo: the recorded
-make_request times match the default "sha256"; "sha256_cbor" is about twice as slow.
+identically with any choice). Both sides get the same prompt lists, copied just before each
+request is made unless `--prompts loaded` (see `hybrid_kv.replay.replay`). `--hash-algo` picks
+vLLM's prefix_caching_hash_algo: the recorded make_request times match the default "sha256";
+"sha256_cbor" is about twice as slow.
 """
 
 from __future__ import annotations
