@@ -80,8 +80,8 @@ fn salt() -> u64 {
 
 /// Keys are already uniformly distributed hashes: one folded multiply (salted) mixes them enough.
 #[inline]
-fn mix(lo: u64, hi: u64, group: u32) -> u64 {
-    let a = lo ^ salt() ^ (group as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+fn mix(salt: u64, lo: u64, hi: u64, group: u32) -> u64 {
+    let a = lo ^ salt ^ (group as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     let b = hi ^ 0xA076_1D64_78BD_642F;
     let m = (a as u128).wrapping_mul(b as u128);
     (m as u64) ^ ((m >> 64) as u64)
@@ -175,6 +175,8 @@ fn slot_matches(slot: &Slot, meta: u64, lo: u64, hi: u64, group: u32) -> bool {
 
 pub(crate) struct CacheMap {
     shards: Box<[Shard]>,
+    /// The process's `salt()`, read once.
+    salt: u64,
     /// `64 - log2(shards)`, or 64 for one shard.
     shard_shift: u32,
 }
@@ -192,6 +194,7 @@ impl CacheMap {
         let per_shard = (total / shards).max(MIN_SLOTS);
         CacheMap {
             shards: (0..shards).map(|_| Shard::new(per_shard)).collect(),
+            salt: salt(),
             shard_shift: 64 - shards.trailing_zeros(),
         }
     }
@@ -215,7 +218,7 @@ impl CacheMap {
     #[inline]
     pub(crate) fn first(&self, key: &CacheKey) -> Option<BlockId> {
         let (lo, hi) = key_parts(key);
-        let h = mix(lo, hi, key.group);
+        let h = mix(self.salt, lo, hi, key.group);
         let shard = self.shard(h);
         let mut spins = 0u32;
         loop {
@@ -253,7 +256,7 @@ impl CacheMap {
     pub(crate) fn insert(&self, key: CacheKey, id: BlockId) {
         debug_assert_ne!(id, 0, "the null block is never cached");
         let (lo, hi) = key_parts(&key);
-        let h = mix(lo, hi, key.group);
+        let h = mix(self.salt, lo, hi, key.group);
         let shard = self.shard(h);
         let odd = shard.lock();
         let entries = shard.entries.load(Ordering::Relaxed);
@@ -314,7 +317,7 @@ impl CacheMap {
                 slot.lo.load(Ordering::Relaxed),
                 slot.hi.load(Ordering::Relaxed),
             );
-            let mut i = mix(lo, hi, meta_group(meta)) as usize & new_mask;
+            let mut i = mix(self.salt, lo, hi, meta_group(meta)) as usize & new_mask;
             while new[i].meta.load(Ordering::Relaxed) != EMPTY {
                 i = (i + 1) & new_mask;
             }
@@ -329,7 +332,7 @@ impl CacheMap {
     /// mapped under `key`.
     pub(crate) fn remove(&self, key: &CacheKey, id: BlockId) -> bool {
         let (lo, hi) = key_parts(key);
-        let h = mix(lo, hi, key.group);
+        let h = mix(self.salt, lo, hi, key.group);
         let shard = self.shard(h);
         let odd = shard.lock();
         let table = shard.table(Ordering::Relaxed);
@@ -370,7 +373,7 @@ impl CacheMap {
             if !duplicate && group == key.group && slo == lo && shi == hi {
                 duplicate = true;
             }
-            let home = mix(slo, shi, group) as usize & mask;
+            let home = mix(self.salt, slo, shi, group) as usize & mask;
             // The entry may move back to `hole` if its home is not in (hole, j].
             if (j.wrapping_sub(home) & mask) >= (j.wrapping_sub(hole) & mask) {
                 let dst = &table[hole];
@@ -425,7 +428,7 @@ impl CacheMap {
                     slot.hi.load(Ordering::Acquire),
                 );
                 keys.insert((lo, hi, meta_group(meta)));
-                let mut i = mix(lo, hi, meta_group(meta)) as usize & mask;
+                let mut i = mix(self.salt, lo, hi, meta_group(meta)) as usize & mask;
                 while i != j {
                     assert_ne!(table[i].meta.load(Ordering::Acquire), EMPTY, "unreachable");
                     i = (i + 1) & mask;
@@ -446,7 +449,7 @@ fn colliding_keys(map: &CacheMap, count: usize) -> Vec<CacheKey> {
     };
     let place = |k: &CacheKey| {
         let (lo, hi) = key_parts(k);
-        let h = mix(lo, hi, k.group);
+        let h = mix(map.salt, lo, hi, k.group);
         let shard = h.checked_shr(map.shard_shift).unwrap_or(0);
         let slots = map.shards[shard as usize].table(Ordering::Relaxed).len() as u64;
         (shard, h & (slots - 1))

@@ -224,8 +224,8 @@ impl BlockPool {
     /// free is an error and changes nothing.
     pub fn free_blocks(&self, ordered: &[BlockId]) -> Result<()> {
         self.check_ids(ordered)?;
-        let mut front = Vec::new();
-        let mut back = Vec::new();
+        let mut front = Vec::with_capacity(ordered.len());
+        let mut back = Vec::with_capacity(ordered.len());
         for (k, &id) in ordered.iter().enumerate() {
             if id == NULL_BLOCK {
                 continue;

@@ -77,6 +77,7 @@ impl BlockStates {
     /// Claims `n` previously reserved blocks from the front of the free order (ref 0 → 1).
     pub(crate) fn claim_reserved(&self, n: usize, out: &mut Vec<BlockId>) {
         let mut claimed = 0;
+        out.reserve(n);
         let mut entries = Vec::with_capacity(n);
         let mut slots = Vec::with_capacity(n);
         while claimed < n {
