@@ -5,13 +5,21 @@ import json
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import hybrid_kv as hk
 import numpy as np
 import pytest
 from conftest import FIXTURES
-from hybrid_kv.replay import load_json, manager_from_header, read_header, replay
+from hybrid_kv.replay import (
+    HybridKvEngine,
+    load_json,
+    manager_from_header,
+    read_header,
+    replay,
+)
 from hybrid_kv.replay import main as replay_main
 
 
@@ -113,3 +121,29 @@ def test_probe_matches_get_computed_blocks() -> None:
     _, hit = manager.get_computed_blocks(second)
     assert manager.probe(np.array(prompt[:50] + [7] * 30)) == hit == 48
     assert manager.probe(prompt, cache_salt="other-tenant") == 0
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_replay_hands_requests_fresh_copies_of_the_prompts_or_the_loaded_lists(
+    conformance_dir: Path, fresh: bool
+) -> None:
+    name = "full-attn.eviction"
+    workload = load_json(conformance_dir / f"{name}.workload.json.gz")
+    header = read_header(conformance_dir / f"{name}.vllm.jsonl.gz")
+    loaded = {r["rid"]: r["prompt"] for r in workload["requests"]}
+    given: dict[str, list[int]] = {}
+
+    class Recording(HybridKvEngine):
+        def request_maker(self, r: dict) -> Callable[[], Any]:
+            given[r["rid"]] = r["prompt"]
+            return super().request_maker(r)
+
+    manager = manager_from_header(header, workload["sched"]["max_model_len"])
+    result = replay(workload, Recording(manager), max_steps=1, fresh_prompts=fresh)
+    assert result.num_steps == 1
+    assert given.keys() == loaded.keys()
+    for rid, prompt in given.items():
+        assert prompt == loaded[rid]
+        assert (prompt is loaded[rid]) is not fresh
+    # The workload itself is left as it was.
+    assert all(r["prompt"] is loaded[r["rid"]] for r in workload["requests"])
