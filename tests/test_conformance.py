@@ -54,6 +54,13 @@ def test_replay_is_identical_to_vllm(conformance_dir: Path, tmp_path: Path, name
     assert ours == req_lines(conformance_dir / f"{name}.vllm.jsonl.gz")
 
 
+def load_fixture(conformance_dir: Path, name: str) -> tuple[dict, dict, hk.KVCacheManager]:
+    """A fixture's workload and recorded trace header, and a manager built from the header."""
+    workload = load_json(conformance_dir / f"{name}.workload.json.gz")
+    header = read_header(conformance_dir / f"{name}.vllm.jsonl.gz")
+    return workload, header, manager_from_header(header, workload["sched"]["max_model_len"])
+
+
 def req_lines(path: Path) -> list[dict]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
@@ -64,9 +71,7 @@ def test_replay_stays_identical_while_other_threads_probe(
     conformance_dir: Path, tmp_path: Path
 ) -> None:
     name = "gpt-oss.shared-prefix"
-    workload = load_json(conformance_dir / f"{name}.workload.json.gz")
-    header = read_header(conformance_dir / f"{name}.vllm.jsonl.gz")
-    manager = manager_from_header(header, workload["sched"]["max_model_len"])
+    workload, header, manager = load_fixture(conformance_dir, name)
     prompts = [np.array(r["prompt"], dtype=np.int32) for r in workload["requests"][:60]]
     stop = threading.Event()
     problems: list[str] = []
@@ -128,8 +133,7 @@ def test_replay_hands_requests_fresh_copies_of_the_prompts_or_the_loaded_lists(
     conformance_dir: Path, fresh: bool
 ) -> None:
     name = "full-attn.eviction"
-    workload = load_json(conformance_dir / f"{name}.workload.json.gz")
-    header = read_header(conformance_dir / f"{name}.vllm.jsonl.gz")
+    workload, _, manager = load_fixture(conformance_dir, name)
     loaded = {r["rid"]: r["prompt"] for r in workload["requests"]}
     given: dict[str, list[int]] = {}
 
@@ -138,7 +142,6 @@ def test_replay_hands_requests_fresh_copies_of_the_prompts_or_the_loaded_lists(
             given[r["rid"]] = r["prompt"]
             return super().request_maker(r)
 
-    manager = manager_from_header(header, workload["sched"]["max_model_len"])
     result = replay(workload, Recording(manager), max_steps=1, fresh_prompts=fresh)
     assert result.num_steps == 1
     assert given.keys() == loaded.keys()

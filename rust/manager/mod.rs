@@ -163,41 +163,35 @@ impl Requests {
         })
     }
 
+    /// The slot `key` names. A live handle is resolved inline; ids and errors take the slow path.
+    #[inline]
     fn index(&self, key: RequestKey<'_>) -> Result<usize> {
+        if let RequestKey::Handle(h) = key {
+            if let Some(s) = self.slots.get(h.slot as usize) {
+                if s.generation == h.generation && s.state.is_some() {
+                    return Ok(h.slot as usize);
+                }
+            }
+        }
+        self.index_slow(key)
+    }
+
+    #[cold]
+    fn index_slow(&self, key: RequestKey<'_>) -> Result<usize> {
         match key {
             RequestKey::Id(id) => match self.ids.get(id) {
                 Some(&slot) => Ok(slot as usize),
                 None => invalid(format!("unknown request id {id:?}")),
             },
-            RequestKey::Handle(h) => match self.slots.get(h.slot as usize) {
-                Some(s) if s.generation == h.generation && s.state.is_some() => Ok(h.slot as usize),
-                _ => invalid(format!(
-                    "stale request handle {h:?}: its request was removed"
-                )),
-            },
-        }
-    }
-
-    /// The request a live handle names, without the id lookup or error paths of `index`.
-    #[inline]
-    fn by_handle(&self, key: RequestKey<'_>) -> Option<usize> {
-        match key {
-            RequestKey::Handle(h) => match self.slots.get(h.slot as usize) {
-                Some(s) if s.generation == h.generation && s.state.is_some() => {
-                    Some(h.slot as usize)
-                }
-                _ => None,
-            },
-            RequestKey::Id(_) => None,
+            RequestKey::Handle(h) => invalid(format!(
+                "stale request handle {h:?}: its request was removed"
+            )),
         }
     }
 
     #[inline]
     fn get(&self, key: RequestKey<'_>) -> Result<&RequestState> {
-        let i = match self.by_handle(key) {
-            Some(i) => i,
-            None => self.index(key)?,
-        };
+        let i = self.index(key)?;
         Ok(self.slots[i]
             .state
             .as_ref()
@@ -206,10 +200,7 @@ impl Requests {
 
     #[inline]
     fn get_mut(&mut self, key: RequestKey<'_>) -> Result<&mut RequestState> {
-        let i = match self.by_handle(key) {
-            Some(i) => i,
-            None => self.index(key)?,
-        };
+        let i = self.index(key)?;
         Ok(self.slots[i]
             .state
             .as_mut()
@@ -669,23 +660,24 @@ impl KVCacheManager {
             .min(self.max_model_len);
         let num_tokens = state.request.num_tokens();
 
-        // A waiting (or preempted) request holds no blocks yet.
         let processed = total.saturating_sub(args.num_in_flight_tokens);
+        // Full blocks of these tokens are cached after the allocation.
+        let cache_tokens = (self.enable_caching && !args.delay_cache_blocks)
+            .then(|| main.min(num_tokens) / self.scheduler_block_size * self.scheduler_block_size);
+
         let running = state.tables.iter().all(|t| t.num_cached.is_some());
         #[cfg(test)]
         let running = running && !self.general_path_only;
         if running && hits.is_empty() && !args.full_sequence_must_fit {
-            let caching = self.enable_caching && !args.delay_cache_blocks;
             let step = RunningStep {
                 processed,
                 need_slot,
-                cache_tokens: caching.then(|| {
-                    main.min(num_tokens) / self.scheduler_block_size * self.scheduler_block_size
-                }),
+                cache_tokens,
                 hash_block_size: self.hash_block_size,
             };
             return step.apply(&self.groups, pool, state, new_blocks, &mut self.scratch);
         }
+        // A waiting (or preempted) request holds no blocks yet.
         let watermark = if args.has_scheduled_reqs && !state.is_tracked() {
             self.watermark_blocks
         } else {
@@ -738,9 +730,7 @@ impl KVCacheManager {
             m.allocate_new_blocks(pool, t, need_slot, out)?;
         }
 
-        if self.enable_caching && !args.delay_cache_blocks {
-            let n = main.min(num_tokens);
-            let n = n / self.scheduler_block_size * self.scheduler_block_size;
+        if let Some(n) = cache_tokens {
             for (m, t) in self.groups.iter().zip(state.tables.iter_mut()) {
                 m.cache_blocks(
                     pool,

@@ -106,8 +106,8 @@ impl Request {
     pub(crate) fn append<T: TokenId>(&mut self, tokens: &[T]) -> Result<()> {
         if let ([token], None) = (tokens, &self.all) {
             // One sampled token (a decode step): no division, no bulk copy.
-            let token = check_tokens(std::slice::from_ref(token)).map(|()| token.as_u32())?;
-            self.tail.push(token);
+            check_tokens(std::slice::from_ref(token))?;
+            self.tail.push(token.as_u32());
             self.num_tokens += 1;
             if self.tail.len() < self.hasher.block_size() {
                 return Ok(());
