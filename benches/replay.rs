@@ -9,8 +9,8 @@ mod common;
 
 use common::{load_trace, load_workload, manager_config, FIXTURES};
 use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
-use hybrid_kv::manager::replay::{replay, ReplaySummary, Workload};
 use hybrid_kv::manager::{AllocateArgs, GroupSpec, KVCacheManager, ManagerConfig};
+use hybrid_kv::replay::{replay, ReplaySummary, Workload};
 use hybrid_kv::ExtraKeys;
 use std::hint::black_box;
 use std::time::{Duration, Instant};

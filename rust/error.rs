@@ -1,12 +1,14 @@
-//! The one error type of the core. The Python layer maps each variant to an exception.
+//! The one error type of the core. The Python layer maps each variant to an exception once
+//! (`rust/python/errors.rs`).
 
-use crate::types::BlockId;
+use crate::types::{BlockId, MAX_BLOCKS};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CoreError {
+    // ----- the block pool -------------------------------------------------------------------
     #[error("num_blocks must be at least 2 (block 0 is the null block), got {0}")]
     PoolTooSmall(usize),
-    #[error("num_blocks {0} is too large (at most {max})", max = crate::pool::MAX_BLOCKS)]
+    #[error("num_blocks {0} is too large (at most {MAX_BLOCKS})")]
     PoolTooLarge(usize),
     #[error("block id {id} is out of range for a pool of {num_blocks} blocks")]
     InvalidBlockId { id: i64, num_blocks: usize },
@@ -24,8 +26,61 @@ pub enum CoreError {
     Evicted(BlockId),
     #[error("{blocks} blocks but {hashes} hashes")]
     LengthMismatch { blocks: usize, hashes: usize },
+
+    // ----- the manager ----------------------------------------------------------------------
+    /// No request of this id is registered.
+    #[error("unknown request id {0:?}")]
+    UnknownRequest(String),
+    /// A request handle whose request was removed (its slot may hold another request now).
+    #[error("stale request handle (slot {slot}): its request was removed")]
+    StaleHandle { slot: u32 },
+    /// A request id registered twice.
+    #[error("request {0:?} was already added")]
+    DuplicateRequest(String),
+    /// A prefix-cache hit whose block left the cache between `get_computed_blocks` and
+    /// `allocate_slots` (another thread allocated it).
+    #[error(
+        "request {request:?}: block {block} of its prefix-cache hit (group {group}) was evicted \
+         and reused since get_computed_blocks; call get_computed_blocks again"
+    )]
+    HitEvicted {
+        request: String,
+        group: usize,
+        block: BlockId,
+    },
+    /// A manager or pool configuration that cannot work (group specs, block sizes, sizes).
+    #[error("invalid configuration: {0}")]
+    InvalidConfig(String),
+    /// A numeric argument outside its valid range.
+    #[error("{0}")]
+    OutOfRange(String),
+    /// A scheduler loop that can make no more progress: nothing is running, and the request
+    /// at the head of the queue can never be admitted into this pool.
+    #[error(
+        "no progress at step {step}: request {request:?} needs {blocks_needed} free blocks to be \
+         admitted, but the pool has {num_blocks} blocks ({free_blocks} free) and nothing is \
+         running that could free more"
+    )]
+    Stalled {
+        step: usize,
+        request: String,
+        blocks_needed: usize,
+        free_blocks: usize,
+        num_blocks: usize,
+    },
+    /// Any other argument that is not valid for the call (the message says which and why).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
 }
 
 pub type Result<T, E = CoreError> = std::result::Result<T, E>;
+
+/// `Err(CoreError::InvalidArgument(msg))`.
+pub(crate) fn invalid<T>(msg: impl Into<String>) -> Result<T> {
+    Err(CoreError::InvalidArgument(msg.into()))
+}
+
+/// `Err(CoreError::InvalidConfig(msg))`.
+pub(crate) fn bad_config<T>(msg: impl Into<String>) -> Result<T> {
+    Err(CoreError::InvalidConfig(msg.into()))
+}

@@ -86,9 +86,19 @@ impl ExtraKeys {
         mut mm_inputs: Vec<MmInput>,
     ) -> Result<Self> {
         if let Some(bad) = mm_inputs.iter().find(|m| m.length == 0) {
-            return Err(CoreError::InvalidArgument(format!(
+            return Err(CoreError::OutOfRange(format!(
                 "multimodal input {:?} has length 0",
                 bad.identifier
+            )));
+        }
+        if let Some(bad) = mm_inputs.iter().find(|m| {
+            m.offset
+                .checked_add(m.length)
+                .is_none_or(|end| end > i64::MAX as usize)
+        }) {
+            return Err(CoreError::OutOfRange(format!(
+                "multimodal input {:?}: offset {} + length {} overflows",
+                bad.identifier, bad.offset, bad.length
             )));
         }
         mm_inputs.sort_by_key(|m| m.offset);
@@ -138,7 +148,7 @@ pub fn check_tokens<T: TokenId>(tokens: &[T]) -> Result<()> {
         .iter()
         .position(|t| t.to_u32().is_none())
         .unwrap_or(0);
-    Err(CoreError::InvalidArgument(format!(
+    Err(CoreError::OutOfRange(format!(
         "token id at position {pos} is outside [0, 2^32)"
     )))
 }
@@ -157,7 +167,7 @@ pub const MAX_BLOCK_SIZE: usize = 1 << 20;
 impl BlockHasher {
     pub fn new(block_size: usize, algo: HashAlgo, seed: &str) -> Result<Self> {
         if block_size == 0 || block_size > MAX_BLOCK_SIZE {
-            return Err(CoreError::InvalidArgument(format!(
+            return Err(CoreError::OutOfRange(format!(
                 "block_size must be in 1..={MAX_BLOCK_SIZE}, got {block_size}"
             )));
         }
@@ -185,7 +195,8 @@ impl BlockHasher {
 
     /// Appends to `out` the hashes of the full blocks of `tokens`, where `tokens[0]` is at
     /// sequence position `start` (a multiple of the block size) and `parent` is the hash of the
-    /// block before it (`None` at the start of a sequence). Trailing partial tokens are ignored.
+    /// block before it (`None` at the start of a sequence). Trailing partial tokens are not hashed,
+    /// but every token must be a valid id.
     pub fn hash_blocks<T: TokenId>(
         &self,
         parent: Option<BlockHash>,
@@ -201,7 +212,7 @@ impl BlockHasher {
             )));
         }
         let num_full = tokens.len() / bs;
-        check_tokens(&tokens[..num_full * bs])?;
+        check_tokens(tokens)?;
         out.reserve(num_full);
         let mut parent = parent.unwrap_or(self.none_hash);
         // Header (parent, token count) and tokens at fixed offsets; extra keys appended after.

@@ -6,6 +6,7 @@ pub mod error;
 pub mod hashing;
 pub mod manager;
 pub mod pool;
+pub mod replay;
 pub(crate) mod sync;
 pub mod types;
 

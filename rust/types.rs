@@ -8,6 +8,9 @@ pub type BlockId = u32;
 /// Index of a KV cache group (a set of layers that share block ids).
 pub type GroupId = u32;
 
+/// Largest pool: block ids must fit an `i32` (they cross into Python as `int32`).
+pub const MAX_BLOCKS: usize = i32::MAX as usize;
+
 /// The null block: stands for a slot that needs no memory (e.g. tokens that fell out of a
 /// sliding window). Never handed out, never counted as free.
 pub const NULL_BLOCK: BlockId = 0;

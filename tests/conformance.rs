@@ -5,8 +5,8 @@
 mod common;
 
 use common::{load_trace, load_workload, manager_config};
-use hybrid_kv::manager::replay::{replay, CallOp, TraceRecord};
 use hybrid_kv::manager::KVCacheManager;
+use hybrid_kv::replay::{replay, CallOp, TraceRecord};
 use hybrid_kv::BlockId;
 use serde_json::{json, Value};
 

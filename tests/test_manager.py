@@ -109,7 +109,7 @@ def test_write_block_table_fills_a_batch_in_one_call() -> None:
         ids = manager.get_block_ids(r.request_id)[0]
         assert row[: len(ids)].tolist() == ids.tolist()
         assert (row[len(ids) :] == -1).all()
-    with pytest.raises(hk.HybridKvError, match="row stride"):
+    with pytest.raises(hk.HybridKvError, match="more than a row holds"):
         manager.write_block_table(["r2"], np.zeros((1, 2), dtype=np.int32))
     with pytest.raises(hk.HybridKvError, match="unknown request"):
         manager.write_block_table(["nope"], table)
@@ -220,7 +220,7 @@ def test_computed_blocks_from_another_manager_are_rejected() -> None:
     ("groups", "match"),
     [
         ([], "at least one"),
-        ([{"kind": "attention", "block_size": 16}], "unknown kind"),
+        ([{"kind": "attention", "block_size": 16}], "unknown attention kind"),
         ([{"kind": "sliding_window", "block_size": 16}], "sliding_window"),
         ([{"kind": "full"}], "block_size"),
         ([{"kind": "full", "block_size": -16}], "block_size"),

@@ -88,7 +88,7 @@ def test_events_are_off_by_default() -> None:
         (lambda p: p.cache_full_blocks([3], [1]), hk.BlockNotInUseError),
         (lambda p: p.cache_full_blocks([1, 2], [1]), hk.HybridKvError),
         (lambda p: p.cache_full_blocks([1], np.zeros((1, 3), dtype=np.uint64)), hk.HybridKvError),
-        (lambda p: p.cache_full_blocks([1], [-5]), TypeError),
+        (lambda p: p.cache_full_blocks([1], [-5]), hk.OutOfRangeError),
         (lambda p: p.evict_blocks([2**40]), hk.InvalidBlockIdError),
         (lambda p: p.ref_count(-3), hk.InvalidBlockIdError),
     ],

@@ -1,41 +1,48 @@
 //! The scheduler-facing KV cache manager: request state, per-attention-type block tables and
-//! the prefix-cache coordinators over one shared [`BlockPool`], with vLLM 0.33's semantics in
+//! the prefix-cache coordinator over one shared [`BlockPool`], with vLLM 0.33's semantics in
 //! dense retention mode (every full block of every group stays cached until evicted).
 //!
-//! Layers (as in vLLM): [`KVCacheManager`] (what a scheduler calls) → coordinator (hit search
-//! across groups, [`HitFinder`]) → one single-type manager per group (allocation and hit rules
-//! of full attention, sliding window, chunked local attention, Mamba).
+//! Layers (as in vLLM): [`KVCacheManager`] (what a scheduler calls: the public API and the
+//! validation of its arguments, here) → [`Coordinator`] (the loops over KV cache groups and the
+//! hit search across them) → one set of single-type rules per group (`single_type`: allocation
+//! and hit rules of full attention, sliding window, chunked local attention, Mamba).
+//! [`registry`] runs the registration protocol of caller-owned request objects (the Python
+//! binding's), [`slots`] keeps the requests.
 //!
-//! The pool is shared through an `Arc`; [`Prober`] answers "how much of this prompt is cached"
-//! from other threads while the scheduler mutates the manager.
+//! The pool and the coordinator are shared through `Arc`s; [`Prober`] answers "how much of this
+//! prompt is cached" from other threads while the scheduler mutates the manager.
 
 mod coordinator;
-pub mod replay;
+pub mod registry;
 mod request;
 mod single_type;
+mod slots;
 mod spec;
 
 #[cfg(test)]
 mod tests;
 
-pub use coordinator::{CoordinatorKind, HitFinder};
+pub use coordinator::{Coordinator, CoordinatorKind};
 pub use request::Request;
+pub use slots::{RequestHandle, RequestKey};
 pub use spec::{AttentionKind, GroupSpec, ManagerConfig};
 
-use crate::error::{CoreError, Result};
+use crate::error::{invalid, CoreError, Result};
 use crate::hashing::{BlockHasher, ExtraKeys, TokenId};
 use crate::pool::BlockPool;
-use crate::types::{BlockId, GroupId, KvEvent, RequestMap, NULL_BLOCK};
-use single_type::{GroupManager, GroupTable};
+use crate::types::{BlockId, KvEvent, NULL_BLOCK};
+use coordinator::RunningStep;
+use single_type::GroupTable;
+use slots::Slots;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-fn invalid<T>(msg: String) -> Result<T> {
-    Err(CoreError::InvalidArgument(msg))
-}
+static NEXT_MANAGER_ID: AtomicU64 = AtomicU64::new(1);
 
 /// A prefix-cache hit as returned by [`KVCacheManager::get_computed_blocks`]; pass it back to
-/// [`KVCacheManager::allocate_slots`] unchanged.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// [`KVCacheManager::allocate_slots`] unchanged. Two hits are equal when their blocks and
+/// lengths are (whichever manager made them).
+#[derive(Clone, Debug, Default)]
 pub struct ComputedBlocks {
     /// Per group, the hit blocks (null blocks where the group needs none).
     pub blocks: Vec<Vec<BlockId>>,
@@ -43,9 +50,32 @@ pub struct ComputedBlocks {
     pub num_computed_tokens: usize,
     /// vLLM's `shared_prefix_boundary`: 0, or the longer prefix some group alone had cached.
     pub shared_prefix_boundary: usize,
+    /// The id of the manager whose `get_computed_blocks` made it (0: made elsewhere).
+    pub(crate) origin: u64,
+    /// That manager's allocation count then: blocks can only have been evicted since if it moved.
+    pub(crate) epoch: u64,
 }
 
+impl PartialEq for ComputedBlocks {
+    fn eq(&self, other: &Self) -> bool {
+        self.blocks == other.blocks
+            && self.num_computed_tokens == other.num_computed_tokens
+            && self.shared_prefix_boundary == other.shared_prefix_boundary
+    }
+}
+
+impl Eq for ComputedBlocks {}
+
 impl ComputedBlocks {
+    /// A hit made by the caller (not by `get_computed_blocks`): checked block by block.
+    pub fn new(blocks: Vec<Vec<BlockId>>, num_computed_tokens: usize) -> Self {
+        ComputedBlocks {
+            blocks,
+            num_computed_tokens,
+            ..ComputedBlocks::default()
+        }
+    }
+
     pub fn is_empty(&self) -> bool {
         self.blocks.iter().all(Vec::is_empty)
     }
@@ -99,199 +129,14 @@ impl PrefixCacheStats {
     }
 }
 
-/// A request's slot in a [`KVCacheManager`], returned by `add_request`: naming a request by its
-/// handle skips the id lookup. A handle goes stale when its request is removed (a later request
-/// may reuse the slot, under a new generation).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct RequestHandle {
-    slot: u32,
-    generation: u32,
-}
-
-/// Names a request in [`KVCacheManager`] calls: by id (`&str`) or by [`RequestHandle`].
-#[derive(Clone, Copy, Debug)]
-pub enum RequestKey<'a> {
-    Id(&'a str),
-    Handle(RequestHandle),
-}
-
-impl<'a> From<&'a str> for RequestKey<'a> {
-    fn from(id: &'a str) -> Self {
-        RequestKey::Id(id)
-    }
-}
-
-impl<'a> From<&'a String> for RequestKey<'a> {
-    fn from(id: &'a String) -> Self {
-        RequestKey::Id(id)
-    }
-}
-
-impl From<RequestHandle> for RequestKey<'_> {
-    fn from(handle: RequestHandle) -> Self {
-        RequestKey::Handle(handle)
-    }
-}
-
-/// Request states in slots, with an id index; slots of removed requests are reused.
-#[derive(Default)]
-struct Requests {
-    slots: Vec<Slot>,
-    free_slots: Vec<u32>,
-    ids: RequestMap<u32>,
-}
-
-struct Slot {
-    generation: u32,
-    state: Option<RequestState>,
-}
-
-impl Requests {
-    fn len(&self) -> usize {
-        self.ids.len()
-    }
-
-    fn contains(&self, id: &str) -> bool {
-        self.ids.contains_key(id)
-    }
-
-    fn handle(&self, id: &str) -> Option<RequestHandle> {
-        let slot = *self.ids.get(id)?;
-        Some(RequestHandle {
-            slot,
-            generation: self.slots[slot as usize].generation,
-        })
-    }
-
-    /// The slot `key` names. A live handle is resolved inline; ids and errors take the slow path.
-    #[inline]
-    fn index(&self, key: RequestKey<'_>) -> Result<usize> {
-        if let RequestKey::Handle(h) = key {
-            if let Some(s) = self.slots.get(h.slot as usize) {
-                if s.generation == h.generation && s.state.is_some() {
-                    return Ok(h.slot as usize);
-                }
-            }
-        }
-        self.index_slow(key)
-    }
-
-    #[cold]
-    fn index_slow(&self, key: RequestKey<'_>) -> Result<usize> {
-        match key {
-            RequestKey::Id(id) => match self.ids.get(id) {
-                Some(&slot) => Ok(slot as usize),
-                None => invalid(format!("unknown request id {id:?}")),
-            },
-            RequestKey::Handle(h) => invalid(format!(
-                "stale request handle {h:?}: its request was removed"
-            )),
-        }
-    }
-
-    #[inline]
-    fn get(&self, key: RequestKey<'_>) -> Result<&RequestState> {
-        let i = self.index(key)?;
-        Ok(self.slots[i]
-            .state
-            .as_ref()
-            .expect("index checks occupancy"))
-    }
-
-    #[inline]
-    fn get_mut(&mut self, key: RequestKey<'_>) -> Result<&mut RequestState> {
-        let i = self.index(key)?;
-        Ok(self.slots[i]
-            .state
-            .as_mut()
-            .expect("index checks occupancy"))
-    }
-
-    fn insert(&mut self, state: RequestState) -> RequestHandle {
-        let id = state.request.id().to_owned();
-        let slot = match self.free_slots.pop() {
-            Some(slot) => slot,
-            None => {
-                self.slots.push(Slot {
-                    generation: 0,
-                    state: None,
-                });
-                (self.slots.len() - 1) as u32
-            }
-        };
-        let entry = &mut self.slots[slot as usize];
-        entry.state = Some(state);
-        self.ids.insert(id, slot);
-        RequestHandle {
-            slot,
-            generation: entry.generation,
-        }
-    }
-
-    fn remove(&mut self, key: RequestKey<'_>) -> Result<RequestState> {
-        let i = self.index(key)?;
-        let entry = &mut self.slots[i];
-        let state = entry.state.take().expect("index checks occupancy");
-        entry.generation = entry.generation.wrapping_add(1);
-        self.ids.remove(state.request.id());
-        self.free_slots.push(i as u32);
-        Ok(state)
-    }
-}
-
 #[derive(Debug)]
 struct RequestState {
     request: Request,
     tables: Vec<GroupTable>,
 }
 
-/// `allocate_slots` for a request that already holds its blocks in every group and adopts no
-/// hit (decode steps and continued prefill): the same decisions as the general path, in one
-/// pass that frees what left the window and counts the blocks needed, and a second that
-/// allocates and caches.
-struct RunningStep {
-    /// Tokens processed: blocks before the window of these are freed.
-    processed: usize,
-    /// Slots the request needs after this step.
-    need_slot: usize,
-    /// Tokens whose full blocks are cached; `None` when caching is off or delayed.
-    cache_tokens: Option<usize>,
-    hash_block_size: usize,
-}
-
-impl RunningStep {
-    fn apply(
-        &self,
-        groups: &[GroupManager],
-        pool: &BlockPool,
-        state: &mut RequestState,
-        new_blocks: &mut [Vec<BlockId>],
-        scratch: &mut Vec<BlockId>,
-    ) -> Result<bool> {
-        let mut need = 0;
-        for (m, t) in groups.iter().zip(state.tables.iter_mut()) {
-            m.remove_skipped_blocks(pool, t, self.processed, scratch)?;
-            need += self
-                .need_slot
-                .div_ceil(m.spec.block_size)
-                .saturating_sub(t.blocks.len());
-        }
-        if need > pool.num_free_blocks() {
-            return Ok(false);
-        }
-        for ((m, t), out) in groups.iter().zip(state.tables.iter_mut()).zip(new_blocks) {
-            if need > 0 {
-                m.allocate_new_blocks(pool, t, self.need_slot, out)?;
-            }
-            if let Some(n) = self.cache_tokens {
-                m.cache_blocks(pool, t, &state.request, n, self.hash_block_size, scratch)?;
-            }
-        }
-        Ok(true)
-    }
-}
-
 impl RequestState {
+    /// Whether the request holds blocks or adopted a hit (a running request).
     fn is_tracked(&self) -> bool {
         self.tables
             .iter()
@@ -304,7 +149,7 @@ impl RequestState {
 #[derive(Clone)]
 pub struct Prober {
     pool: Arc<BlockPool>,
-    finder: Arc<HitFinder>,
+    coordinator: Arc<Coordinator>,
     hasher: BlockHasher,
 }
 
@@ -312,19 +157,7 @@ impl std::fmt::Debug for Prober {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Prober")
             .field("num_blocks", &self.pool.num_blocks())
-            .field("finder", &self.finder)
-            .finish_non_exhaustive()
-    }
-}
-
-impl std::fmt::Debug for KVCacheManager {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KVCacheManager")
-            .field("num_blocks", &self.pool.num_blocks())
-            .field("num_free_blocks", &self.pool.num_free_blocks())
-            .field("groups", &self.group_specs())
-            .field("coordinator", &self.finder.kind())
-            .field("num_requests", &self.requests.len())
+            .field("coordinator", &self.coordinator)
             .finish_non_exhaustive()
     }
 }
@@ -350,7 +183,7 @@ impl Prober {
             .hash_blocks(None, prompt, 0, extra, &mut hashes)?;
         let mut out = Vec::new();
         let hit = self
-            .finder
+            .coordinator
             .find(&self.pool, &hashes, max_len.min(prompt.len()), &mut out);
         Ok(hit.tokens.min(prompt.len()))
     }
@@ -362,24 +195,38 @@ impl Prober {
 
 /// The KV cache manager a scheduler drives: `add_request`, then per step
 /// `get_computed_blocks` / `allocate_slots` / `append_token_ids`, and `free` /
-/// `remove_request` at the end. Methods that change state take `&mut self`; the pool is shared
-/// (`Arc`) with [`Prober`]s.
+/// `remove_request` at the end. Methods that change state take `&mut self`; the pool and the
+/// coordinator are shared (`Arc`) with [`Prober`]s.
 pub struct KVCacheManager {
+    id: u64,
     pool: Arc<BlockPool>,
-    finder: Arc<HitFinder>,
+    coordinator: Arc<Coordinator>,
     hasher: BlockHasher,
-    groups: Vec<GroupManager>,
     max_model_len: usize,
     watermark_blocks: usize,
     enable_caching: bool,
     scheduler_block_size: usize,
     hash_block_size: usize,
-    requests: Requests,
+    requests: Slots<RequestState>,
+    /// Successful allocations and cache resets so far (only these evict cached blocks).
+    epoch: u64,
     stats: PrefixCacheStats,
     scratch: Vec<BlockId>,
     /// Tests: take the general allocation path even for running requests.
     #[cfg(test)]
     general_path_only: bool,
+}
+
+impl std::fmt::Debug for KVCacheManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KVCacheManager")
+            .field("num_blocks", &self.pool.num_blocks())
+            .field("num_free_blocks", &self.pool.num_free_blocks())
+            .field("groups", &self.group_specs())
+            .field("coordinator", &self.coordinator.kind())
+            .field("num_requests", &self.requests.len())
+            .finish_non_exhaustive()
+    }
 }
 
 impl KVCacheManager {
@@ -391,36 +238,26 @@ impl KVCacheManager {
             config.enable_events,
         )?);
         let hasher = BlockHasher::new(hash_block_size, config.hash_algo, &config.hash_seed)?;
-        let max_in_flight = config.max_in_flight_tokens.unwrap_or(config.max_model_len);
-        let groups = config
-            .groups
-            .iter()
-            .enumerate()
-            .map(|(i, &spec)| GroupManager {
-                spec,
-                id: i as GroupId,
-                hash_ratio: (spec.block_size / hash_block_size).max(1),
-                admission_cap: spec.max_admission_blocks(max_in_flight, config.max_model_len),
-                alignment: scheduler_block_size,
-            })
-            .collect();
-        let finder = Arc::new(HitFinder::new(
+        let coordinator = Arc::new(Coordinator::new(
             &config.groups,
             config.enable_caching,
             scheduler_block_size,
             hash_block_size,
+            config.max_in_flight_tokens.unwrap_or(config.max_model_len),
+            config.max_model_len,
         ));
         Ok(KVCacheManager {
+            id: NEXT_MANAGER_ID.fetch_add(1, Ordering::Relaxed),
             pool,
-            finder,
+            coordinator,
             hasher,
-            groups,
             max_model_len: config.max_model_len,
             watermark_blocks: (config.watermark * config.num_blocks as f64) as usize,
             enable_caching: config.enable_caching,
             scheduler_block_size,
             hash_block_size,
-            requests: Requests::default(),
+            requests: Slots::default(),
+            epoch: 0,
             stats: PrefixCacheStats::default(),
             scratch: Vec::new(),
             #[cfg(test)]
@@ -428,11 +265,16 @@ impl KVCacheManager {
         })
     }
 
+    /// A process-unique id of this manager (stamped on the hits it hands out).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
     /// A handle for concurrent read-only cache probes.
     pub fn prober(&self) -> Prober {
         Prober {
             pool: Arc::clone(&self.pool),
-            finder: Arc::clone(&self.finder),
+            coordinator: Arc::clone(&self.coordinator),
             hasher: self.hasher.clone(),
         }
     }
@@ -442,15 +284,15 @@ impl KVCacheManager {
     }
 
     pub fn num_groups(&self) -> usize {
-        self.groups.len()
+        self.coordinator.num_groups()
     }
 
     pub fn group_specs(&self) -> Vec<GroupSpec> {
-        self.groups.iter().map(|g| g.spec).collect()
+        self.coordinator.group_specs()
     }
 
     pub fn coordinator_kind(&self) -> CoordinatorKind {
-        self.finder.kind()
+        self.coordinator.kind()
     }
 
     pub fn scheduler_block_size(&self) -> usize {
@@ -516,7 +358,7 @@ impl KVCacheManager {
 
     fn check_new_request(&self, request_id: &str, num_prompt_tokens: usize) -> Result<()> {
         if self.requests.contains(request_id) {
-            return invalid(format!("request {request_id:?} was already added"));
+            return Err(CoreError::DuplicateRequest(request_id.to_owned()));
         }
         if num_prompt_tokens == 0 {
             return invalid(format!("request {request_id:?} has an empty prompt"));
@@ -525,16 +367,14 @@ impl KVCacheManager {
     }
 
     fn insert_request(&mut self, request: Request) -> RequestHandle {
-        let tables = vec![GroupTable::default(); self.groups.len()];
-        self.requests.insert(RequestState { request, tables })
+        let tables = vec![GroupTable::default(); self.num_groups()];
+        let id = request.id().to_owned();
+        self.requests.insert(id, RequestState { request, tables })
     }
 
     /// The handle of a registered request (see [`RequestHandle`]).
     pub fn handle(&self, request_id: &str) -> Result<RequestHandle> {
-        match self.requests.handle(request_id) {
-            Some(h) => Ok(h),
-            None => invalid(format!("unknown request id {request_id:?}")),
-        }
+        self.requests.handle(request_id)
     }
 
     /// The hasher of request block hashes (at `hash_block_size`).
@@ -554,12 +394,11 @@ impl KVCacheManager {
             .append(tokens)
     }
 
-    /// Frees the request's blocks (if any) and forgets it.
-    pub fn remove_request<'a>(&mut self, request: impl Into<RequestKey<'a>>) -> Result<()> {
+    /// Frees the request's blocks (if any) and forgets it; returns its state.
+    pub fn remove_request<'a>(&mut self, request: impl Into<RequestKey<'a>>) -> Result<Request> {
         let key = request.into();
         self.free(key)?;
-        self.requests.remove(key)?;
-        Ok(())
+        Ok(self.requests.remove(key, |s| s.request.id())?.request)
     }
 
     pub fn request<'a>(&self, request: impl Into<RequestKey<'a>>) -> Result<&Request> {
@@ -590,7 +429,7 @@ impl KVCacheManager {
         let state = self.state(request)?;
         let mut blocks = Vec::new();
         let max_len = state.request.num_tokens().saturating_sub(1);
-        let hit = self.finder.find(
+        let hit = self.coordinator.find(
             &self.pool,
             state.request.block_hashes(),
             max_len,
@@ -604,14 +443,20 @@ impl KVCacheManager {
             } else {
                 0
             },
+            origin: self.id,
+            epoch: self.epoch,
         })
     }
 
     /// Gives the request slots for `num_new_tokens` more tokens (plus lookahead), adopting a
     /// prefix-cache hit on its first allocation, and caches its newly full blocks. Returns the
-    /// newly allocated blocks per group, or `Ok(None)` when the pool cannot supply them: then
-    /// nothing changed except that blocks out of the sliding window / chunk were freed (as
-    /// vLLM does first). Bad arguments are an error and change nothing.
+    /// newly allocated blocks per group, or `Ok(None)` when the pool cannot supply them.
+    ///
+    /// What a `None` may have changed (as in vLLM, which frees before it counts): blocks that
+    /// already left a sliding window or local-attention chunk of the request's computed tokens
+    /// are freed, and stay freed. Nothing else changes: no block is taken, no hit adopted, no
+    /// block cached. With `full_sequence_must_fit`, a refusal by the admission check comes first
+    /// and changes nothing at all. Bad arguments are an error and change nothing.
     pub fn allocate_slots<'a>(
         &mut self,
         request: impl Into<RequestKey<'a>>,
@@ -632,25 +477,20 @@ impl KVCacheManager {
         args: &AllocateArgs<'_>,
         new_blocks: &mut Vec<Vec<BlockId>>,
     ) -> Result<bool> {
-        new_blocks.resize_with(self.groups.len(), Vec::new);
+        let coordinator = &*self.coordinator;
+        new_blocks.resize_with(coordinator.num_groups(), Vec::new);
         new_blocks.iter_mut().for_each(Vec::clear);
-        let pool = &*self.pool;
-        let state = self.requests.get_mut(request.into())?;
         let empty: [Vec<BlockId>; 0] = [];
         let hits: &[Vec<BlockId>] = match args.new_computed_blocks {
             Some(c) if !c.is_empty() => &c.blocks,
             _ => &empty,
         };
-        Self::validate_allocate(
-            &self.groups,
-            pool,
-            self.max_model_len,
-            self.hash_block_size,
-            state,
-            args,
-            hits,
-        )?;
-        let hit_of = |g: usize| -> &[BlockId] { hits.get(g).map_or(&[], Vec::as_slice) };
+        let key = request.into();
+        self.validate_allocate(self.requests.get(key)?, args, hits)?;
+        // Counted before the call can claim blocks: hits taken before it may be evicted by it.
+        self.epoch += 1;
+        let pool = &*self.pool;
+        let state = self.requests.get_mut(key)?;
 
         let n_local = args.num_computed_tokens + args.num_new_computed_tokens;
         let total = n_local.min(self.max_model_len);
@@ -673,9 +513,15 @@ impl KVCacheManager {
                 processed,
                 need_slot,
                 cache_tokens,
-                hash_block_size: self.hash_block_size,
             };
-            return step.apply(&self.groups, pool, state, new_blocks, &mut self.scratch);
+            return coordinator.running_step(
+                pool,
+                &mut state.tables,
+                &state.request,
+                &step,
+                new_blocks,
+                &mut self.scratch,
+            );
         }
         // A waiting (or preempted) request holds no blocks yet.
         let watermark = if args.has_scheduled_reqs && !state.is_tracked() {
@@ -685,76 +531,52 @@ impl KVCacheManager {
         };
         if args.full_sequence_must_fit {
             let full = num_tokens.min(self.max_model_len);
-            let need: usize = self
-                .groups
-                .iter()
-                .zip(&state.tables)
-                .enumerate()
-                .map(|(g, (m, t))| m.num_blocks_to_allocate(pool, t, full, hit_of(g), total, true))
-                .sum();
+            let need =
+                coordinator.num_blocks_to_allocate(pool, &state.tables, full, hits, total, true);
             if need + watermark > pool.num_free_blocks() {
                 return Ok(false);
             }
         }
 
         // Free what fell out of the window before counting: fewer evictions.
-        for (m, t) in self.groups.iter().zip(state.tables.iter_mut()) {
-            m.remove_skipped_blocks(pool, t, processed, &mut self.scratch)?;
-        }
-
-        let need: usize = self
-            .groups
-            .iter()
-            .zip(&state.tables)
-            .enumerate()
-            .map(|(g, (m, t))| {
-                m.num_blocks_to_allocate(pool, t, need_slot, hit_of(g), total, false)
-            })
-            .sum();
+        coordinator.remove_skipped_blocks(pool, &mut state.tables, processed, &mut self.scratch)?;
+        let need =
+            coordinator.num_blocks_to_allocate(pool, &state.tables, need_slot, hits, total, false);
         if need + watermark > pool.num_free_blocks() {
             return Ok(false);
         }
-
         if !hits.is_empty() {
-            for (g, (m, t)) in self.groups.iter().zip(state.tables.iter_mut()).enumerate() {
-                m.add_local_computed_blocks(pool, t, hit_of(g), total, self.enable_caching)?;
-            }
+            coordinator.add_local_computed_blocks(
+                pool,
+                &mut state.tables,
+                hits,
+                total,
+                self.enable_caching,
+            )?;
         }
-
-        for ((m, t), out) in self
-            .groups
-            .iter()
-            .zip(state.tables.iter_mut())
-            .zip(new_blocks.iter_mut())
-        {
-            m.allocate_new_blocks(pool, t, need_slot, out)?;
-        }
-
+        coordinator.allocate_new_blocks(pool, &mut state.tables, need_slot, new_blocks)?;
         if let Some(n) = cache_tokens {
-            for (m, t) in self.groups.iter().zip(state.tables.iter_mut()) {
-                m.cache_blocks(
-                    pool,
-                    t,
-                    &state.request,
-                    n,
-                    self.hash_block_size,
-                    &mut self.scratch,
-                )?;
-            }
+            coordinator.cache_blocks(
+                pool,
+                &mut state.tables,
+                &state.request,
+                n,
+                &mut self.scratch,
+            )?;
         }
         Ok(true)
     }
 
+    /// Checks the arguments of `allocate_slots` against the request's state (nothing changes
+    /// on error).
     fn validate_allocate(
-        groups: &[GroupManager],
-        pool: &BlockPool,
-        max_model_len: usize,
-        hash_block_size: usize,
+        &self,
         state: &RequestState,
         args: &AllocateArgs<'_>,
         hits: &[Vec<BlockId>],
     ) -> Result<()> {
         let id = state.request.id();
+        let max_model_len = self.max_model_len;
         if args.num_new_tokens == 0 && args.num_new_computed_tokens == 0 {
             return invalid(format!(
                 "request {id:?}: num_new_tokens must be greater than 0 when there are no \
@@ -768,19 +590,25 @@ impl KVCacheManager {
         match n_local {
             Some(n) if n <= max_model_len => {}
             _ => {
-                return invalid(format!(
+                return Err(CoreError::OutOfRange(format!(
                     "request {id:?}: {} computed + {} newly computed + {} new tokens exceed \
                      max_model_len {max_model_len}",
                     args.num_computed_tokens, args.num_new_computed_tokens, args.num_new_tokens
-                ))
+                )))
             }
         }
-        if args.num_computed_tokens + args.num_new_computed_tokens > state.request.num_tokens() {
-            return invalid(format!(
-                "request {id:?}: {} computed tokens but the request has only {}",
-                args.num_computed_tokens + args.num_new_computed_tokens,
+        let computed = args.num_computed_tokens + args.num_new_computed_tokens;
+        if computed > state.request.num_tokens() {
+            return Err(CoreError::OutOfRange(format!(
+                "request {id:?}: {computed} computed tokens but the request has only {}",
                 state.request.num_tokens()
-            ));
+            )));
+        }
+        if args.num_lookahead_tokens > max_model_len {
+            return Err(CoreError::OutOfRange(format!(
+                "request {id:?}: {} lookahead tokens exceed max_model_len {max_model_len}",
+                args.num_lookahead_tokens
+            )));
         }
         if hits.is_empty() {
             if args.num_new_computed_tokens > 0 {
@@ -791,6 +619,7 @@ impl KVCacheManager {
             }
             return Ok(());
         }
+        let groups = self.coordinator.groups();
         if hits.len() != groups.len() {
             return invalid(format!(
                 "request {id:?}: computed blocks for {} groups, the manager has {}",
@@ -804,6 +633,11 @@ impl KVCacheManager {
                  its first allocation"
             ));
         }
+        // A hit this manager found for this prompt, with allocations since: a block that no
+        // longer matches was evicted (another caller allocated), not forged.
+        let evicted_since = args
+            .new_computed_blocks
+            .is_some_and(|c| c.origin == self.id && c.epoch != self.epoch);
         let n = args.num_new_computed_tokens;
         let hashes = state.request.block_hashes();
         for (g, (m, list)) in groups.iter().zip(hits).enumerate() {
@@ -820,35 +654,64 @@ impl KVCacheManager {
                     list.len()
                 ));
             }
-            let view = request::HashView::new(hashes, bs / hash_block_size);
+            let view = request::HashView::new(hashes, bs / self.hash_block_size);
             for (i, &b) in list.iter().enumerate() {
                 if b == NULL_BLOCK && !m.spec.is_full() {
                     continue;
                 }
-                let key = pool.block_key(b)?;
+                let key = self.pool.block_key(b)?;
                 let matches =
                     i < view.len() && key.is_some_and(|k| k.group == m.id && k.hash == view.get(i));
-                if !matches {
-                    return invalid(format!(
-                        "request {id:?}: block {b} (group {g}, position {i}) is not the cached \
-                         block of this prompt; computed blocks must come from \
-                         get_computed_blocks of this manager"
-                    ));
+                if matches {
+                    continue;
                 }
+                if evicted_since && b != NULL_BLOCK {
+                    // This manager found the block for this prompt: it has left the cache since.
+                    return Err(CoreError::HitEvicted {
+                        request: id.to_owned(),
+                        group: g,
+                        block: b,
+                    });
+                }
+                return invalid(format!(
+                    "request {id:?}: block {b} (group {g}, position {i}) is not the cached \
+                     block of this prompt; computed blocks must come from \
+                     get_computed_blocks of this manager"
+                ));
             }
         }
         Ok(())
     }
 
+    /// Blocks the admission check of `allocate_slots(..., full_sequence_must_fit)` needs free
+    /// for the request's whole sequence (with `hit` adopted; watermark not included).
+    pub fn num_blocks_to_admit<'a>(
+        &self,
+        request: impl Into<RequestKey<'a>>,
+        hit: Option<&ComputedBlocks>,
+    ) -> Result<usize> {
+        let state = self.state(request)?;
+        let hits = hit
+            .filter(|c| !c.is_empty())
+            .map_or(&[][..], |c| &c.blocks[..]);
+        let computed = hit.map_or(0, |c| c.num_computed_tokens);
+        let full = state.request.num_tokens().min(self.max_model_len);
+        Ok(self.coordinator.num_blocks_to_allocate(
+            &self.pool,
+            &state.tables,
+            full,
+            hits,
+            computed,
+            true,
+        ))
+    }
+
     /// Frees all of a request's blocks, every group tail first (the request stays known, e.g.
     /// for a preempted request that will be re-admitted).
     pub fn free<'a>(&mut self, request: impl Into<RequestKey<'a>>) -> Result<()> {
-        let pool = &*self.pool;
         let state = self.requests.get_mut(request.into())?;
-        for (m, t) in self.groups.iter().zip(state.tables.iter_mut()) {
-            m.free(pool, t, &mut self.scratch)?;
-        }
-        Ok(())
+        self.coordinator
+            .free(&self.pool, &mut state.tables, &mut self.scratch)
     }
 
     /// Frees the blocks that fell out of the window after `num_computed_tokens` (vLLM's
@@ -858,12 +721,31 @@ impl KVCacheManager {
         request: impl Into<RequestKey<'a>>,
         num_computed_tokens: usize,
     ) -> Result<()> {
-        let pool = &*self.pool;
         let state = self.requests.get_mut(request.into())?;
-        for (m, t) in self.groups.iter().zip(state.tables.iter_mut()) {
-            m.remove_skipped_blocks(pool, t, num_computed_tokens, &mut self.scratch)?;
+        if num_computed_tokens > state.request.num_tokens() {
+            return Err(CoreError::OutOfRange(format!(
+                "request {:?}: {num_computed_tokens} computed tokens but the request has only {}",
+                state.request.id(),
+                state.request.num_tokens()
+            )));
         }
-        Ok(())
+        self.coordinator.remove_skipped_blocks(
+            &self.pool,
+            &mut state.tables,
+            num_computed_tokens,
+            &mut self.scratch,
+        )
+    }
+
+    fn check_group(&self, group: usize) -> Result<()> {
+        if group < self.num_groups() {
+            Ok(())
+        } else {
+            Err(CoreError::OutOfRange(format!(
+                "group {group} out of range ({} groups)",
+                self.num_groups()
+            )))
+        }
     }
 
     /// The request's block table in `group` (null blocks included).
@@ -873,13 +755,8 @@ impl KVCacheManager {
         group: usize,
     ) -> Result<&[BlockId]> {
         let state = self.state(request)?;
-        match state.tables.get(group) {
-            Some(t) => Ok(&t.blocks),
-            None => invalid(format!(
-                "group {group} out of range ({} groups)",
-                self.groups.len()
-            )),
-        }
+        self.check_group(group)?;
+        Ok(&state.tables[group].blocks)
     }
 
     /// The request's block tables, one per group.
@@ -895,6 +772,35 @@ impl KVCacheManager {
             .collect())
     }
 
+    /// Writes the block tables of `group` for a batch of requests through `write(row, blocks)`,
+    /// after checking every request exists and fits `row_len` entries. Nothing is written on
+    /// error.
+    pub fn write_block_tables(
+        &self,
+        req_ids: &[&str],
+        group: usize,
+        row_len: usize,
+        mut write: impl FnMut(usize, &[BlockId]),
+    ) -> Result<()> {
+        self.check_group(group)?;
+        let mut tables = Vec::with_capacity(req_ids.len());
+        for id in req_ids {
+            let blocks = &self.state(*id)?.tables[group].blocks;
+            if blocks.len() > row_len {
+                return invalid(format!(
+                    "request {id:?} holds {} blocks in group {group}, more than a row holds \
+                     ({row_len})",
+                    blocks.len()
+                ));
+            }
+            tables.push(blocks.as_slice());
+        }
+        for (row, blocks) in tables.into_iter().enumerate() {
+            write(row, blocks);
+        }
+        Ok(())
+    }
+
     /// Writes the block tables of `group` for a batch of requests into a caller-owned row-major
     /// `int32` buffer: row `r` starts at `r * row_stride` and receives `req_ids[r]`'s table;
     /// entries past a table's length are left as they are. Nothing is written on error.
@@ -905,12 +811,6 @@ impl KVCacheManager {
         out: &mut [i32],
         row_stride: usize,
     ) -> Result<()> {
-        if group >= self.groups.len() {
-            return invalid(format!(
-                "group {group} out of range ({} groups)",
-                self.groups.len()
-            ));
-        }
         match req_ids.len().checked_mul(row_stride) {
             Some(n) if n <= out.len() => {}
             _ => {
@@ -921,44 +821,39 @@ impl KVCacheManager {
                 ))
             }
         }
-        let mut tables = Vec::with_capacity(req_ids.len());
-        for id in req_ids {
-            let blocks = &self.state(*id)?.tables[group].blocks;
-            if blocks.len() > row_stride {
-                return invalid(format!(
-                    "request {id:?} holds {} blocks in group {group}, more than the row stride \
-                     {row_stride}",
-                    blocks.len()
-                ));
+        self.write_block_tables(req_ids, group, row_stride, |row, blocks| {
+            let dst = &mut out[row * row_stride..row * row_stride + blocks.len()];
+            for (d, &b) in dst.iter_mut().zip(blocks) {
+                *d = b as i32;
             }
-            tables.push(blocks.as_slice());
-        }
-        for (row, blocks) in out.chunks_mut(row_stride.max(1)).zip(tables) {
-            for (dst, &b) in row.iter_mut().zip(blocks) {
-                *dst = b as i32;
-            }
-        }
-        Ok(())
+        })
     }
 
     /// Records one admission's prefix-cache lookup in the stats (vLLM calls this after a
     /// successful `allocate_slots` of a waiting request). Re-admissions of preempted requests
-    /// are counted apart (`preempted_*`), as in vLLM.
+    /// are counted apart (`preempted_*`), as in vLLM. `num_hits` is at most the request's tokens.
     pub fn record_prefix_cache_stats<'a>(
         &mut self,
         request: impl Into<RequestKey<'a>>,
         num_hits: usize,
         preempted: bool,
     ) -> Result<()> {
-        let queries = self.state(request)?.request.num_tokens() as u64;
+        let request = &self.state(request)?.request;
+        let queries = request.num_tokens();
+        if num_hits > queries {
+            return Err(CoreError::OutOfRange(format!(
+                "request {:?}: {num_hits} hit tokens but the request has only {queries}",
+                request.id()
+            )));
+        }
         let s = &mut self.stats;
         if preempted {
             s.preempted_requests += 1;
-            s.preempted_queries += queries;
+            s.preempted_queries += queries as u64;
             s.preempted_hits += num_hits as u64;
         } else {
             s.requests += 1;
-            s.queries += queries;
+            s.queries += queries as u64;
             s.hits += num_hits as u64;
         }
         Ok(())
@@ -977,6 +872,7 @@ impl KVCacheManager {
     pub fn reset_prefix_cache(&mut self) -> bool {
         let ok = self.pool.reset_prefix_cache();
         if ok {
+            self.epoch += 1;
             self.stats.reset = true;
         }
         ok

@@ -102,6 +102,19 @@ impl Request {
         &self.hashes
     }
 
+    /// The tokens after the last full hash block.
+    pub fn tail(&self) -> &[u32] {
+        &self.tail
+    }
+
+    pub fn hasher(&self) -> &BlockHasher {
+        &self.hasher
+    }
+
+    pub fn extra_keys(&self) -> &ExtraKeys {
+        &self.extra
+    }
+
     /// Appends output tokens (all or nothing: out-of-range ids are rejected).
     pub(crate) fn append<T: TokenId>(&mut self, tokens: &[T]) -> Result<()> {
         if let ([token], None) = (tokens, &self.all) {

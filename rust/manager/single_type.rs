@@ -1,11 +1,13 @@
-//! Per-group block tables and the allocation rules of each attention type (vLLM's
-//! `SingleTypeKVCacheManager` and subclasses), as functions over one request's table.
+//! Per-group block tables and the rules of each attention type (vLLM's
+//! `SingleTypeKVCacheManager` and subclasses): how many blocks a request holds, which ones it
+//! frees as it advances, which it caches, and which prefix of a prompt counts as a cache hit
+//! ([`find_longest_cache_hit`]).
 
 use super::request::{HashView, Request};
 use super::spec::{AttentionKind, GroupSpec};
 use crate::error::Result;
 use crate::pool::BlockPool;
-use crate::types::{BlockId, GroupId, StoreInfo, NULL_BLOCK};
+use crate::types::{BlockHash, BlockId, GroupId, StoreInfo, NULL_BLOCK};
 
 /// One request's blocks in one group.
 #[derive(Clone, Debug, Default)]
@@ -227,4 +229,135 @@ impl GroupManager {
         table.clear();
         Ok(())
     }
+}
+
+/// The longest cached prefix of `hashes` (at `hash_block_size`) of at most `max_len` tokens under
+/// the rule of `spec`'s attention type, for the groups `gids` (all with that spec: a hit needs
+/// every one of them cached). Fills `out[g]` for each of them (null blocks where a slot needs
+/// none) and returns the hit length in tokens, a multiple of `alignment` (vLLM's
+/// `find_longest_cache_hit` of each single-type manager).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn find_longest_cache_hit(
+    spec: &GroupSpec,
+    pool: &BlockPool,
+    hashes: &[BlockHash],
+    hash_block_size: usize,
+    max_len: usize,
+    gids: &[usize],
+    alignment: usize,
+    out: &mut [Vec<BlockId>],
+    scratch: &mut Vec<BlockId>,
+) -> usize {
+    let bs = spec.block_size;
+    let view = HashView::new(hashes, bs / hash_block_size);
+    for &g in gids {
+        out[g].clear();
+    }
+    match spec.kind {
+        AttentionKind::Full => {
+            // Left to right, stopping at the first miss.
+            let max_blocks = (max_len / bs).min(view.len());
+            for i in 0..max_blocks {
+                if !lookup_all(pool, view.get(i), gids, scratch) {
+                    break;
+                }
+                for (&g, &b) in gids.iter().zip(scratch.iter()) {
+                    out[g].push(b);
+                }
+            }
+            pop_to_alignment(bs, alignment, gids, out);
+            out[gids[0]].len() * bs
+        }
+        AttentionKind::SlidingWindow { .. } => {
+            // Right to left: the first run of enough contiguous cached blocks wins.
+            let need = spec.sliding_window_contiguous_blocks();
+            let max_blocks = (max_len / bs).min(view.len());
+            for &g in gids {
+                out[g].resize(max_blocks, NULL_BLOCK);
+            }
+            let mut run = 0;
+            let mut found = false;
+            for i in (0..max_blocks).rev() {
+                if lookup_all(pool, view.get(i), gids, scratch) {
+                    // A run must end on an alignment boundary.
+                    if run == 0 && bs != alignment && ((i + 1) * bs) % alignment != 0 {
+                        continue;
+                    }
+                    for (&g, &b) in gids.iter().zip(scratch.iter()) {
+                        out[g][i] = b;
+                    }
+                    run += 1;
+                    if run >= need {
+                        for &g in gids {
+                            out[g].truncate(i + run);
+                        }
+                        found = true;
+                        break;
+                    }
+                } else {
+                    run = 0;
+                }
+            }
+            if !found {
+                // A run reaching block 0 is a hit even if shorter than the window.
+                for &g in gids {
+                    out[g].truncate(run);
+                }
+                pop_to_alignment(bs, alignment, gids, out);
+            }
+            out[gids[0]].len() * bs
+        }
+        AttentionKind::ChunkedLocal { chunk } => {
+            // Blocks before the current chunk count as computed (null); then left to right.
+            let max_blocks = max_len / bs;
+            let start = if max_len > 0 {
+                (max_len / chunk * chunk) / bs
+            } else {
+                0
+            };
+            for &g in gids {
+                out[g].resize(start, NULL_BLOCK);
+            }
+            for i in start..max_blocks.min(view.len()) {
+                if !lookup_all(pool, view.get(i), gids, scratch) {
+                    break;
+                }
+                for (&g, &b) in gids.iter().zip(scratch.iter()) {
+                    out[g].push(b);
+                }
+            }
+            out[gids[0]].len() * bs
+        }
+        AttentionKind::Mamba => 0,
+    }
+}
+
+/// Drops trailing hit blocks until the hit ends on a multiple of `alignment`.
+fn pop_to_alignment(bs: usize, alignment: usize, gids: &[usize], out: &mut [Vec<BlockId>]) {
+    if bs == alignment {
+        return;
+    }
+    let len = out[gids[0]].len();
+    let keep = len * bs / alignment * alignment / bs;
+    for &g in gids {
+        out[g].truncate(keep);
+    }
+}
+
+/// One cached block per group for `hash` into `scratch`, or `false` if any group misses.
+#[inline]
+fn lookup_all(
+    pool: &BlockPool,
+    hash: BlockHash,
+    gids: &[usize],
+    scratch: &mut Vec<BlockId>,
+) -> bool {
+    scratch.clear();
+    for &g in gids {
+        match pool.lookup(hash, g as GroupId) {
+            Some(b) => scratch.push(b),
+            None => return false,
+        }
+    }
+    true
 }

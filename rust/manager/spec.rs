@@ -1,6 +1,6 @@
 //! KV cache group specs and the manager's configuration.
 
-use crate::error::{CoreError, Result};
+use crate::error::{bad_config, Result};
 use crate::hashing::HashAlgo;
 
 /// The attention type of a KV cache group: decides how many blocks a request holds in the
@@ -19,6 +19,50 @@ pub enum AttentionKind {
     /// One recurrent state per request (vLLM's mamba_cache_mode "none": only the last state is
     /// kept). Not prefix-cacheable here: a layout with a Mamba group always hits 0 tokens.
     Mamba,
+}
+
+impl AttentionKind {
+    /// The kind names a binding accepts (vLLM's spec-kind names and short forms).
+    pub const NAMES: &'static str = "full, sliding_window, chunked_local or mamba";
+
+    /// The kind named `name`, with its parameter (`sliding_window` or `attention_chunk_size`)
+    /// read by `param` only when the kind has one.
+    pub fn parse(name: &str, param: impl FnOnce(&'static str) -> Result<usize>) -> Result<Self> {
+        Ok(match name {
+            "full" | "full_attention" => AttentionKind::Full,
+            "sliding_window" => AttentionKind::SlidingWindow {
+                window: param("sliding_window")?,
+            },
+            "chunked_local" | "chunked_local_attention" => AttentionKind::ChunkedLocal {
+                chunk: param("attention_chunk_size")?,
+            },
+            "mamba" => AttentionKind::Mamba,
+            other => {
+                return bad_config(format!(
+                    "unknown attention kind {other:?} (expected {})",
+                    Self::NAMES
+                ))
+            }
+        })
+    }
+
+    /// vLLM's `KVCacheSpecKind` name of this kind (as in its KV events).
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            AttentionKind::Full => "full_attention",
+            AttentionKind::SlidingWindow { .. } => "sliding_window",
+            AttentionKind::ChunkedLocal { .. } => "chunked_local_attention",
+            AttentionKind::Mamba => "mamba",
+        }
+    }
+
+    /// The sliding window in tokens, for sliding-window kinds.
+    pub fn sliding_window(&self) -> Option<usize> {
+        match self {
+            AttentionKind::SlidingWindow { window } => Some(*window),
+            _ => None,
+        }
+    }
 }
 
 /// One KV cache group: a set of layers of one attention type sharing block ids.
@@ -113,11 +157,7 @@ impl GroupSpec {
     }
 
     fn validate(&self, index: usize) -> Result<()> {
-        let bad = |what: String| {
-            Err(CoreError::InvalidArgument(format!(
-                "KV cache group {index}: {what}"
-            )))
-        };
+        let bad = |what: String| bad_config(format!("KV cache group {index}: {what}"));
         if self.block_size == 0 {
             return bad("block_size must be positive".into());
         }
@@ -178,7 +218,7 @@ impl ManagerConfig {
 
     /// Checks the config and resolves `(scheduler_block_size, hash_block_size)`.
     pub(crate) fn resolve_block_sizes(&self) -> Result<(usize, usize)> {
-        let invalid = |msg: String| Err(CoreError::InvalidArgument(msg));
+        let invalid = |msg: String| bad_config(msg);
         if self.groups.is_empty() {
             return invalid("at least one KV cache group is required".into());
         }
@@ -195,7 +235,9 @@ impl ManagerConfig {
             .groups
             .iter()
             .try_fold(1usize, |acc, g| lcm(acc, g.block_size))
-            .ok_or_else(|| CoreError::InvalidArgument("block sizes overflow their lcm".into()))?;
+            .ok_or_else(|| {
+                crate::error::CoreError::InvalidConfig("block sizes overflow their lcm".into())
+            })?;
         let scheduler = self.scheduler_block_size.unwrap_or(lcm);
         if scheduler == 0 || self.groups.iter().any(|g| scheduler % g.block_size != 0) {
             return invalid(format!(

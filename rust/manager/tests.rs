@@ -1,5 +1,5 @@
 use super::*;
-use crate::types::{BlockHash, StoreInfo};
+use crate::types::{BlockHash, GroupId, StoreInfo};
 use proptest::prelude::*;
 
 fn config(groups: Vec<GroupSpec>, num_blocks: usize) -> ManagerConfig {
@@ -75,7 +75,7 @@ fn sliding_window_hit_scans_right_to_left() {
     // DESIGN.md: window 4, block size 1, 15-token prompt. A hit at L needs tokens L-3..L-1
     // cached; candidates 5, 6 and 14: the rightmost (14) wins, only token 14 is recomputed.
     let groups = [GroupSpec::sliding_window(1, 4)];
-    let finder = HitFinder::new(&groups, true, 1, 1);
+    let finder = Coordinator::new(&groups, true, 1, 1, 4096, 4096);
     let pool = pool_with_cached(16, &[2, 3, 4, 5, 11, 12, 13], 0);
     let mut out = Vec::new();
     let hit = finder.find(&pool, &chain(15), 14, &mut out);
@@ -95,7 +95,7 @@ fn sliding_window_hit_scans_right_to_left() {
 #[test]
 fn sliding_window_run_reaching_the_first_block_is_a_hit_even_if_short() {
     let groups = [GroupSpec::sliding_window(1, 4)];
-    let finder = HitFinder::new(&groups, true, 1, 1);
+    let finder = Coordinator::new(&groups, true, 1, 1, 4096, 4096);
     let pool = pool_with_cached(16, &[0, 1], 0);
     let mut out = Vec::new();
     assert_eq!(finder.find(&pool, &chain(15), 14, &mut out).tokens, 2);
@@ -104,7 +104,7 @@ fn sliding_window_run_reaching_the_first_block_is_a_hit_even_if_short() {
 #[test]
 fn full_attention_hit_scans_left_to_right_and_stops_at_first_miss() {
     let groups = [GroupSpec::full(1)];
-    let finder = HitFinder::new(&groups, true, 1, 1);
+    let finder = Coordinator::new(&groups, true, 1, 1, 4096, 4096);
     let pool = pool_with_cached(16, &[0, 1, 2, 4, 5, 6], 0);
     let mut out = Vec::new();
     assert_eq!(finder.find(&pool, &chain(10), 9, &mut out).tokens, 3);
@@ -116,7 +116,7 @@ fn chunked_local_hit_skips_blocks_before_the_current_chunk() {
     // vLLM's example: chunk 8, block size 4, max length 15: tokens 0-7 are outside the local
     // window (null blocks), block 2 (tokens 8-11) is looked up.
     let groups = [GroupSpec::chunked_local(4, 8)];
-    let finder = HitFinder::new(&groups, true, 4, 4);
+    let finder = Coordinator::new(&groups, true, 4, 4, 4096, 4096);
     let mut out = Vec::new();
     let pool = pool_with_cached(8, &[2], 0);
     let hit = finder.find(&pool, &chain(4), 15, &mut out);
@@ -134,7 +134,7 @@ fn chunked_local_hit_skips_blocks_before_the_current_chunk() {
 fn hybrid_hit_is_the_sliding_window_hit_within_the_full_hit() {
     // Full attention cached blocks 0..6; sliding window (need 2 blocks) only 0..2 and 4..5.
     let groups = [GroupSpec::full(1), GroupSpec::sliding_window(1, 3)];
-    let finder = HitFinder::new(&groups, true, 1, 1);
+    let finder = Coordinator::new(&groups, true, 1, 1, 4096, 4096);
     let pool = BlockPool::new(32).unwrap();
     let cache = |positions: &[usize], group| {
         let blocks = pool.get_new_blocks(positions.len()).unwrap();
@@ -163,7 +163,7 @@ fn groups_with_identical_specs_hit_only_where_all_are_cached() {
         GroupSpec::sliding_window(1, 3),
         GroupSpec::full(1),
     ];
-    let finder = HitFinder::new(&groups, true, 1, 1);
+    let finder = Coordinator::new(&groups, true, 1, 1, 4096, 4096);
     let pool = BlockPool::new(64).unwrap();
     let cache = |positions: &[usize], group| {
         let blocks = pool.get_new_blocks(positions.len()).unwrap();
@@ -190,7 +190,7 @@ fn fixed_point_loop_rechecks_every_type_at_the_reduced_length() {
         GroupSpec::sliding_window(4, 5),
         GroupSpec::chunked_local(4, 8),
     ];
-    let finder = HitFinder::new(&groups, true, 4, 4);
+    let finder = Coordinator::new(&groups, true, 4, 4, 4096, 4096);
     let pool = BlockPool::new(64).unwrap();
     let cache = |positions: &[usize], group| {
         let blocks = pool.get_new_blocks(positions.len()).unwrap();
@@ -527,13 +527,11 @@ fn no_prefix_cache_coordinator_never_hits_or_caches() {
     assert_eq!(m.num_cached_keys(), 0);
     m.add_request("b", &tokens(0, 64), ExtraKeys::default())
         .unwrap();
+    let hit = m.get_computed_blocks("b").unwrap();
+    assert_eq!(hit.blocks, vec![Vec::<BlockId>::new(), Vec::new()]);
     assert_eq!(
-        m.get_computed_blocks("b").unwrap(),
-        ComputedBlocks {
-            blocks: vec![vec![], vec![]],
-            num_computed_tokens: 0,
-            shared_prefix_boundary: 0,
-        }
+        (hit.num_computed_tokens, hit.shared_prefix_boundary),
+        (0, 0)
     );
 }
 
@@ -600,9 +598,9 @@ fn a_handle_names_its_request_until_removed_and_a_reused_slot_gets_a_new_one() {
         m.allocate_slots(a, &new_tokens(1, 40)).map(|_| ()),
         m.free(a),
         m.append_token_ids(a, &[2u32]),
-        m.remove_request(a),
+        m.remove_request(a).map(|_| ()),
     ] {
-        assert!(matches!(err, Err(CoreError::InvalidArgument(msg)) if msg.contains("stale")));
+        assert!(matches!(err, Err(CoreError::StaleHandle { .. })), "{err:?}");
     }
     assert_eq!(m.handle("c").unwrap(), c);
     assert_eq!(m.handle("b").unwrap(), b);
@@ -688,6 +686,14 @@ fn is_invalid<T: std::fmt::Debug>(r: Result<T>) -> bool {
     matches!(r, Err(CoreError::InvalidArgument(_)))
 }
 
+fn is_out_of_range<T: std::fmt::Debug>(r: Result<T>) -> bool {
+    matches!(r, Err(CoreError::OutOfRange(_)))
+}
+
+fn is_unknown<T: std::fmt::Debug>(r: Result<T>) -> bool {
+    matches!(r, Err(CoreError::UnknownRequest(_)))
+}
+
 #[test]
 fn bad_input_is_an_error_and_changes_nothing() {
     let mut m = manager(
@@ -706,11 +712,10 @@ fn bad_input_is_an_error_and_changes_nothing() {
     };
     let before = snapshot(&m);
 
-    assert!(is_invalid(m.add_request(
-        "a",
-        &tokens(0, 4),
-        ExtraKeys::default()
-    )));
+    assert!(matches!(
+        m.add_request("a", &tokens(0, 4), ExtraKeys::default()),
+        Err(CoreError::DuplicateRequest(_))
+    ));
     assert!(is_invalid(m.add_request(
         "e",
         &[] as &[u32],
@@ -720,21 +725,23 @@ fn bad_input_is_an_error_and_changes_nothing() {
         .add_request("neg", &[-1i64], ExtraKeys::default())
         .is_err());
     assert!(!m.contains_request("neg"));
-    assert!(is_invalid(m.allocate_slots("nope", &new_tokens(1, 0))));
-    assert!(is_invalid(m.get_computed_blocks("nope")));
-    assert!(is_invalid(m.free("nope")));
-    assert!(is_invalid(m.append_token_ids("nope", &[1u32])));
+    assert!(is_unknown(m.allocate_slots("nope", &new_tokens(1, 0))));
+    assert!(is_unknown(m.get_computed_blocks("nope")));
+    assert!(is_unknown(m.free("nope")));
+    assert!(is_unknown(m.append_token_ids("nope", &[1u32])));
     assert!(m.append_token_ids("a", &[u64::MAX]).is_err());
     assert_eq!(m.request("a").unwrap().num_tokens(), 64);
     // Zero new tokens and nothing to adopt.
     assert!(is_invalid(m.allocate_slots("a", &new_tokens(0, 64))));
     // Beyond max_model_len.
-    assert!(is_invalid(m.allocate_slots("a", &new_tokens(4096, 64))));
-    assert!(is_invalid(
+    assert!(is_out_of_range(
+        m.allocate_slots("a", &new_tokens(4096, 64))
+    ));
+    assert!(is_out_of_range(
         m.allocate_slots("a", &new_tokens(usize::MAX, 64))
     ));
     // More computed tokens than the request has.
-    assert!(is_invalid(m.allocate_slots("a", &new_tokens(1, 65))));
+    assert!(is_out_of_range(m.allocate_slots("a", &new_tokens(1, 65))));
     assert_eq!(snapshot(&m), before);
 
     // Hits for a request that already holds blocks.
@@ -1013,69 +1020,6 @@ proptest! {
         }
         prop_assert_eq!(m.num_free_blocks(), 47);
     }
-}
-
-// ----- replay driver ------------------------------------------------------------------------
-
-fn tiny_workload(num_blocks: usize) -> replay::Workload {
-    let request = |rid: &str, arrival_step, prompt: Vec<u32>, n_out| replay::WorkloadRequest {
-        rid: rid.into(),
-        arrival_step,
-        prompt,
-        output: (0..n_out).collect(),
-    };
-    replay::Workload {
-        name: "tiny".into(),
-        sched: replay::SchedConfig {
-            max_num_seqs: 4,
-            max_num_batched_tokens: 64,
-            long_prefill_token_threshold: 0,
-            max_model_len: 512,
-        },
-        num_blocks,
-        requests: vec![
-            request("a", 0, tokens(0, 100), 5),
-            request("b", 0, tokens(0, 120), 3),
-            request("c", 7, tokens(900, 40), 2),
-        ],
-    }
-}
-
-#[test]
-fn replay_runs_the_scheduler_loop_to_completion() {
-    let w = tiny_workload(64);
-    let mut c = config(
-        vec![GroupSpec::full(16), GroupSpec::sliding_window(16, 32)],
-        64,
-    );
-    c.max_model_len = 512;
-    let mut m = KVCacheManager::new(&c).unwrap();
-    let mut records = Vec::new();
-    let s = replay::replay(&w, &mut m, &mut |r| records.push(r)).unwrap();
-    assert_eq!(s.num_finished, 3);
-    assert_eq!(s.free_at_end, 63);
-    assert_eq!(m.num_requests(), 0);
-    // Chunked prefill of 64 tokens per step; b re-uses a's cached prefix.
-    let first = &records[1];
-    assert!(matches!(first, replay::TraceRecord::Call(c) if c.rid == "a"));
-    assert_eq!(s.prefix_cache.requests, 3);
-    assert!(s.prefix_cache.hits > 0);
-    assert!(s.timing["allocate_slots.decode"].count() > 0);
-}
-
-#[test]
-fn replay_reports_a_workload_that_cannot_make_progress() {
-    // 3 usable blocks cannot hold a 100-token prompt: admission fails forever.
-    let w = tiny_workload(4);
-    let mut c = config(vec![GroupSpec::full(16)], 4);
-    c.max_model_len = 512;
-    let mut m = KVCacheManager::new(&c).unwrap();
-    assert!(matches!(
-        replay::replay(&w, &mut m, &mut |_| {}),
-        Err(CoreError::InvalidArgument(msg)) if msg.contains("stalls")
-    ));
-    let mut m = manager(vec![GroupSpec::full(16)], 64);
-    assert!(replay::replay(&w, &mut m, &mut |_| {}).is_err()); // max_model_len differs
 }
 
 #[test]

@@ -18,8 +18,7 @@ use crossbeam_queue::SegQueue;
 use map::CacheMap;
 use states::BlockStates;
 
-/// Largest pool: block ids must fit an `i32` (they cross into Python as `int32`).
-pub const MAX_BLOCKS: usize = i32::MAX as usize;
+pub use crate::types::MAX_BLOCKS;
 
 // A block's cache-key slot: written only by whoever moves it out of `KEY_NONE` (or `KEY_SET`),
 // so the three words are never read while being written.

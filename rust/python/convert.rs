@@ -1,13 +1,170 @@
-//! Conversions at the boundary: block ids, token ids and hashes in and out of numpy.
+//! Conversions at the boundary: integer arguments, block ids, token ids and hashes in and out
+//! of numpy. Every integer argument of the module goes through [`UInt`] (or, for block ids,
+//! [`id_from_i64`]): a non-integer is a `TypeError`, a value outside the argument's range an
+//! `OutOfRangeError`.
 
-use super::errors::{HybridKvError, InvalidBlockIdError};
+use super::errors::{InvalidArgumentError, InvalidBlockIdError, OutOfRangeError};
+use crate::hashing::MmInput;
 use crate::types::{BlockHash, BlockId};
 use numpy::{
     PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods,
 };
-use pyo3::exceptions::PyTypeError;
+use pyo3::exceptions::{PyOverflowError, PyTypeError};
 use pyo3::prelude::*;
-use pyo3::types::PyList;
+use pyo3::types::{PyByteArray, PyBytes, PyList, PyString, PyTuple};
+
+/// A non-negative integer argument of at most `MAX`: a Python `int` (`bool` included) or any
+/// object with `__index__` (numpy integers). Anything else is a `TypeError`; a negative value or
+/// one above `MAX` is an `OutOfRangeError` (never `OverflowError`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct UInt<const MAX: u64>(pub u64);
+
+/// A count, size or token position: `0..=i64::MAX`.
+pub(crate) type Count = UInt<{ i64::MAX as u64 }>;
+/// A group id, token id or other 32-bit value.
+pub(crate) type U32 = UInt<{ u32::MAX as u64 }>;
+
+impl Count {
+    pub(crate) fn get(self) -> usize {
+        self.0 as usize
+    }
+}
+
+impl U32 {
+    pub(crate) fn get(self) -> u32 {
+        self.0 as u32
+    }
+}
+
+impl<'a, 'py, const MAX: u64> FromPyObject<'a, 'py> for UInt<MAX> {
+    type Error = PyErr;
+
+    #[inline]
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        match obj.extract::<i64>() {
+            Ok(v) if v >= 0 && v as u64 <= MAX => Ok(UInt(v as u64)),
+            Ok(v) => Err(out_of_range(&v.to_string(), MAX)),
+            Err(e) if e.is_instance_of::<PyOverflowError>(obj.py()) => {
+                let text = obj.str().map(|s| s.to_string()).unwrap_or_default();
+                Err(out_of_range(&text, MAX))
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+#[cold]
+fn out_of_range(value: &str, max: u64) -> PyErr {
+    OutOfRangeError::new_err(format!("{value} is outside the valid range [0, {max}]"))
+}
+
+/// An integer argument that must be non-negative, named in the error (for values that are not
+/// a pyo3 argument, such as dict fields): the same rules as [`Count`].
+pub(crate) fn count_of(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
+    obj.extract::<Count>().map(Count::get).map_err(|e| {
+        let py = obj.py();
+        if e.is_instance_of::<OutOfRangeError>(py) {
+            OutOfRangeError::new_err(format!("{what}: {}", e.value(py)))
+        } else {
+            PyTypeError::new_err(format!("{what} must be an int, got {}", type_name(obj)))
+        }
+    })
+}
+
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "?".into())
+}
+
+/// `mm_inputs`: a sequence of `(identifier: str, offset: int, length: int)`.
+pub(crate) fn extract_mm_inputs(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<MmInput>> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(Vec::new());
+    };
+    let bad = |what: String| PyTypeError::new_err(format!("mm_inputs: {what}"));
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+        return Err(bad(
+            "expected a sequence of (identifier, offset, length) tuples".into(),
+        ));
+    }
+    let items = obj
+        .try_iter()
+        .map_err(|_| bad("expected a sequence of (identifier, offset, length) tuples".into()))?;
+    let mut out = Vec::new();
+    for (i, item) in items.enumerate() {
+        let item = item?;
+        let tuple = item
+            .cast::<PyTuple>()
+            .ok()
+            .filter(|t| t.len() == 3)
+            .ok_or_else(|| {
+                bad(format!(
+                    "item {i} must be an (identifier, offset, length) tuple, got {}",
+                    type_name(&item)
+                ))
+            })?;
+        let identifier: String = tuple
+            .get_item(0)?
+            .extract()
+            .map_err(|_| bad(format!("item {i}: the identifier must be a str")))?;
+        out.push(MmInput {
+            identifier,
+            offset: count_of(&tuple.get_item(1)?, &format!("mm_inputs item {i} offset"))?,
+            length: count_of(&tuple.get_item(2)?, &format!("mm_inputs item {i} length"))?,
+        });
+    }
+    Ok(out)
+}
+
+/// An integer numpy array in a layout the typed extractors do not take (non-native byte order,
+/// 8/16-bit integers) converted to a native `int64` array; `None` if `obj` is not one.
+/// (`uint64` stays unsigned: its values may not fit `int64`.)
+fn native_int64<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyAny>>> {
+    let Ok(dtype) = obj.getattr("dtype") else {
+        return Ok(None);
+    };
+    let kind: String = dtype.getattr("kind")?.extract()?;
+    if kind != "i" && kind != "u" {
+        return Ok(None);
+    }
+    let itemsize: usize = dtype.getattr("itemsize")?.extract()?;
+    let target = if kind == "u" && itemsize == 8 {
+        "uint64"
+    } else {
+        "int64"
+    };
+    let numpy = obj.py().import("numpy")?;
+    Ok(Some(
+        numpy.call_method1("ascontiguousarray", (obj, target))?,
+    ))
+}
+
+/// The `TypeError` for an array of a non-integer dtype.
+fn bad_dtype(obj: &Bound<'_, PyAny>, what: &str) -> PyErr {
+    let dtype = obj
+        .getattr("dtype")
+        .and_then(|d| d.str().map(|s| s.to_string()))
+        .unwrap_or_default();
+    PyTypeError::new_err(format!(
+        "{what} must be an integer array, got dtype {dtype}"
+    ))
+}
+
+/// `bytes`, `bytearray` and `str` iterate as ints or characters: never token or block ids.
+fn reject_text(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<()> {
+    if obj.is_instance_of::<PyBytes>()
+        || obj.is_instance_of::<PyByteArray>()
+        || obj.is_instance_of::<PyString>()
+    {
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be a 1-D integer numpy array or a sequence of ints, got {}",
+            type_name(obj)
+        )));
+    }
+    Ok(())
+}
 
 /// Block ids as a numpy `int32` array (the Vec is moved, not copied).
 pub(crate) fn ids_to_numpy(py: Python<'_>, ids: Vec<BlockId>) -> Bound<'_, PyArray1<i32>> {
@@ -23,10 +180,21 @@ pub(crate) fn id_from_i64(v: i64) -> PyResult<BlockId> {
         .ok_or_else(|| InvalidBlockIdError::new_err(format!("block id {v} is out of range")))
 }
 
+/// A block id argument: an int in `[0, 2**31)`.
+pub(crate) fn block_id_arg(obj: &Bound<'_, PyAny>) -> PyResult<BlockId> {
+    match obj.extract::<i64>() {
+        Ok(v) => id_from_i64(v),
+        Err(e) if e.is_instance_of::<PyOverflowError>(obj.py()) => Err(
+            InvalidBlockIdError::new_err(format!("block id {} is out of range", obj.str()?)),
+        ),
+        Err(e) => Err(e),
+    }
+}
+
 fn check_1d(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<()> {
     if let Ok(ndim) = obj.getattr("ndim").and_then(|n| n.extract::<usize>()) {
         if ndim != 1 {
-            return Err(HybridKvError::new_err(format!(
+            return Err(InvalidArgumentError::new_err(format!(
                 "{what} must be one-dimensional, got {ndim} dimensions"
             )));
         }
@@ -34,8 +202,9 @@ fn check_1d(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<()> {
     Ok(())
 }
 
-/// Block ids from a 1-D numpy integer array (int32/int64) or a sequence of ints.
+/// Block ids from a 1-D numpy integer array or a sequence of ints.
 pub(crate) fn extract_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
+    reject_text(obj, "block ids")?;
     check_1d(obj, "block ids")?;
     if let Ok(arr) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
         return match arr.as_slice() {
@@ -51,15 +220,26 @@ pub(crate) fn extract_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
         return arr.as_array().iter().map(|&v| id_from_i64(v)).collect();
     }
     if obj.hasattr("dtype")? {
-        let dtype = obj.getattr("dtype")?.str()?.to_string();
-        return Err(PyTypeError::new_err(format!(
-            "block ids must be an int32 or int64 array, got dtype {dtype}"
-        )));
+        return match native_int64(obj)? {
+            Some(native) => extract_native_ids(&native),
+            None => Err(bad_dtype(obj, "block ids")),
+        };
     }
-    let values: Vec<i64> = obj.extract().map_err(|_| {
+    let items = obj.try_iter().map_err(|_| {
         PyTypeError::new_err("block ids must be a 1-D integer numpy array or a sequence of ints")
     })?;
-    values.into_iter().map(id_from_i64).collect()
+    items.map(|item| block_id_arg(&item?)).collect()
+}
+
+fn extract_native_ids(native: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
+    if let Ok(arr) = native.extract::<PyReadonlyArray1<'_, i64>>() {
+        return arr.as_array().iter().map(|&v| id_from_i64(v)).collect();
+    }
+    let arr = native.extract::<PyReadonlyArray1<'_, u64>>()?;
+    arr.as_array()
+        .iter()
+        .map(|&v| id_from_i64(i64::try_from(v).unwrap_or(i64::MAX)))
+        .collect()
 }
 
 /// How this interpreter stores a one-digit `int`, read directly by [`read_int_list`]; `None`
@@ -225,13 +405,13 @@ fn int_item(py: Python<'_>, item: *mut pyo3::ffi::PyObject, i: usize) -> PyResul
     };
     if v == -1 && PyErr::take(py).is_some() {
         // Overflow of i64: certainly outside the token id range.
-        return Err(HybridKvError::new_err(format!(
+        return Err(OutOfRangeError::new_err(format!(
             "token id at position {i} is outside [0, 2^32)"
         )));
     }
     match u32::try_from(v) {
         Ok(t) => Ok(Some(t)),
-        Err(_) => Err(HybridKvError::new_err(format!(
+        Err(_) => Err(OutOfRangeError::new_err(format!(
             "token id {v} at position {i} is outside [0, 2^32)"
         ))),
     }
@@ -242,6 +422,7 @@ pub(crate) enum Tokens<'py> {
     I32(PyReadonlyArray1<'py, i32>),
     I64(PyReadonlyArray1<'py, i64>),
     U32(PyReadonlyArray1<'py, u32>),
+    U64(PyReadonlyArray1<'py, u64>),
     /// A Python list, read and range-checked into `u32`.
     List(Vec<u32>),
     Owned(Vec<i64>),
@@ -249,34 +430,58 @@ pub(crate) enum Tokens<'py> {
 
 impl<'py> Tokens<'py> {
     pub(crate) fn extract(obj: &Bound<'py, PyAny>) -> PyResult<Self> {
-        let bad = || {
-            PyTypeError::new_err(
-                "token ids must be a 1-D integer numpy array or a sequence of ints",
-            )
-        };
         if let Ok(list) = obj.cast::<PyList>() {
             if let Some(values) = read_int_list(list)? {
                 return Ok(Tokens::List(values));
             }
         }
+        reject_text(obj, "token ids")?;
         check_1d(obj, "token ids")?;
-        if let Ok(a) = obj.extract::<PyReadonlyArray1<'py, i32>>() {
-            return Ok(Tokens::I32(a));
-        }
-        if let Ok(a) = obj.extract::<PyReadonlyArray1<'py, i64>>() {
-            return Ok(Tokens::I64(a));
-        }
-        if let Ok(a) = obj.extract::<PyReadonlyArray1<'py, u32>>() {
-            return Ok(Tokens::U32(a));
+        if let Some(tokens) = Self::typed(obj)? {
+            return Ok(tokens);
         }
         if obj.hasattr("dtype")? {
-            let dtype = obj.getattr("dtype")?.str()?.to_string();
-            return Err(PyTypeError::new_err(format!(
-                "token ids must be an int32, int64 or uint32 array, got dtype {dtype}"
-            )));
+            if let Some(native) = native_int64(obj)? {
+                if let Some(tokens) = Self::typed(&native)? {
+                    return Ok(tokens);
+                }
+            }
+            return Err(bad_dtype(obj, "token ids"));
         }
-        let values: Vec<i64> = obj.extract().map_err(|_| bad())?;
+        let items = obj.try_iter().map_err(|_| {
+            PyTypeError::new_err(
+                "token ids must be a 1-D integer numpy array or a sequence of ints",
+            )
+        })?;
+        let values = items
+            .map(|item| {
+                let item = item?;
+                match item.extract::<i64>() {
+                    Ok(v) => Ok(v),
+                    // Beyond i64: certainly outside the token id range.
+                    Err(e) if e.is_instance_of::<PyOverflowError>(obj.py()) => Ok(-1),
+                    Err(e) => Err(e),
+                }
+            })
+            .collect::<PyResult<Vec<i64>>>()?;
         Ok(Tokens::Owned(values))
+    }
+
+    /// The tokens of a numpy array of a dtype read in place.
+    fn typed(obj: &Bound<'py, PyAny>) -> PyResult<Option<Self>> {
+        if let Ok(a) = obj.extract::<PyReadonlyArray1<'py, i32>>() {
+            return Ok(Some(Tokens::I32(a)));
+        }
+        if let Ok(a) = obj.extract::<PyReadonlyArray1<'py, i64>>() {
+            return Ok(Some(Tokens::I64(a)));
+        }
+        if let Ok(a) = obj.extract::<PyReadonlyArray1<'py, u32>>() {
+            return Ok(Some(Tokens::U32(a)));
+        }
+        if let Ok(a) = obj.extract::<PyReadonlyArray1<'py, u64>>() {
+            return Ok(Some(Tokens::U64(a)));
+        }
+        Ok(None)
     }
 
     /// Runs `f` over the tokens as a contiguous slice (copying only non-contiguous arrays).
@@ -291,6 +496,10 @@ impl<'py> Tokens<'py> {
                 Err(_) => f.call(&a.as_array().to_vec()),
             },
             Tokens::U32(a) => match a.as_slice() {
+                Ok(s) => f.call(s),
+                Err(_) => f.call(&a.as_array().to_vec()),
+            },
+            Tokens::U64(a) => match a.as_slice() {
                 Ok(s) => f.call(s),
                 Err(_) => f.call(&a.as_array().to_vec()),
             },
@@ -344,7 +553,7 @@ pub(crate) fn extract_hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockHash>>
     if let Ok(arr) = obj.extract::<PyReadonlyArray2<'_, u64>>() {
         let shape = arr.shape();
         if shape[1] != 2 {
-            return Err(HybridKvError::new_err(format!(
+            return Err(InvalidArgumentError::new_err(format!(
                 "block hashes must have shape (n, 2), got {shape:?}"
             )));
         }
@@ -355,30 +564,42 @@ pub(crate) fn extract_hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockHash>>
             .map(|row| BlockHash::from_parts(row[0], row[1]))
             .collect());
     }
-    if obj.hasattr("dtype")? {
-        return Err(PyTypeError::new_err(
-            "block hashes must be a uint64 array of shape (n, 2) or a sequence of ints",
-        ));
-    }
-    let values: Vec<u128> = obj.extract().map_err(|_| {
+    let bad = || {
         PyTypeError::new_err(
             "block hashes must be a uint64 array of shape (n, 2) or a sequence of ints",
         )
-    })?;
-    Ok(values.into_iter().map(BlockHash).collect())
+    };
+    if obj.hasattr("dtype")? {
+        return Err(bad());
+    }
+    reject_text(obj, "block hashes")?;
+    let items = obj.try_iter().map_err(|_| bad())?;
+    items.map(|item| int_hash(&item?)).collect()
+}
+
+/// A hash given as a Python int: in `[0, 2**128)`.
+fn int_hash(obj: &Bound<'_, PyAny>) -> PyResult<BlockHash> {
+    match obj.extract::<u128>() {
+        Ok(v) => Ok(BlockHash(v)),
+        Err(e) if e.is_instance_of::<PyOverflowError>(obj.py()) => Err(OutOfRangeError::new_err(
+            format!("block hash {} is outside [0, 2**128)", obj.str()?),
+        )),
+        Err(_) => Err(PyTypeError::new_err(format!(
+            "a block hash must be an int in [0, 2**128) or a uint64 array of shape (2,), got {}",
+            type_name(obj)
+        ))),
+    }
 }
 
 /// One hash: a Python int in `[0, 2^128)` or a length-2 uint64 array.
 pub(crate) fn extract_hash(obj: &Bound<'_, PyAny>) -> PyResult<BlockHash> {
-    if let Ok(v) = obj.extract::<u128>() {
-        return Ok(BlockHash(v));
-    }
     if let Ok(arr) = obj.extract::<PyReadonlyArray1<'_, u64>>() {
         if let [lo, hi] = arr.as_array().to_vec()[..] {
             return Ok(BlockHash::from_parts(lo, hi));
         }
+        return Err(PyTypeError::new_err(
+            "a block hash array must have shape (2,) (low and high 64-bit halves)",
+        ));
     }
-    Err(PyTypeError::new_err(
-        "a block hash must be an int in [0, 2**128) or a uint64 array of shape (2,)",
-    ))
+    int_hash(obj)
 }

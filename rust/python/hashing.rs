@@ -1,31 +1,29 @@
 //! `hybrid_kv.hash_token_blocks` and `hybrid_kv.BlockHashChain`.
 
-use super::convert::{extract_hash, hashes_to_numpy, TokenFn, Tokens};
+use super::convert::{
+    extract_hash, extract_mm_inputs, hashes_to_numpy, Count, TokenFn, Tokens, UInt,
+};
 use crate::error::Result;
-use crate::hashing::{BlockHashChain, BlockHasher, ExtraKeys, HashAlgo, MmInput, TokenId};
+use crate::hashing::{BlockHashChain, BlockHasher, ExtraKeys, HashAlgo, TokenId};
 use crate::types::BlockHash;
 use numpy::PyArray2;
 use pyo3::prelude::*;
 use std::sync::Mutex;
 
 /// Token arrays at least this long are hashed with the GIL released (also by `Request`).
-pub(crate) const DETACH_TOKENS: usize = 1 << 14;
+pub(crate) const DETACH_HASH_TOKENS: usize = 1 << 14;
 
+/// The extra keys of a request or a hash chain, from the Python arguments.
 pub(crate) fn extra_keys(
     cache_salt: Option<String>,
     lora_name: Option<String>,
-    mm_inputs: Option<Vec<(String, usize, usize)>>,
-) -> Result<ExtraKeys> {
-    let mm = mm_inputs
-        .unwrap_or_default()
-        .into_iter()
-        .map(|(identifier, offset, length)| MmInput {
-            identifier,
-            offset,
-            length,
-        })
-        .collect();
-    ExtraKeys::new(cache_salt, lora_name, mm)
+    mm_inputs: Option<&Bound<'_, PyAny>>,
+) -> PyResult<ExtraKeys> {
+    Ok(ExtraKeys::new(
+        cache_salt,
+        lora_name,
+        extract_mm_inputs(mm_inputs)?,
+    )?)
 }
 
 struct HashAll<'a> {
@@ -44,7 +42,7 @@ impl TokenFn<Result<Vec<BlockHash>>> for HashAll<'_> {
                 .hash_blocks(self.parent, tokens, self.start, self.extra, &mut out)
                 .map(|_| out)
         };
-        if tokens.len() >= DETACH_TOKENS {
+        if tokens.len() >= DETACH_HASH_TOKENS {
             // The tokens are borrowed read-only from numpy (or owned by us) for the whole call.
             self.py.detach(run)
         } else {
@@ -56,21 +54,22 @@ impl TokenFn<Result<Vec<BlockHash>>> for HashAll<'_> {
 /// Chained hashes of the full blocks of `token_ids`, as an `(n, 2)` uint64 array of
 /// (low, high) 64-bit halves.
 #[pyfunction]
-#[pyo3(signature = (token_ids, block_size, *, parent_block_hash = None, start = 0, algo = "xxh3", seed = "", cache_salt = None, lora_name = None, mm_inputs = None))]
+#[pyo3(signature = (token_ids, block_size, *, parent_block_hash = None, start = UInt(0), algo = "xxh3", seed = "", cache_salt = None, lora_name = None, mm_inputs = None))]
 #[allow(clippy::too_many_arguments)]
 fn hash_token_blocks<'py>(
     py: Python<'py>,
     token_ids: &Bound<'py, PyAny>,
-    block_size: usize,
+    block_size: Count,
     parent_block_hash: Option<&Bound<'py, PyAny>>,
-    start: usize,
+    start: Count,
     algo: &str,
     seed: &str,
     cache_salt: Option<String>,
     lora_name: Option<String>,
-    mm_inputs: Option<Vec<(String, usize, usize)>>,
+    mm_inputs: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyArray2<u64>>> {
-    let hasher = BlockHasher::new(block_size, HashAlgo::parse(algo)?, seed)?;
+    let hasher = BlockHasher::new(block_size.get(), HashAlgo::parse(algo)?, seed)?;
+    let start = start.get();
     let extra = extra_keys(cache_salt, lora_name, mm_inputs)?;
     let parent = parent_block_hash.map(extract_hash).transpose()?;
     let tokens = Tokens::extract(token_ids)?;
@@ -110,14 +109,14 @@ impl PyBlockHashChain {
     #[new]
     #[pyo3(signature = (block_size, *, algo = "xxh3", seed = "", cache_salt = None, lora_name = None, mm_inputs = None))]
     fn new(
-        block_size: usize,
+        block_size: Count,
         algo: &str,
         seed: &str,
         cache_salt: Option<String>,
         lora_name: Option<String>,
-        mm_inputs: Option<Vec<(String, usize, usize)>>,
+        mm_inputs: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let hasher = BlockHasher::new(block_size, HashAlgo::parse(algo)?, seed)?;
+        let hasher = BlockHasher::new(block_size.get(), HashAlgo::parse(algo)?, seed)?;
         let extra = extra_keys(cache_salt, lora_name, mm_inputs)?;
         Ok(PyBlockHashChain {
             inner: Mutex::new(BlockHashChain::new(hasher, extra)),

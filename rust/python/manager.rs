@@ -1,294 +1,32 @@
-//! `hybrid_kv.KVCacheManager`, `hybrid_kv.Request` and `hybrid_kv.KVCacheBlocks`.
+//! `hybrid_kv.KVCacheManager` and `hybrid_kv.KVCacheBlocks`.
 //!
 //! A Python `Request` keeps its own token ids (the scheduler appends outputs to it, as in vLLM);
-//! the manager keeps a hashed copy per request id, brought up to date at the start of every call
-//! that takes the request (only the new tokens are hashed). The copy goes away when the
-//! `Request` object is garbage collected or `remove_request` is called, so hashes live exactly as
-//! long as the request, as vLLM's live on its `Request`.
+//! the manager keeps a hashed copy per request, brought up to date at the start of every call
+//! that takes the request, by the registration protocol of [`crate::manager::registry`]. The
+//! copy goes away when the `Request` object is garbage collected (its blocks are freed before
+//! any counter of the manager is read again) or `remove_request` is called.
 
-use super::convert::{ids_to_numpy, TokenFn, Tokens};
-use super::errors::HybridKvError;
+use super::convert::{count_of, ids_to_numpy, Count, TokenFn, Tokens, UInt};
+use super::errors::{InvalidArgumentError, InvalidConfigError};
 use super::hashing::extra_keys;
 use super::pool::event_to_py;
+use super::request::{lock, PyRequest};
 use crate::error::Result as CoreResult;
-use crate::hashing::{check_tokens, BlockHasher, ExtraKeys, HashAlgo, TokenId};
+use crate::hashing::{ExtraKeys, HashAlgo, TokenId};
+use crate::manager::registry::{DropQueue, Lookup, Registry, Synced};
 use crate::manager::{
     AllocateArgs, AttentionKind, ComputedBlocks, GroupSpec, KVCacheManager, ManagerConfig,
     PrefixCacheStats, Prober, RequestHandle,
 };
-
-use crate::types::{BlockHash, RequestMap};
-use crossbeam_queue::SegQueue;
-use numpy::{PyArray1, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
+use crate::types::BlockId;
+use numpy::{PyArray2, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use pyo3::types::{PyDict, PyString, PyTuple};
+use std::sync::{Arc, Mutex, MutexGuard};
 
-/// Calls that handle at least this many tokens release the GIL.
-const DETACH_TOKENS: usize = 4096;
-
-static NEXT_ID: AtomicU64 = AtomicU64::new(1);
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn count(v: i64, what: &str) -> PyResult<usize> {
-    usize::try_from(v).map_err(|_| HybridKvError::new_err(format!("{what} must be >= 0, got {v}")))
-}
-
-// ----------------------------------------------------------------------------- Request
-
-/// A manager holding a hashed copy of a request, and how much of it is up to date.
-struct Registration {
-    shared: Weak<Shared>,
-    /// The request's slot in that manager.
-    handle: RequestHandle,
-    /// Tokens the manager's copy holds.
-    synced: usize,
-    /// The manager's `removals` count when this was last checked.
-    removals: u64,
-}
-
-/// The prompt's hashes computed when the `Request` was made, for the first manager whose
-/// hasher matches (as vLLM hashes a prompt when it builds the `Request`).
-struct Prehashed {
-    hasher: BlockHasher,
-    hashes: Vec<BlockHash>,
-    /// Tokens after the last full block.
-    tail: Vec<u32>,
-}
-
-struct RequestData {
-    output: Vec<u32>,
-    num_computed_tokens: usize,
-    prehashed: Option<Prehashed>,
-    /// Managers holding a hashed copy of this request.
-    registered: Vec<Registration>,
-}
-
-/// A request as the scheduler sees it: prompt, outputs appended as they are sampled, and the
-/// scheduler's count of computed tokens. The prompt is validated and hashed when the request is
-/// made (with `block_size`, `hash_algo`, `hash_seed`: the manager's hashing, for the hashes to
-/// be reused); like vLLM's `Request`, it keeps a reference to the caller's prompt rather than a
-/// copy. Thread-safe.
-#[pyclass(frozen, name = "Request", module = "hybrid_kv")]
-pub(crate) struct PyRequest {
-    request_id: String,
-    extra: ExtraKeys,
-    serial: u64,
-    prompt: Py<PyAny>,
-    num_prompt_tokens: usize,
-    data: Mutex<RequestData>,
-}
-
-struct Prehash<'a> {
-    py: Python<'a>,
-    hasher: &'a BlockHasher,
-    extra: &'a ExtraKeys,
-}
-
-impl TokenFn<CoreResult<(usize, Vec<BlockHash>, Vec<u32>)>> for Prehash<'_> {
-    fn call<T: TokenId + Send + Sync>(
-        self,
-        tokens: &[T],
-    ) -> CoreResult<(usize, Vec<BlockHash>, Vec<u32>)> {
-        let run = || {
-            check_tokens(tokens)?;
-            let mut hashes = Vec::new();
-            self.hasher
-                .hash_blocks(None, tokens, 0, self.extra, &mut hashes)?;
-            let full = hashes.len() * self.hasher.block_size();
-            let tail = tokens[full..].iter().map(|t| t.as_u32()).collect();
-            Ok((tokens.len(), hashes, tail))
-        };
-        if tokens.len() >= super::hashing::DETACH_TOKENS {
-            // A long prompt is hashed with the GIL released, as `hash_token_blocks` does; the
-            // tokens are borrowed read-only from numpy, or were copied out of the list.
-            self.py.detach(run)
-        } else {
-            run()
-        }
-    }
-}
-
-#[pymethods]
-impl PyRequest {
-    #[new]
-    #[pyo3(signature = (request_id, prompt_token_ids, cache_salt = None, lora_name = None, mm_inputs = None, *, block_size = 16, hash_algo = "xxh3", hash_seed = ""))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        request_id: String,
-        prompt_token_ids: &Bound<'_, PyAny>,
-        cache_salt: Option<String>,
-        lora_name: Option<String>,
-        mm_inputs: Option<Vec<(String, usize, usize)>>,
-        block_size: usize,
-        hash_algo: &str,
-        hash_seed: &str,
-    ) -> PyResult<Self> {
-        let extra = extra_keys(cache_salt, lora_name, mm_inputs)?;
-        let hasher = BlockHasher::new(block_size, HashAlgo::parse(hash_algo)?, hash_seed)?;
-        let (len, hashes, tail) = Tokens::extract(prompt_token_ids)?.with_slice(Prehash {
-            py: prompt_token_ids.py(),
-            hasher: &hasher,
-            extra: &extra,
-        })?;
-        if len == 0 {
-            return Err(HybridKvError::new_err(format!(
-                "request {request_id:?} has an empty prompt"
-            )));
-        }
-        Ok(PyRequest {
-            request_id,
-            extra,
-            serial: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-            prompt: prompt_token_ids.clone().unbind(),
-            num_prompt_tokens: len,
-            data: Mutex::new(RequestData {
-                output: Vec::new(),
-                num_computed_tokens: 0,
-                prehashed: Some(Prehashed {
-                    hasher,
-                    hashes,
-                    tail,
-                }),
-                registered: Vec::new(),
-            }),
-        })
-    }
-
-    #[getter]
-    fn request_id(&self) -> &str {
-        &self.request_id
-    }
-
-    #[getter]
-    fn num_tokens(&self) -> usize {
-        self.num_prompt_tokens + lock(&self.data).output.len()
-    }
-
-    #[getter]
-    fn num_prompt_tokens(&self) -> usize {
-        self.num_prompt_tokens
-    }
-
-    #[getter]
-    fn num_output_tokens(&self) -> usize {
-        lock(&self.data).output.len()
-    }
-
-    #[getter]
-    fn num_computed_tokens(&self) -> usize {
-        lock(&self.data).num_computed_tokens
-    }
-
-    #[setter]
-    fn set_num_computed_tokens(&self, value: i64) -> PyResult<()> {
-        let value = count(value, "num_computed_tokens")?;
-        let mut d = lock(&self.data);
-        let total = self.num_prompt_tokens + d.output.len();
-        if value > total {
-            return Err(HybridKvError::new_err(format!(
-                "num_computed_tokens {value} exceeds the request's {total} tokens"
-            )));
-        }
-        d.num_computed_tokens = value;
-        Ok(())
-    }
-
-    #[getter]
-    fn prompt_token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<u32>>> {
-        Ok(PyArray1::from_vec(py, self.read_prompt(py)?))
-    }
-
-    #[getter]
-    fn output_token_ids<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u32>> {
-        PyArray1::from_slice(py, &lock(&self.data).output)
-    }
-
-    #[getter]
-    fn cache_salt(&self) -> Option<&str> {
-        self.extra.cache_salt.as_deref()
-    }
-
-    #[getter]
-    fn lora_name(&self) -> Option<&str> {
-        self.extra.lora_name.as_deref()
-    }
-
-    /// Appends sampled tokens: an int, a sequence of ints or a 1-D integer array.
-    fn append_output_token_ids(&self, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
-        if let Ok(single) = token_ids.extract::<i64>() {
-            let token = u32::try_from(single).map_err(|_| {
-                HybridKvError::new_err(format!("token id {single} is outside [0, 2^32)"))
-            })?;
-            lock(&self.data).output.push(token);
-            return Ok(());
-        }
-        let tokens = Tokens::extract(token_ids)?.into_u32()?;
-        lock(&self.data).output.extend_from_slice(&tokens);
-        Ok(())
-    }
-
-    fn __repr__(&self) -> String {
-        let d = lock(&self.data);
-        format!(
-            "Request({:?}, num_tokens={}, num_computed_tokens={})",
-            self.request_id,
-            self.num_prompt_tokens + d.output.len(),
-            d.num_computed_tokens
-        )
-    }
-}
-
-impl PyRequest {
-    /// Whether calls with this request should release the GIL (hashing a long prompt).
-    fn is_long(&self) -> bool {
-        self.num_prompt_tokens + lock(&self.data).output.len() >= DETACH_TOKENS
-    }
-
-    /// The prompt's token ids, read again from the caller's object (which must not have
-    /// changed length since the request was made).
-    fn read_prompt(&self, py: Python<'_>) -> PyResult<Vec<u32>> {
-        let tokens = Tokens::extract(self.prompt.bind(py))?.into_u32()?;
-        if tokens.len() != self.num_prompt_tokens {
-            return Err(HybridKvError::new_err(format!(
-                "the prompt of request {:?} changed from {} to {} tokens after the Request was \
-                 made",
-                self.request_id,
-                self.num_prompt_tokens,
-                tokens.len()
-            )));
-        }
-        Ok(tokens)
-    }
-}
-
-impl Drop for PyRequest {
-    fn drop(&mut self) {
-        let d = self.data.get_mut().unwrap_or_else(|e| e.into_inner());
-        for shared in d.registered.drain(..).filter_map(|r| r.shared.upgrade()) {
-            // Never block here: the manager may be busy in another thread.
-            shared.dropped.push((self.request_id.clone(), self.serial));
-        }
-    }
-}
-
-/// `Prober::probe` over borrowed tokens, with the GIL released.
-struct ProbeFn<'a> {
-    py: Python<'a>,
-    prober: &'a Prober,
-    extra: &'a ExtraKeys,
-}
-
-impl TokenFn<CoreResult<usize>> for ProbeFn<'_> {
-    fn call<T: TokenId + Send + Sync>(self, tokens: &[T]) -> CoreResult<usize> {
-        self.py.detach(|| self.prober.probe(tokens, self.extra))
-    }
-}
+/// Scheduler calls that handle at least this many tokens release the GIL.
+const DETACH_SCHEDULE_TOKENS: usize = 4096;
 
 // ----------------------------------------------------------------------------- KVCacheBlocks
 
@@ -343,29 +81,17 @@ impl PyKVCacheBlocks {
 
 struct Inner {
     manager: KVCacheManager,
-    /// Request id → the serial of the `Request` object registered under it.
-    serials: RequestMap<u64>,
+    registry: Registry,
     /// Reused for the new blocks of `allocate_slots`.
-    new_blocks: Vec<Vec<crate::types::BlockId>>,
-}
-
-/// A request brought up to date in the manager: its handle and the scheduler's count of its
-/// computed tokens.
-#[derive(Clone, Copy)]
-struct Synced {
-    handle: RequestHandle,
-    num_computed_tokens: usize,
+    new_blocks: Vec<Vec<BlockId>>,
 }
 
 struct Shared {
-    id: u64,
     inner: Mutex<Inner>,
     prober: Prober,
-    /// Requests whose Python object was garbage collected, removed at the next call.
-    dropped: SegQueue<(String, u64)>,
-    /// Explicit `remove_request` calls so far: a request's cached registration is trusted only
-    /// while this is unchanged.
-    removals: AtomicU64,
+    /// The registry's queue of garbage-collected requests, checked without the lock.
+    drops: Arc<DropQueue>,
+    id: u64,
 }
 
 /// The KV cache manager a scheduler drives (vLLM 0.33's `KVCacheManager` methods). Thread-safe:
@@ -377,6 +103,7 @@ pub(crate) struct PyKVCacheManager {
     num_groups: usize,
 }
 
+/// A group spec from a dict or an object with the same attributes.
 fn group_from_py(obj: &Bound<'_, PyAny>, index: usize) -> PyResult<GroupSpec> {
     let get = |name: &str| -> PyResult<Option<Bound<'_, PyAny>>> {
         let value = if let Ok(d) = obj.cast::<PyDict>() {
@@ -388,44 +115,37 @@ fn group_from_py(obj: &Bound<'_, PyAny>, index: usize) -> PyResult<GroupSpec> {
         };
         Ok(value.filter(|v| !v.is_none()))
     };
-    let field = |name: &str| -> PyResult<usize> {
-        match get(name)? {
-            Some(v) => v
-                .extract::<i64>()
-                .and_then(|v| count(v, name))
-                .map_err(|_| {
-                    HybridKvError::new_err(format!(
-                        "group {index}: {name} must be a non-negative int"
-                    ))
-                }),
-            None => Err(HybridKvError::new_err(format!(
-                "group {index}: missing {name}"
-            ))),
-        }
+    let field = |name: &'static str| -> CoreResult<usize> {
+        let missing =
+            || crate::error::CoreError::InvalidConfig(format!("group {index}: missing {name}"));
+        let value = get(name).ok().flatten().ok_or_else(missing)?;
+        count_of(&value, &format!("group {index}: {name}"))
+            .map_err(|e| crate::error::CoreError::InvalidConfig(e.to_string()))
     };
-    let kind: String = match get("kind")? {
-        Some(k) => k.extract()?,
+    let kind = match get("kind")? {
+        Some(k) if k.is_instance_of::<PyString>() => k.extract::<String>()?,
+        Some(k) => {
+            return Err(PyTypeError::new_err(format!(
+                "group {index}: kind must be a str, got {}",
+                k.get_type().name()?
+            )))
+        }
+        None if obj.cast::<PyDict>().is_err() && !obj.hasattr("block_size")? => {
+            return Err(PyTypeError::new_err(format!(
+                "group {index} must be a dict or an object with kind and block_size, got {}",
+                obj.get_type().name()?
+            )))
+        }
         None => {
-            return Err(HybridKvError::new_err(format!(
+            return Err(InvalidConfigError::new_err(format!(
                 "group {index}: missing kind"
             )))
         }
     };
     let block_size = field("block_size")?;
-    Ok(match kind.as_str() {
-        "full" | "full_attention" => GroupSpec::full(block_size),
-        "sliding_window" => GroupSpec::sliding_window(block_size, field("sliding_window")?),
-        "chunked_local" | "chunked_local_attention" => {
-            GroupSpec::chunked_local(block_size, field("attention_chunk_size")?)
-        }
-        "mamba" => GroupSpec::mamba(block_size),
-        other => {
-            return Err(HybridKvError::new_err(format!(
-                "group {index}: unknown kind {other:?} (expected full, sliding_window, \
-                 chunked_local or mamba)"
-            )))
-        }
-    })
+    let kind = AttentionKind::parse(&kind, field)
+        .map_err(|e| InvalidConfigError::new_err(format!("group {index}: {e}")))?;
+    Ok(GroupSpec { kind, block_size })
 }
 
 fn stats_dict<'py>(py: Python<'py>, s: &PrefixCacheStats) -> PyResult<Bound<'py, PyDict>> {
@@ -441,132 +161,82 @@ fn stats_dict<'py>(py: Python<'py>, s: &PrefixCacheStats) -> PyResult<Bound<'py,
     Ok(d)
 }
 
+/// `Prober::probe` over borrowed tokens, with the GIL released.
+struct ProbeFn<'a> {
+    py: Python<'a>,
+    prober: &'a Prober,
+    extra: &'a ExtraKeys,
+}
+
+impl TokenFn<CoreResult<usize>> for ProbeFn<'_> {
+    fn call<T: TokenId + Send + Sync>(self, tokens: &[T]) -> CoreResult<usize> {
+        self.py.detach(|| self.prober.probe(tokens, self.extra))
+    }
+}
+
+/// A request brought up to date in the manager: its handle and the scheduler's count of its
+/// computed tokens.
+#[derive(Clone, Copy)]
+struct Current {
+    handle: RequestHandle,
+    num_computed_tokens: usize,
+}
+
 impl PyKVCacheManager {
-    /// Locks the manager and applies pending removals of garbage-collected requests.
+    /// Locks the manager and removes the requests whose `Request` was garbage collected.
     fn inner(&self) -> MutexGuard<'_, Inner> {
-        let mut inner = lock(&self.shared.inner);
-        while let Some((id, serial)) = self.shared.dropped.pop() {
-            if inner.serials.get(&id) == Some(&serial) {
-                inner.serials.remove(&id);
-                let _ = inner.manager.remove_request(&id);
-            }
-        }
-        inner
+        let mut guard = lock(&self.shared.inner);
+        let inner = &mut *guard;
+        inner.registry.collect(&mut inner.manager);
+        guard
     }
 
-    /// Registers `request` or brings the manager's copy up to date with its tokens; returns its
-    /// handle and `num_computed_tokens`, or `None` when a first registration needs the prompt's
-    /// token ids (`prompt`) and they were not given. The hot path (a registered request with a
-    /// few new tokens) does no id lookup: the registration keeps the request's handle.
-    fn sync(
-        &self,
-        inner: &mut Inner,
-        request: &PyRequest,
-        prompt: Option<&[u32]>,
-    ) -> PyResult<Option<Synced>> {
-        let mut data = lock(&request.data);
-        let data = &mut *data;
-        let removals = self.shared.removals.load(Ordering::Acquire);
-        let me = Arc::as_ptr(&self.shared);
-        let num_prompt = request.num_prompt_tokens;
-        let total = num_prompt + data.output.len();
-        if let Some(reg) = data
-            .registered
-            .iter_mut()
-            .find(|r| r.removals == removals && std::ptr::eq(r.shared.as_ptr(), me))
-        {
-            if reg.synced < total {
-                let start = reg.synced - num_prompt;
-                inner
-                    .manager
-                    .append_token_ids(reg.handle, &data.output[start..])?;
-                reg.synced = total;
-            }
-            return Ok(Some(Synced {
-                handle: reg.handle,
-                num_computed_tokens: data.num_computed_tokens,
-            }));
+    /// Before a counter is read: the blocks of collected requests are back in the pool.
+    fn settle(&self) {
+        if !self.shared.drops.is_empty() {
+            drop(self.inner());
         }
-        let id = &request.request_id;
-        let handle = match inner.serials.get(id) {
-            Some(&serial) if serial != request.serial => {
-                return Err(HybridKvError::new_err(format!(
-                    "request id {id:?} is already used by another Request object"
-                )))
-            }
-            Some(_) => {
-                let handle = inner.manager.handle(id)?;
-                let known = inner.manager.request(handle)?.num_tokens();
-                let start = known - num_prompt;
-                if start < data.output.len() {
-                    inner
-                        .manager
-                        .append_token_ids(handle, &data.output[start..])?;
-                }
-                handle
-            }
-            None => {
-                let reusable = !inner.manager.pool().events_enabled()
-                    && data
-                        .prehashed
-                        .as_ref()
-                        .is_some_and(|p| p.hasher == *inner.manager.hasher());
-                let handle = if reusable {
-                    let pre = data.prehashed.take().expect("checked above");
-                    inner.manager.add_request_prehashed(
-                        id,
-                        num_prompt,
-                        pre.hashes,
-                        pre.tail,
-                        request.extra.clone(),
-                    )?
-                } else {
-                    let Some(prompt) = prompt else {
-                        return Ok(None);
-                    };
-                    inner
-                        .manager
-                        .add_request(id, prompt, request.extra.clone())?
-                };
-                if !data.output.is_empty() {
-                    inner.manager.append_token_ids(handle, &data.output)?;
-                }
-                inner.serials.insert(id.clone(), request.serial);
-                handle
-            }
-        };
-        data.registered
-            .retain(|r| !std::ptr::eq(r.shared.as_ptr(), me));
-        data.registered.push(Registration {
-            shared: Arc::downgrade(&self.shared),
-            handle,
-            synced: total,
-            removals,
-        });
-        Ok(Some(Synced {
-            handle,
-            num_computed_tokens: data.num_computed_tokens,
-        }))
     }
 
     /// Brings `request` up to date (reading its prompt with the GIL if a first registration
-    /// needs it), then runs `f` with the manager locked and the request's
-    /// `num_computed_tokens`; the GIL is released meanwhile when `long`.
+    /// needs it), then runs `f` with the manager locked; the GIL is released meanwhile when
+    /// `long`. A call that registered the request and then failed registers nothing.
     fn with_request<R: Send>(
         &self,
         py: Python<'_>,
         request: &PyRequest,
         long: bool,
-        f: impl Fn(&mut Inner, Synced) -> PyResult<R> + Send + Sync,
+        f: impl Fn(&mut Inner, Current) -> PyResult<R> + Send + Sync,
     ) -> PyResult<R> {
         let mut prompt: Option<Vec<u32>> = None;
         loop {
             let given = prompt.as_deref();
             let done = self.run(py, long, || {
-                let mut inner = self.inner();
-                match self.sync(&mut inner, request, given)? {
-                    Some(synced) => f(&mut inner, synced).map(Some),
-                    None => Ok(None),
+                let mut guard = self.inner();
+                let inner = &mut *guard;
+                let mut record = lock(&request.record);
+                let (handle, registered) =
+                    match inner
+                        .registry
+                        .sync(&mut inner.manager, &mut record, given)?
+                    {
+                        Synced::Ready { handle, registered } => (handle, registered),
+                        Synced::NeedPrompt => return Ok(None),
+                    };
+                let current = Current {
+                    handle,
+                    num_computed_tokens: record.num_computed_tokens,
+                };
+                match f(inner, current) {
+                    Ok(r) => Ok(Some(r)),
+                    Err(err) => {
+                        if registered {
+                            inner
+                                .registry
+                                .rollback(&mut inner.manager, &mut record, handle);
+                        }
+                        Err(err)
+                    }
                 }
             })?;
             match done {
@@ -591,18 +261,6 @@ impl PyKVCacheManager {
         } else {
             f()
         }
-    }
-
-    /// The request's handle in this manager if its registration is current (no explicit
-    /// removal since); call with the manager locked.
-    fn registered_handle(&self, request: &PyRequest) -> Option<RequestHandle> {
-        let removals = self.shared.removals.load(Ordering::Acquire);
-        let me = Arc::as_ptr(&self.shared);
-        lock(&request.data)
-            .registered
-            .iter()
-            .find(|r| r.removals == removals && std::ptr::eq(r.shared.as_ptr(), me))
-            .map(|r| r.handle)
     }
 
     fn blocks(&self, py: Python<'_>, computed: ComputedBlocks) -> PyResult<Py<PyKVCacheBlocks>> {
@@ -630,58 +288,54 @@ impl PyKVCacheManager {
     fn new(
         py: Python<'_>,
         groups: &Bound<'_, PyAny>,
-        num_blocks: i64,
-        max_model_len: i64,
+        num_blocks: Count,
+        max_model_len: Count,
         enable_caching: bool,
         enable_kv_events: bool,
         hash_algo: &str,
         hash_seed: &str,
         watermark: f64,
-        max_in_flight_tokens: Option<i64>,
+        max_in_flight_tokens: Option<Count>,
     ) -> PyResult<Self> {
+        if groups.is_instance_of::<PyString>() || groups.is_instance_of::<PyDict>() {
+            return Err(PyTypeError::new_err(
+                "groups must be a sequence of group specs (dicts or objects)",
+            ));
+        }
         let specs = groups
             .try_iter()
             .map_err(|_| PyTypeError::new_err("groups must be a sequence of group specs"))?
             .enumerate()
             .map(|(i, g)| group_from_py(&g?, i))
             .collect::<PyResult<Vec<_>>>()?;
-        let mut config = ManagerConfig::new(
-            specs,
-            count(num_blocks, "num_blocks")?,
-            count(max_model_len, "max_model_len")?,
-        );
+        let mut config = ManagerConfig::new(specs, num_blocks.get(), max_model_len.get());
         config.enable_caching = enable_caching;
         config.enable_events = enable_kv_events;
         config.hash_algo = HashAlgo::parse(hash_algo)?;
         config.hash_seed = hash_seed.to_owned();
         config.watermark = watermark;
-        config.max_in_flight_tokens = max_in_flight_tokens
-            .map(|v| count(v, "max_in_flight_tokens"))
-            .transpose()?;
+        config.max_in_flight_tokens = max_in_flight_tokens.map(Count::get);
         let manager = KVCacheManager::new(&config)?;
         let num_groups = manager.num_groups();
-        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        let id = manager.id();
         let empty = Py::new(
             py,
             PyKVCacheBlocks {
-                computed: ComputedBlocks {
-                    blocks: vec![Vec::new(); num_groups],
-                    ..ComputedBlocks::default()
-                },
+                computed: ComputedBlocks::new(vec![Vec::new(); num_groups], 0),
                 manager_id: id,
             },
         )?;
+        let registry = Registry::new();
         Ok(PyKVCacheManager {
             shared: Arc::new(Shared {
-                id,
                 prober: manager.prober(),
+                drops: Arc::clone(registry.drop_queue()),
                 inner: Mutex::new(Inner {
                     manager,
-                    serials: RequestMap::default(),
+                    registry,
                     new_blocks: Vec::new(),
                 }),
-                dropped: SegQueue::new(),
-                removals: AtomicU64::new(0),
+                id,
             }),
             empty,
             num_groups,
@@ -727,17 +381,20 @@ impl PyKVCacheManager {
 
     #[getter]
     fn usage(&self) -> f64 {
+        self.settle();
         self.shared.prober.pool().usage()
     }
 
     #[getter]
     fn num_free_blocks(&self) -> usize {
+        self.settle();
         self.shared.prober.pool().num_free_blocks()
     }
 
     /// `(block hash, group)` entries in the prefix cache.
     #[getter]
     fn num_cached_blocks(&self) -> usize {
+        self.settle();
         self.shared.prober.pool().num_cached_keys()
     }
 
@@ -748,19 +405,15 @@ impl PyKVCacheManager {
 
     /// Registers a request and hashes its prompt now (otherwise done by its first call).
     fn add_request(&self, py: Python<'_>, request: &PyRequest) -> PyResult<()> {
-        self.with_request(py, request, request.is_long(), |_, _| Ok(()))
+        let long = request.num_tokens_now() >= DETACH_SCHEDULE_TOKENS;
+        self.with_request(py, request, long, |_, _| Ok(()))
     }
 
     /// Frees the request's blocks and forgets its hashes.
     fn remove_request(&self, request_id: &str) -> PyResult<()> {
-        let mut inner = self.inner();
-        if inner.serials.remove(request_id).is_none() {
-            return Err(HybridKvError::new_err(format!(
-                "unknown request id {request_id:?}"
-            )));
-        }
-        self.shared.removals.fetch_add(1, Ordering::AcqRel);
-        Ok(inner.manager.remove_request(request_id)?)
+        let mut guard = self.inner();
+        let inner = &mut *guard;
+        Ok(inner.registry.remove(&mut inner.manager, request_id)?)
     }
 
     /// The request's cached prefix: `(blocks, num_computed_tokens)`, at most `num_tokens - 1`
@@ -770,7 +423,8 @@ impl PyKVCacheManager {
         py: Python<'_>,
         request: &PyRequest,
     ) -> PyResult<(Py<PyKVCacheBlocks>, usize)> {
-        let computed = self.with_request(py, request, request.is_long(), |inner, r| {
+        let long = request.num_tokens_now() >= DETACH_SCHEDULE_TOKENS;
+        let computed = self.with_request(py, request, long, |inner, r| {
             Ok(inner.manager.get_computed_blocks(r.handle)?)
         })?;
         let n = computed.num_computed_tokens;
@@ -779,43 +433,40 @@ impl PyKVCacheManager {
 
     /// Slots for `num_new_tokens` more tokens (plus lookahead tokens, never cached), adopting a
     /// prefix-cache hit on the first allocation. Returns the newly allocated blocks, or None when
-    /// the pool cannot supply them (then nothing changed).
-    #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens = 0, new_computed_blocks = None, num_lookahead_tokens = 0, delay_cache_blocks = false, full_sequence_must_fit = false, has_scheduled_reqs = true))]
+    /// the pool cannot supply them (see the stub's docstring for what None may have freed).
+    #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens = UInt(0), new_computed_blocks = None, num_lookahead_tokens = UInt(0), delay_cache_blocks = false, full_sequence_must_fit = false, has_scheduled_reqs = true))]
     #[allow(clippy::too_many_arguments)]
     fn allocate_slots(
         &self,
         py: Python<'_>,
         request: &PyRequest,
-        num_new_tokens: i64,
-        num_new_computed_tokens: i64,
+        num_new_tokens: Count,
+        num_new_computed_tokens: Count,
         new_computed_blocks: Option<&PyKVCacheBlocks>,
-        num_lookahead_tokens: i64,
+        num_lookahead_tokens: Count,
         delay_cache_blocks: bool,
         full_sequence_must_fit: bool,
         has_scheduled_reqs: bool,
     ) -> PyResult<Option<Py<PyKVCacheBlocks>>> {
-        let num_new_tokens = count(num_new_tokens, "num_new_tokens")?;
-        let num_new_computed_tokens = count(num_new_computed_tokens, "num_new_computed_tokens")?;
-        let num_lookahead_tokens = count(num_lookahead_tokens, "num_lookahead_tokens")?;
         if let Some(b) = new_computed_blocks {
             if b.manager_id != self.shared.id {
-                return Err(HybridKvError::new_err(
+                return Err(InvalidArgumentError::new_err(
                     "new_computed_blocks come from another KVCacheManager",
                 ));
             }
         }
         let args = AllocateArgs {
-            num_new_tokens,
+            num_new_tokens: num_new_tokens.get(),
             num_computed_tokens: 0,
-            num_new_computed_tokens,
+            num_new_computed_tokens: num_new_computed_tokens.get(),
             new_computed_blocks: new_computed_blocks.map(|b| &b.computed),
-            num_lookahead_tokens,
+            num_lookahead_tokens: num_lookahead_tokens.get(),
             num_in_flight_tokens: 0,
             delay_cache_blocks,
             full_sequence_must_fit,
             has_scheduled_reqs,
         };
-        let long = num_new_tokens >= DETACH_TOKENS;
+        let long = args.num_new_tokens >= DETACH_SCHEDULE_TOKENS;
         // None: out of blocks; Some(None): nothing new (the shared empty result).
         let new = self.with_request(py, request, long, |inner, r| {
             let args = AllocateArgs {
@@ -837,31 +488,22 @@ impl PyKVCacheManager {
         match new {
             None => Ok(None),
             Some(None) => Ok(Some(self.empty.clone_ref(py))),
-            Some(Some(blocks)) => self
-                .blocks(
-                    py,
-                    ComputedBlocks {
-                        blocks,
-                        ..ComputedBlocks::default()
-                    },
-                )
-                .map(Some),
+            Some(Some(blocks)) => self.blocks(py, ComputedBlocks::new(blocks, 0)).map(Some),
         }
     }
 
     /// Frees the request's blocks, tail first (a request never allocated is a no-op).
     fn free(&self, request: &PyRequest) -> PyResult<()> {
-        let mut inner = self.inner();
-        if let Some(handle) = self.registered_handle(request) {
-            return Ok(inner.manager.free(handle)?);
-        }
-        match inner.serials.get(&request.request_id) {
-            Some(&s) if s == request.serial => Ok(inner.manager.free(&request.request_id)?),
-            Some(_) => Err(HybridKvError::new_err(format!(
+        let mut guard = self.inner();
+        let inner = &mut *guard;
+        let record = lock(&request.record);
+        match inner.registry.lookup(&inner.manager, &record)? {
+            Lookup::Registered(handle) => Ok(inner.manager.free(handle)?),
+            Lookup::NotRegistered => Ok(()),
+            Lookup::OtherObject => Err(InvalidArgumentError::new_err(format!(
                 "request id {:?} is registered by another Request object",
-                request.request_id
+                request.request_id_str()
             ))),
-            None => Ok(()),
         }
     }
 
@@ -875,35 +517,55 @@ impl PyKVCacheManager {
         PyTuple::new(py, tables.into_iter().map(|ids| ids_to_numpy(py, ids)))
     }
 
-    /// Writes the block tables of `group` for a batch of requests into `out`, a C-contiguous
-    /// 2-D int32 array with one row per request (the model runner's block table), in one call.
-    /// Entries past a request's table are left as they are.
-    #[pyo3(signature = (request_ids, out, group = 0))]
+    /// Writes the block tables of `group` for a batch of requests into `out`, a writable 2-D
+    /// int32 numpy array with one row per request (any strides), in one call. Entries past a
+    /// request's table are left as they are; nothing is written on error.
+    #[pyo3(signature = (request_ids, out, group = UInt(0)))]
     fn write_block_table(
         &self,
-        request_ids: Vec<String>,
-        out: &Bound<'_, PyArray2<i32>>,
-        group: usize,
+        request_ids: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        group: Count,
     ) -> PyResult<()> {
-        let mut rw = out
-            .try_readwrite()
-            .map_err(|e| HybridKvError::new_err(e.to_string()))?;
+        if request_ids.is_instance_of::<PyString>() {
+            return Err(PyTypeError::new_err(
+                "request_ids must be a sequence of request id strings, not a str",
+            ));
+        }
+        let request_ids: Vec<String> = request_ids.extract().map_err(|_| {
+            PyTypeError::new_err("request_ids must be a sequence of request id strings")
+        })?;
+        let out = out.cast::<PyArray2<i32>>().map_err(|_| {
+            PyTypeError::new_err("out must be a writable 2-D numpy array of dtype int32")
+        })?;
+        let mut rw = out.try_readwrite().map_err(|_| {
+            PyTypeError::new_err("out must be a writable 2-D numpy array of dtype int32")
+        })?;
         let shape = rw.shape().to_vec();
         if shape[0] < request_ids.len() {
-            return Err(HybridKvError::new_err(format!(
+            return Err(InvalidArgumentError::new_err(format!(
                 "out has {} rows for {} requests",
                 shape[0],
                 request_ids.len()
             )));
         }
-        let slice = rw
-            .as_slice_mut()
-            .map_err(|_| HybridKvError::new_err("out must be C-contiguous"))?;
         let ids: Vec<&str> = request_ids.iter().map(String::as_str).collect();
-        Ok(self
-            .inner()
+        let inner = self.inner();
+        if rw.is_c_contiguous() {
+            let slice = rw.as_slice_mut().expect("C-contiguous");
+            return Ok(inner
+                .manager
+                .write_block_table(&ids, group.get(), slice, shape[1])?);
+        }
+        // Any other strides (Fortran order, slices): element by element through the view.
+        let mut view = rw.as_array_mut();
+        Ok(inner
             .manager
-            .write_block_table(&ids, group, slice, shape[1])?)
+            .write_block_tables(&ids, group.get(), shape[1], |row, blocks| {
+                for (col, &b) in blocks.iter().enumerate() {
+                    view[[row, col]] = b as i32;
+                }
+            })?)
     }
 
     /// How many tokens of a prompt are cached right now (what `get_computed_blocks` would
@@ -915,7 +577,7 @@ impl PyKVCacheManager {
         token_ids: &Bound<'_, PyAny>,
         cache_salt: Option<String>,
         lora_name: Option<String>,
-        mm_inputs: Option<Vec<(String, usize, usize)>>,
+        mm_inputs: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
         let extra = extra_keys(cache_salt, lora_name, mm_inputs)?;
         // A numpy prompt is probed in place (no copy made with the GIL held).
@@ -932,14 +594,13 @@ impl PyKVCacheManager {
         &self,
         py: Python<'_>,
         request: &PyRequest,
-        num_hits: i64,
+        num_hits: Count,
         preempted: bool,
     ) -> PyResult<()> {
-        let num_hits = count(num_hits, "num_hits")?;
         self.with_request(py, request, false, |inner, r| {
             Ok(inner
                 .manager
-                .record_prefix_cache_stats(r.handle, num_hits, preempted)?)
+                .record_prefix_cache_stats(r.handle, num_hits.get(), preempted)?)
         })
     }
 
@@ -969,12 +630,7 @@ impl PyKVCacheManager {
                 .manager
                 .group_specs()
                 .iter()
-                .map(|g| match g.kind {
-                    AttentionKind::Full => ("full_attention", None),
-                    AttentionKind::SlidingWindow { window } => ("sliding_window", Some(window)),
-                    AttentionKind::ChunkedLocal { .. } => ("chunked_local_attention", None),
-                    AttentionKind::Mamba => ("mamba", None),
-                })
+                .map(|g| (g.kind.as_str(), g.kind.sliding_window()))
                 .collect();
             (inner.manager.take_events(), kinds)
         };

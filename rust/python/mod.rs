@@ -5,6 +5,7 @@ mod errors;
 mod hashing;
 mod manager;
 mod pool;
+mod request;
 
 use pyo3::prelude::*;
 

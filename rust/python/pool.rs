@@ -1,7 +1,8 @@
 //! `hybrid_kv.BlockPool` and the KV event classes.
 
-use super::convert::{extract_hash, extract_hashes, extract_ids, id_from_i64, ids_to_numpy};
-use super::errors::HybridKvError;
+use super::convert::{
+    block_id_arg, extract_hash, extract_hashes, extract_ids, ids_to_numpy, Count, UInt, U32,
+};
 use crate::pool::BlockPool;
 use crate::types::{KvEvent, StoreInfo};
 use numpy::PyArray1;
@@ -14,16 +15,12 @@ pub(crate) struct PyBlockPool {
     pub(crate) inner: Arc<BlockPool>,
 }
 
-fn check_count(n: i64, what: &str) -> PyResult<usize> {
-    usize::try_from(n).map_err(|_| HybridKvError::new_err(format!("{what} must be >= 0, got {n}")))
-}
-
 #[pymethods]
 impl PyBlockPool {
     #[new]
     #[pyo3(signature = (num_blocks, *, enable_caching = true, enable_kv_events = false))]
-    fn new(num_blocks: i64, enable_caching: bool, enable_kv_events: bool) -> PyResult<Self> {
-        let n = check_count(num_blocks, "num_blocks")?;
+    fn new(num_blocks: Count, enable_caching: bool, enable_kv_events: bool) -> PyResult<Self> {
+        let n = num_blocks.get();
         Ok(PyBlockPool {
             inner: Arc::new(BlockPool::with_options(
                 n,
@@ -53,8 +50,12 @@ impl PyBlockPool {
         self.inner.num_cached_keys()
     }
 
-    fn get_new_blocks<'py>(&self, py: Python<'py>, n: i64) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        let n = check_count(n, "n")?;
+    fn get_new_blocks<'py>(
+        &self,
+        py: Python<'py>,
+        n: Count,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let n = n.get();
         let pool = &self.inner;
         let ids = py.detach(|| pool.get_new_blocks(n))?;
         Ok(ids_to_numpy(py, ids))
@@ -72,20 +73,25 @@ impl PyBlockPool {
         Ok(py.detach(|| pool.touch(&ids))?)
     }
 
-    #[pyo3(signature = (block_ids, block_hashes, group_id = 0, *, parent_block_hash = None, token_ids = None, block_size = 0))]
+    #[pyo3(signature = (block_ids, block_hashes, group_id = UInt(0), *, parent_block_hash = None, token_ids = None, block_size = UInt(0)))]
     fn cache_full_blocks(
         &self,
         block_ids: &Bound<'_, PyAny>,
         block_hashes: &Bound<'_, PyAny>,
-        group_id: u32,
+        group_id: U32,
         parent_block_hash: Option<&Bound<'_, PyAny>>,
-        token_ids: Option<Vec<u32>>,
-        block_size: u32,
+        token_ids: Option<Vec<U32>>,
+        block_size: U32,
     ) -> PyResult<()> {
+        let (group_id, block_size) = (group_id.get(), block_size.get());
         let ids = extract_ids(block_ids)?;
         let hashes = extract_hashes(block_hashes)?;
         let parent = parent_block_hash.map(extract_hash).transpose()?;
-        let tokens = token_ids.unwrap_or_default();
+        let tokens: Vec<u32> = token_ids
+            .unwrap_or_default()
+            .into_iter()
+            .map(U32::get)
+            .collect();
         let info = StoreInfo {
             parent_block_hash: parent,
             token_ids: &tokens,
@@ -101,9 +107,10 @@ impl PyBlockPool {
         &self,
         py: Python<'py>,
         block_hash: &Bound<'py, PyAny>,
-        group_ids: Vec<u32>,
+        group_ids: Vec<U32>,
     ) -> PyResult<Option<Bound<'py, PyArray1<i32>>>> {
         let hash = extract_hash(block_hash)?;
+        let group_ids: Vec<u32> = group_ids.into_iter().map(U32::get).collect();
         Ok(self
             .inner
             .get_cached_block(hash, &group_ids)
@@ -119,15 +126,15 @@ impl PyBlockPool {
         self.inner.reset_prefix_cache()
     }
 
-    fn ref_count(&self, block_id: i64) -> PyResult<u32> {
-        Ok(self.inner.ref_count(id_from_i64(block_id)?)?)
+    fn ref_count(&self, block_id: &Bound<'_, PyAny>) -> PyResult<u32> {
+        Ok(self.inner.ref_count(block_id_arg(block_id)?)?)
     }
 
     /// The cache key `(hash, group_id)` of a block, or None.
-    fn block_hash(&self, block_id: i64) -> PyResult<Option<(u128, u32)>> {
+    fn block_hash(&self, block_id: &Bound<'_, PyAny>) -> PyResult<Option<(u128, u32)>> {
         Ok(self
             .inner
-            .block_key(id_from_i64(block_id)?)?
+            .block_key(block_id_arg(block_id)?)?
             .map(|k| (k.hash.0, k.group)))
     }
 

@@ -3,8 +3,8 @@
 #![allow(dead_code)]
 
 use flate2::read::GzDecoder;
-use hybrid_kv::manager::replay::{SchedConfig, Workload, WorkloadRequest};
 use hybrid_kv::manager::{GroupSpec, ManagerConfig};
+use hybrid_kv::replay::{SchedConfig, Workload, WorkloadRequest};
 use serde_json::Value;
 use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;

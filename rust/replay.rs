@@ -4,9 +4,11 @@
 //!
 //! Parsing the workload JSON is left to the caller (tests, benches, bindings).
 
-use super::{AllocateArgs, KVCacheManager, PrefixCacheStats, RequestHandle};
 use crate::error::{CoreError, Result};
 use crate::hashing::ExtraKeys;
+use crate::manager::{
+    AllocateArgs, ComputedBlocks, KVCacheManager, PrefixCacheStats, RequestHandle,
+};
 use crate::types::BlockId;
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Instant;
@@ -195,12 +197,12 @@ pub fn replay<'w>(
 ) -> Result<ReplaySummary> {
     let sched = &workload.sched;
     if sched.max_num_batched_tokens == 0 || sched.max_num_seqs == 0 {
-        return Err(CoreError::InvalidArgument(
+        return Err(CoreError::InvalidConfig(
             "max_num_batched_tokens and max_num_seqs must be positive".into(),
         ));
     }
     if sched.max_model_len != manager.max_model_len() {
-        return Err(CoreError::InvalidArgument(format!(
+        return Err(CoreError::InvalidConfig(format!(
             "workload max_model_len {} differs from the manager's {}",
             sched.max_model_len,
             manager.max_model_len()
@@ -211,7 +213,7 @@ pub fn replay<'w>(
         .iter()
         .find(|r| r.prompt.is_empty() || r.prompt.len() >= sched.max_model_len)
     {
-        return Err(CoreError::InvalidArgument(format!(
+        return Err(CoreError::InvalidConfig(format!(
             "request {:?}: prompt of {} tokens must be non-empty and shorter than max_model_len",
             r.rid,
             r.prompt.len()
@@ -385,7 +387,7 @@ pub fn replay<'w>(
                     .min(threshold)
                     .min(budget)
                     .min(max_model_len.saturating_sub(1 + hit));
-                let emit_gcb = |sink: &mut dyn FnMut(TraceRecord<'w>), c: super::ComputedBlocks| {
+                let emit_gcb = |sink: &mut dyn FnMut(TraceRecord<'w>), c: ComputedBlocks| {
                     sink(TraceRecord::Call(Call {
                         step,
                         rid,
@@ -450,12 +452,21 @@ pub fn replay<'w>(
             }
         }
 
-        if scheduled.is_empty() && !preempted {
-            // Nothing can change any more (no running request frees blocks).
-            return Err(CoreError::InvalidArgument(format!(
-                "workload {:?} stalls at step {step}: nothing can be scheduled",
-                workload.name
-            )));
+        if scheduled.is_empty() && !preempted && running.is_empty() {
+            // Nothing can change any more: no running request will free blocks, so the head of
+            // the queue is refused again on every later step.
+            let &i = waiting
+                .front()
+                .expect("a step runs only with requests waiting or running");
+            let h = handle(&handles, i);
+            let hit = manager.get_computed_blocks(h)?;
+            return Err(CoreError::Stalled {
+                step,
+                request: reqs[i].rid.clone(),
+                blocks_needed: manager.num_blocks_to_admit(h, Some(&hit))?,
+                free_blocks: manager.num_free_blocks(),
+                num_blocks: manager.pool().num_blocks(),
+            });
         }
 
         // C) "execute".
@@ -501,4 +512,76 @@ pub fn replay<'w>(
     summary.prefix_cache = manager.prefix_cache_stats();
     summary.free_at_end = manager.num_free_blocks();
     Ok(summary)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::manager::{GroupSpec, ManagerConfig};
+
+    fn tokens(start: u32, n: usize) -> Vec<u32> {
+        (start..start + n as u32).collect()
+    }
+
+    fn tiny_workload(num_blocks: usize) -> Workload {
+        let request = |rid: &str, arrival_step, prompt: Vec<u32>, n_out| WorkloadRequest {
+            rid: rid.into(),
+            arrival_step,
+            prompt,
+            output: (0..n_out).collect(),
+        };
+        Workload {
+            name: "tiny".into(),
+            sched: SchedConfig {
+                max_num_seqs: 4,
+                max_num_batched_tokens: 64,
+                long_prefill_token_threshold: 0,
+                max_model_len: 512,
+            },
+            num_blocks,
+            requests: vec![
+                request("a", 0, tokens(0, 100), 5),
+                request("b", 0, tokens(0, 120), 3),
+                request("c", 7, tokens(900, 40), 2),
+            ],
+        }
+    }
+
+    #[test]
+    fn replay_runs_the_scheduler_loop_to_completion() {
+        let w = tiny_workload(64);
+        let c = ManagerConfig::new(
+            vec![GroupSpec::full(16), GroupSpec::sliding_window(16, 32)],
+            64,
+            512,
+        );
+        let mut m = KVCacheManager::new(&c).unwrap();
+        let mut records = Vec::new();
+        let s = replay(&w, &mut m, &mut |r| records.push(r)).unwrap();
+        assert_eq!(s.num_finished, 3);
+        assert_eq!(s.free_at_end, 63);
+        assert_eq!(m.num_requests(), 0);
+        // Chunked prefill of 64 tokens per step; b re-uses a's cached prefix.
+        let first = &records[1];
+        assert!(matches!(first, TraceRecord::Call(c) if c.rid == "a"));
+        assert_eq!(s.prefix_cache.requests, 3);
+        assert!(s.prefix_cache.hits > 0);
+        assert!(s.timing["allocate_slots.decode"].count() > 0);
+    }
+
+    #[test]
+    fn replay_reports_a_workload_that_cannot_make_progress() {
+        // 3 usable blocks cannot hold a 100-token prompt: admission fails forever.
+        let w = tiny_workload(4);
+        let c = ManagerConfig::new(vec![GroupSpec::full(16)], 4, 512);
+        let mut m = KVCacheManager::new(&c).unwrap();
+        assert!(matches!(
+            replay(&w, &mut m, &mut |_| {}),
+            Err(CoreError::Stalled { step: 0, ref request, blocks_needed: 7, free_blocks: 3, num_blocks: 4 })
+                if request == "a"
+        ));
+        let mut m =
+            KVCacheManager::new(&ManagerConfig::new(vec![GroupSpec::full(16)], 64, 4096)).unwrap();
+        assert!(replay(&w, &mut m, &mut |_| {}).is_err()); // max_model_len differs
+    }
 }

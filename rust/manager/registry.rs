@@ -1,0 +1,526 @@
+//! Registration of caller-owned request objects with managers: the protocol a language binding
+//! (the Python `Request` / `KVCacheManager` pair) runs on every call that names a request.
+//!
+//! A caller keeps one [`RequestRecord`] per request object: its id, prompt length, extra keys,
+//! the output tokens appended so far, the scheduler's count of computed tokens, the prompt hashes
+//! computed when the object was made, and the managers it is registered with. A manager keeps a
+//! [`Registry`]: which object (by serial) is registered under each id. On each call,
+//! [`Registry::sync`] registers the object on first use (taking over its prompt hashes when the
+//! manager's hasher matches) or appends the output tokens the manager has not seen, and returns
+//! the request's handle, so the hot path does no id lookup.
+//!
+//! Lifetimes: dropping a record queues its id on the [`DropQueue`] of every manager it is
+//! registered with (lock-free, never blocking: the manager may be busy on another thread); the
+//! manager removes those requests, and frees their blocks, on its next [`Registry::collect`].
+//! An explicit [`Registry::remove`] invalidates every record's cached registration with that
+//! manager (they are checked again by id on their next call).
+
+use super::request::Request;
+use super::{KVCacheManager, RequestHandle};
+use crate::error::{CoreError, Result};
+use crate::hashing::{BlockHasher, ExtraKeys};
+use crate::types::{BlockHash, RequestMap};
+use crossbeam_queue::SegQueue;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+
+static NEXT_SERIAL: AtomicU64 = AtomicU64::new(1);
+
+/// Requests whose caller-side object was dropped, waiting to be removed from one manager.
+#[derive(Debug, Default)]
+pub struct DropQueue(SegQueue<(String, u64)>);
+
+impl DropQueue {
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// A prompt hashed when its request object was made, for the first manager whose hasher
+/// matches (as vLLM hashes a prompt when it builds the `Request`).
+#[derive(Debug)]
+pub struct Prehashed {
+    pub hasher: BlockHasher,
+    /// Hashes of the prompt's full blocks.
+    pub hashes: Vec<BlockHash>,
+    /// Prompt tokens after the last full block.
+    pub tail: Vec<u32>,
+}
+
+/// One manager holding a registration of a record, and how much of it is up to date.
+#[derive(Debug)]
+struct Registration {
+    drops: Weak<DropQueue>,
+    handle: RequestHandle,
+    /// Tokens the manager's copy holds.
+    synced: usize,
+    /// The manager's removal count when this was last checked.
+    removals: u64,
+}
+
+/// The caller side of one request object.
+#[derive(Debug)]
+pub struct RequestRecord {
+    id: String,
+    serial: u64,
+    num_prompt_tokens: usize,
+    extra: ExtraKeys,
+    /// Output tokens appended so far.
+    pub output: Vec<u32>,
+    /// The scheduler's count of computed tokens (it owns it; the manager is told per call).
+    pub num_computed_tokens: usize,
+    prehashed: Option<Prehashed>,
+    registrations: Vec<Registration>,
+}
+
+impl RequestRecord {
+    /// A record for a new request object with a non-empty prompt.
+    pub fn new(
+        id: String,
+        num_prompt_tokens: usize,
+        extra: ExtraKeys,
+        prehashed: Option<Prehashed>,
+    ) -> Result<Self> {
+        if num_prompt_tokens == 0 {
+            return Err(CoreError::InvalidArgument(format!(
+                "request {id:?} has an empty prompt"
+            )));
+        }
+        Ok(RequestRecord {
+            id,
+            serial: NEXT_SERIAL.fetch_add(1, Ordering::Relaxed),
+            num_prompt_tokens,
+            extra,
+            output: Vec::new(),
+            num_computed_tokens: 0,
+            prehashed,
+            registrations: Vec::new(),
+        })
+    }
+
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    pub fn extra(&self) -> &ExtraKeys {
+        &self.extra
+    }
+
+    pub fn num_prompt_tokens(&self) -> usize {
+        self.num_prompt_tokens
+    }
+
+    pub fn num_tokens(&self) -> usize {
+        self.num_prompt_tokens + self.output.len()
+    }
+
+    /// Sets the scheduler's count of computed tokens (at most the request's tokens).
+    pub fn set_num_computed_tokens(&mut self, value: usize) -> Result<()> {
+        if value > self.num_tokens() {
+            return Err(CoreError::OutOfRange(format!(
+                "num_computed_tokens {value} exceeds the request's {} tokens",
+                self.num_tokens()
+            )));
+        }
+        self.num_computed_tokens = value;
+        Ok(())
+    }
+
+    /// The index of the registration with the manager owning `drops`.
+    fn registration(&self, drops: &Arc<DropQueue>) -> Option<usize> {
+        let me = Arc::as_ptr(drops);
+        self.registrations
+            .iter()
+            .position(|r| std::ptr::eq(r.drops.as_ptr(), me))
+    }
+}
+
+impl Drop for RequestRecord {
+    fn drop(&mut self) {
+        for drops in self
+            .registrations
+            .drain(..)
+            .filter_map(|r| r.drops.upgrade())
+        {
+            drops.0.push((self.id.clone(), self.serial));
+        }
+    }
+}
+
+/// What [`Registry::sync`] did.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Synced {
+    /// The request is up to date in the manager; `registered` when this call registered it.
+    Ready {
+        handle: RequestHandle,
+        registered: bool,
+    },
+    /// A first registration needs the prompt's token ids: call again with them.
+    NeedPrompt,
+}
+
+/// How a record stands with a manager (see [`Registry::lookup`]).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Lookup {
+    Registered(RequestHandle),
+    NotRegistered,
+    /// Another object is registered under the record's id.
+    OtherObject,
+}
+
+/// A manager's side of the registrations; use it under the same lock as the manager.
+#[derive(Debug, Default)]
+pub struct Registry {
+    /// Request id → serial of the record registered under it.
+    serials: RequestMap<u64>,
+    /// Explicit removals so far: a cached registration is trusted only while this is unchanged.
+    removals: u64,
+    drops: Arc<DropQueue>,
+}
+
+impl Registry {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The queue records push their id to when dropped (check it without the lock).
+    pub fn drop_queue(&self) -> &Arc<DropQueue> {
+        &self.drops
+    }
+
+    /// Removes the requests whose records were dropped, freeing their blocks.
+    pub fn collect(&mut self, manager: &mut KVCacheManager) {
+        while let Some((id, serial)) = self.drops.0.pop() {
+            if self.serials.get(&id) == Some(&serial) {
+                self.serials.remove(&id);
+                // Removal frees blocks the manager handed out itself: it cannot fail.
+                let _ = manager.remove_request(id.as_str());
+            }
+        }
+    }
+
+    /// The handle of `record` if its registration with this manager is current.
+    pub fn handle_of(&self, record: &RequestRecord) -> Option<RequestHandle> {
+        let me = Arc::as_ptr(&self.drops);
+        record
+            .registrations
+            .iter()
+            .find(|r| r.removals == self.removals && std::ptr::eq(r.drops.as_ptr(), me))
+            .map(|r| r.handle)
+    }
+
+    /// How `record` stands with this manager.
+    pub fn lookup(&self, manager: &KVCacheManager, record: &RequestRecord) -> Result<Lookup> {
+        if let Some(handle) = self.handle_of(record) {
+            return Ok(Lookup::Registered(handle));
+        }
+        Ok(match self.serials.get(&record.id) {
+            Some(&s) if s == record.serial => Lookup::Registered(manager.handle(&record.id)?),
+            Some(_) => Lookup::OtherObject,
+            None => Lookup::NotRegistered,
+        })
+    }
+
+    /// Registers `record` with `manager`, or brings the manager's copy up to date with its
+    /// output tokens. A first registration uses the record's prompt hashes when the manager's
+    /// hasher made them, else the prompt's token ids (`prompt`; [`Synced::NeedPrompt`] when they
+    /// were not given). Changes nothing on error.
+    pub fn sync(
+        &mut self,
+        manager: &mut KVCacheManager,
+        record: &mut RequestRecord,
+        prompt: Option<&[u32]>,
+    ) -> Result<Synced> {
+        let removals = self.removals;
+        let total = record.num_tokens();
+        let num_prompt = record.num_prompt_tokens;
+        let drops = Arc::clone(&self.drops);
+        if let Some(k) = record.registration(&drops) {
+            let reg = &record.registrations[k];
+            if reg.removals == removals {
+                let handle = reg.handle;
+                if reg.synced < total {
+                    let start = reg.synced - num_prompt;
+                    manager.append_token_ids(handle, &record.output[start..])?;
+                    record.registrations[k].synced = total;
+                }
+                return Ok(Synced::Ready {
+                    handle,
+                    registered: false,
+                });
+            }
+        }
+        let id = record.id.as_str();
+        let (handle, registered) = match self.serials.get(id) {
+            Some(&serial) if serial != record.serial => {
+                return Err(CoreError::InvalidArgument(format!(
+                    "request id {id:?} is already used by another Request object"
+                )))
+            }
+            Some(_) => {
+                let handle = manager.handle(id)?;
+                let start = manager.request(handle)?.num_tokens() - num_prompt;
+                if start < record.output.len() {
+                    manager.append_token_ids(handle, &record.output[start..])?;
+                }
+                (handle, false)
+            }
+            None => {
+                let reusable = !manager.pool().events_enabled()
+                    && record
+                        .prehashed
+                        .as_ref()
+                        .is_some_and(|p| p.hasher == *manager.hasher());
+                let handle = if reusable {
+                    let pre = record.prehashed.take().expect("checked above");
+                    manager.add_request_prehashed(
+                        id,
+                        num_prompt,
+                        pre.hashes,
+                        pre.tail,
+                        record.extra.clone(),
+                    )?
+                } else {
+                    let Some(prompt) = prompt else {
+                        return Ok(Synced::NeedPrompt);
+                    };
+                    manager.add_request(id, prompt, record.extra.clone())?
+                };
+                if !record.output.is_empty() {
+                    if let Err(err) = manager.append_token_ids(handle, &record.output) {
+                        self.unregister_new(manager, record, handle);
+                        return Err(err);
+                    }
+                }
+                self.serials.insert(id.to_owned(), record.serial);
+                (handle, true)
+            }
+        };
+        let me = Arc::as_ptr(&drops);
+        record
+            .registrations
+            .retain(|r| !std::ptr::eq(r.drops.as_ptr(), me));
+        record.registrations.push(Registration {
+            drops: Arc::downgrade(&drops),
+            handle,
+            synced: total,
+            removals,
+        });
+        Ok(Synced::Ready { handle, registered })
+    }
+
+    /// Undoes the registration a [`Registry::sync`] of this call made (`registered: true`), for
+    /// a call that was then rejected: the manager forgets the request and the record gets its
+    /// prompt hashes back.
+    pub fn rollback(
+        &mut self,
+        manager: &mut KVCacheManager,
+        record: &mut RequestRecord,
+        handle: RequestHandle,
+    ) {
+        self.serials.remove(&record.id);
+        let me = Arc::as_ptr(&self.drops);
+        record
+            .registrations
+            .retain(|r| !std::ptr::eq(r.drops.as_ptr(), me));
+        self.unregister_new(manager, record, handle);
+    }
+
+    fn unregister_new(
+        &mut self,
+        manager: &mut KVCacheManager,
+        record: &mut RequestRecord,
+        handle: RequestHandle,
+    ) {
+        if let Ok(request) = manager.remove_request(handle) {
+            if record.prehashed.is_none() && record.output.is_empty() {
+                record.prehashed = Prehashed::from_request(&request, record.num_prompt_tokens);
+            }
+        }
+    }
+
+    /// Frees the request's blocks and forgets it (an explicit removal by id).
+    pub fn remove(&mut self, manager: &mut KVCacheManager, id: &str) -> Result<()> {
+        if self.serials.remove(id).is_none() {
+            return Err(CoreError::UnknownRequest(id.to_owned()));
+        }
+        self.removals += 1;
+        manager.remove_request(id)?;
+        Ok(())
+    }
+}
+
+impl Prehashed {
+    /// The prompt hashes of a request that holds only its prompt (`None` if it cannot say).
+    fn from_request(request: &Request, num_prompt_tokens: usize) -> Option<Self> {
+        (request.num_tokens() == num_prompt_tokens).then(|| Prehashed {
+            hasher: request.hasher().clone(),
+            hashes: request.block_hashes().to_vec(),
+            tail: request.tail().to_vec(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::manager::{AllocateArgs, GroupSpec, ManagerConfig};
+
+    fn manager() -> KVCacheManager {
+        KVCacheManager::new(&ManagerConfig::new(vec![GroupSpec::full(4)], 64, 256)).unwrap()
+    }
+
+    fn record(id: &str, prompt: &[u32], m: &KVCacheManager) -> RequestRecord {
+        let hasher = m.hasher().clone();
+        let mut hashes = Vec::new();
+        let full = prompt.len() / 4 * 4;
+        hasher
+            .hash_blocks(None, &prompt[..full], 0, &ExtraKeys::default(), &mut hashes)
+            .unwrap();
+        let pre = Prehashed {
+            hasher,
+            hashes,
+            tail: prompt[full..].to_vec(),
+        };
+        RequestRecord::new(id.into(), prompt.len(), ExtraKeys::default(), Some(pre)).unwrap()
+    }
+
+    fn ready(s: Synced) -> (RequestHandle, bool) {
+        match s {
+            Synced::Ready { handle, registered } => (handle, registered),
+            Synced::NeedPrompt => panic!("needs the prompt"),
+        }
+    }
+
+    #[test]
+    fn first_sync_registers_with_the_prompt_hashes_and_later_ones_take_the_fast_path() {
+        let mut m = manager();
+        let mut reg = Registry::new();
+        let mut r = record("a", &[1, 2, 3, 4, 5, 6], &m);
+        let (h, new) = ready(reg.sync(&mut m, &mut r, None).unwrap());
+        assert!(new);
+        assert_eq!(m.request(h).unwrap().block_hashes().len(), 1);
+        r.output.extend([7, 8]);
+        let (h2, new) = ready(reg.sync(&mut m, &mut r, None).unwrap());
+        assert_eq!((h2, new), (h, false));
+        assert_eq!(m.request(h).unwrap().num_tokens(), 8);
+        assert_eq!(m.request(h).unwrap().block_hashes().len(), 2);
+    }
+
+    #[test]
+    fn a_record_without_matching_hashes_needs_its_prompt() {
+        let mut m = manager();
+        let mut reg = Registry::new();
+        let mut r = RequestRecord::new("a".into(), 3, ExtraKeys::default(), None).unwrap();
+        assert_eq!(reg.sync(&mut m, &mut r, None).unwrap(), Synced::NeedPrompt);
+        assert_eq!(m.num_requests(), 0);
+        let (_, new) = ready(reg.sync(&mut m, &mut r, Some(&[1, 2, 3])).unwrap());
+        assert!(new);
+        assert_eq!(m.num_requests(), 1);
+    }
+
+    #[test]
+    fn another_object_under_the_same_id_is_refused() {
+        let mut m = manager();
+        let mut reg = Registry::new();
+        let mut a = record("x", &[1, 2, 3], &m);
+        let mut b = record("x", &[1, 2, 3], &m);
+        reg.sync(&mut m, &mut a, None).unwrap();
+        assert!(matches!(
+            reg.sync(&mut m, &mut b, None),
+            Err(CoreError::InvalidArgument(_))
+        ));
+        assert_eq!(reg.lookup(&m, &b).unwrap(), Lookup::OtherObject);
+        assert_eq!(m.num_requests(), 1);
+    }
+
+    #[test]
+    fn dropping_a_record_queues_its_request_and_collect_frees_its_blocks() {
+        let mut m = manager();
+        let mut reg = Registry::new();
+        let mut r = record("a", &[1, 2, 3, 4, 5], &m);
+        let (h, _) = ready(reg.sync(&mut m, &mut r, None).unwrap());
+        let args = AllocateArgs {
+            num_new_tokens: 5,
+            ..Default::default()
+        };
+        assert!(m.allocate_slots(h, &args).unwrap().is_some());
+        assert_eq!(m.num_free_blocks(), 61);
+        drop(r);
+        assert!(!reg.drop_queue().is_empty());
+        assert_eq!(m.num_requests(), 1);
+        reg.collect(&mut m);
+        assert_eq!(m.num_requests(), 0);
+        assert_eq!(m.num_free_blocks(), 63);
+        assert!(reg.drop_queue().is_empty());
+    }
+
+    #[test]
+    fn a_dropped_record_whose_id_was_reused_does_not_remove_the_new_request() {
+        let mut m = manager();
+        let mut reg = Registry::new();
+        let mut a = record("x", &[1, 2, 3], &m);
+        reg.sync(&mut m, &mut a, None).unwrap();
+        reg.remove(&mut m, "x").unwrap();
+        let mut b = record("x", &[4, 5, 6], &m);
+        reg.sync(&mut m, &mut b, None).unwrap();
+        drop(a);
+        reg.collect(&mut m);
+        assert_eq!(m.num_requests(), 1);
+        assert!(matches!(reg.lookup(&m, &b).unwrap(), Lookup::Registered(_)));
+    }
+
+    #[test]
+    fn rollback_forgets_a_new_registration_and_restores_the_prompt_hashes() {
+        let mut m = manager();
+        let mut reg = Registry::new();
+        let mut r = record("a", &[1, 2, 3, 4, 5], &m);
+        let (h, new) = ready(reg.sync(&mut m, &mut r, None).unwrap());
+        assert!(new);
+        reg.rollback(&mut m, &mut r, h);
+        assert_eq!(m.num_requests(), 0);
+        assert_eq!(reg.lookup(&m, &r).unwrap(), Lookup::NotRegistered);
+        // The hashes came back: registering again needs no prompt.
+        let (h, new) = ready(reg.sync(&mut m, &mut r, None).unwrap());
+        assert!(new);
+        assert_eq!(m.request(h).unwrap().block_hashes().len(), 1);
+    }
+
+    #[test]
+    fn an_explicit_removal_makes_the_record_register_again() {
+        let mut m = manager();
+        let mut reg = Registry::new();
+        let mut r = record("a", &[1, 2, 3, 4, 5], &m);
+        r.output.push(9);
+        reg.sync(&mut m, &mut r, Some(&[1, 2, 3, 4, 5])).unwrap();
+        reg.remove(&mut m, "a").unwrap();
+        assert!(matches!(
+            reg.remove(&mut m, "a"),
+            Err(CoreError::UnknownRequest(_))
+        ));
+        assert_eq!(reg.handle_of(&r), None);
+        // The prompt hashes went to the first registration: the prompt is needed again.
+        assert_eq!(reg.sync(&mut m, &mut r, None).unwrap(), Synced::NeedPrompt);
+        let (h, new) = ready(reg.sync(&mut m, &mut r, Some(&[1, 2, 3, 4, 5])).unwrap());
+        assert!(new);
+        assert_eq!(m.request(h).unwrap().num_tokens(), 6);
+    }
+
+    #[test]
+    fn a_record_registers_with_several_managers_independently() {
+        let mut m1 = manager();
+        let mut m2 = manager();
+        let (mut reg1, mut reg2) = (Registry::new(), Registry::new());
+        let mut r = record("a", &[1, 2, 3, 4, 5], &m1);
+        reg1.sync(&mut m1, &mut r, None).unwrap();
+        reg2.sync(&mut m2, &mut r, Some(&[1, 2, 3, 4, 5])).unwrap();
+        r.output.push(6);
+        reg1.sync(&mut m1, &mut r, None).unwrap();
+        assert_eq!(m1.request("a").unwrap().num_tokens(), 6);
+        assert_eq!(m2.request("a").unwrap().num_tokens(), 5);
+        drop(r);
+        reg1.collect(&mut m1);
+        reg2.collect(&mut m2);
+        assert_eq!((m1.num_requests(), m2.num_requests()), (0, 0));
+    }
+}
