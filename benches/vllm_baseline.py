@@ -260,6 +260,22 @@ class VllmEngine:
             "preempted_hits": pc.preempted_hits,
         }
 
+    def num_blocks_to_admit(self, request: Any, blocks: Any) -> int:
+        # vLLM's admission check (allocate_slots with full_sequence_must_fit), without a hit.
+        return self.manager.coordinator.get_num_blocks_to_allocate(
+            request.request_id,
+            min(request.num_tokens, self.manager.max_model_len),
+            tuple(() for _ in blocks.blocks),
+            0,
+            0,
+            0,
+            request.num_tokens,
+            apply_admission_cap=True,
+        )
+
+    def num_blocks(self) -> int:
+        return self.pool.num_gpu_blocks
+
 
 def vllm_replay(
     workload: dict[str, Any],

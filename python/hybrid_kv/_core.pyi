@@ -1,4 +1,10 @@
-"""Type stubs of the native module `hybrid_kv._core`."""
+"""Type stubs of the native module `hybrid_kv._core` (the Rust core's Python bindings).
+
+Errors: every exception hybrid-kv raises for bad input is a `HybridKvError` (a `ValueError`)
+or a `TypeError` for an argument of the wrong type; a failed allocation of the pool's own memory
+is a `MemoryError`. Integer arguments accept `int` (and objects with `__index__`, e.g. numpy
+integers); a negative value or one beyond the argument's range raises `OutOfRangeError`.
+"""
 
 from collections.abc import Mapping, Sequence
 from typing import final
@@ -17,72 +23,159 @@ __all__ = [
     "BlockStored",
     "DoubleFreeError",
     "HybridKvError",
+    "InvalidArgumentError",
     "InvalidBlockIdError",
+    "InvalidConfigError",
     "KVCacheBlocks",
     "KVCacheManager",
     "NotEnoughFreeBlocksError",
+    "OutOfRangeError",
     "Request",
+    "UnknownRequestError",
     "__version__",
     "hash_token_blocks",
 ]
 
-_TokenIds = npt.NDArray[np.int32] | npt.NDArray[np.int64] | npt.NDArray[np.uint32] | Sequence[int]
-_BlockIds = npt.NDArray[np.int32] | npt.NDArray[np.int64] | Sequence[int]
+_TokenIds = npt.NDArray[np.integer] | Sequence[int]
+_BlockIds = npt.NDArray[np.integer] | Sequence[int]
 _BlockHashes = npt.NDArray[np.uint64] | Sequence[int]
 _BlockHashLike = int | npt.NDArray[np.uint64]
+_MmInputs = Sequence[tuple[str, int, int]]
 
-class HybridKvError(ValueError): ...
-class InvalidBlockIdError(HybridKvError): ...
-class DoubleFreeError(HybridKvError): ...
-class BlockNotInUseError(HybridKvError): ...
-class NotEnoughFreeBlocksError(HybridKvError): ...
-class BlockEvictedError(HybridKvError): ...
+class HybridKvError(ValueError):
+    """Base class of hybrid-kv's errors (a `ValueError`)."""
+
+class OutOfRangeError(HybridKvError):
+    """An integer argument outside its valid range: a negative count, a value of 2**63 or more,
+    a token id outside [0, 2**32), more tokens than `max_model_len`, a hit count above the
+    request's tokens, ..."""
+
+class InvalidBlockIdError(OutOfRangeError):
+    """A block id outside the pool, or the null block (0) where it cannot be used."""
+
+class InvalidArgumentError(HybridKvError):
+    """An argument that is not valid for the call (the message says which and why)."""
+
+class InvalidConfigError(HybridKvError):
+    """A manager or pool configuration that cannot work (group specs, block sizes, sizes)."""
+
+class UnknownRequestError(HybridKvError):
+    """No request of this id is registered with the manager."""
+
+class DoubleFreeError(HybridKvError):
+    """A block freed more often than it was referenced."""
+
+class BlockNotInUseError(HybridKvError):
+    """An operation that needs a block in use got a free block."""
+
+class NotEnoughFreeBlocksError(HybridKvError):
+    """More blocks requested than are free."""
+
+class BlockEvictedError(HybridKvError):
+    """A cached block was claimed by a concurrent allocation before it could be used: revived
+    by `BlockPool.touch`, or adopted as a prefix-cache hit by `KVCacheManager.allocate_slots`
+    after another caller allocated since `get_computed_blocks` (call it again)."""
 
 @final
 class BlockStored:
+    """KV event: blocks newly entered into the prefix cache by one call (vLLM's
+    `BlockStored`)."""
+
     @property
-    def block_hashes(self) -> list[int]: ...
+    def block_hashes(self) -> list[int]:
+        """Hashes of the newly cached blocks (128-bit ints), in order."""
     @property
-    def parent_block_hash(self) -> int | None: ...
+    def parent_block_hash(self) -> int | None:
+        """Hash of the block before the first one, or None at the start of a prompt."""
     @property
-    def token_ids(self) -> list[int]: ...
+    def token_ids(self) -> list[int]:
+        """Token ids the stored blocks cover (empty unless the manager keeps tokens: events
+        on)."""
     @property
-    def block_size(self) -> int: ...
+    def block_size(self) -> int:
+        """Tokens per block of the group."""
     @property
-    def group_id(self) -> int: ...
+    def group_id(self) -> int:
+        """KV cache group of the blocks."""
     @property
-    def kv_cache_spec_kind(self) -> str | None: ...
+    def kv_cache_spec_kind(self) -> str | None:
+        """The group's attention kind as vLLM names it (`"full_attention"`, `"sliding_window"`,
+        `"chunked_local_attention"`, `"mamba"`); None for a `BlockPool` event."""
     @property
-    def kv_cache_spec_sliding_window(self) -> int | None: ...
+    def kv_cache_spec_sliding_window(self) -> int | None:
+        """The group's sliding window, for sliding-window groups."""
 
 @final
 class BlockRemoved:
+    """KV event: one `(hash, group)` key left the prefix cache (eviction on reuse, explicit
+    eviction)."""
+
     @property
-    def block_hash(self) -> int: ...
+    def block_hash(self) -> int:
+        """The removed key's hash."""
     @property
-    def group_id(self) -> int: ...
+    def group_id(self) -> int:
+        """The removed key's group."""
 
 @final
-class AllBlocksCleared: ...
+class AllBlocksCleared:
+    """KV event: the whole prefix cache was reset."""
 
 _KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 @final
 class BlockPool:
+    """A pool of KV blocks with reference counts, vLLM's free order and a prefix-cache map.
+
+    Block 0 is the null block: never handed out, never counted as free. Thread-safe; calls
+    that take block lists release the GIL.
+    """
+
     def __new__(
         cls, num_blocks: int, *, enable_caching: bool = True, enable_kv_events: bool = False
-    ) -> BlockPool: ...
+    ) -> BlockPool:
+        """A pool of `num_blocks` blocks (2 to 2**31 - 1, the null block included).
+
+        Raises:
+            OutOfRangeError: `num_blocks` outside that range.
+            MemoryError: the pool's bookkeeping could not be allocated.
+        """
     @property
-    def num_blocks(self) -> int: ...
+    def num_blocks(self) -> int:
+        """Blocks in the pool, the null block included."""
     @property
-    def num_free_blocks(self) -> int: ...
+    def num_free_blocks(self) -> int:
+        """Free blocks, cached evictable ones included (vLLM's `get_num_free_blocks`)."""
     @property
-    def usage(self) -> float: ...
+    def usage(self) -> float:
+        """Fraction of the usable blocks in use (vLLM's `get_usage`)."""
     @property
-    def num_cached_blocks(self) -> int: ...
-    def get_new_blocks(self, n: int) -> npt.NDArray[np.int32]: ...
-    def free_blocks(self, block_ids: _BlockIds) -> None: ...
-    def touch(self, block_ids: _BlockIds) -> None: ...
+    def num_cached_blocks(self) -> int:
+        """`(hash, group)` keys in the prefix cache."""
+    def get_new_blocks(self, n: int) -> npt.NDArray[np.int32]:
+        """Takes `n` blocks from the front of the free order (evicting their cache keys).
+
+        All or nothing. Raises:
+            NotEnoughFreeBlocksError: fewer than `n` blocks are free (nothing changes).
+        """
+    def free_blocks(self, block_ids: _BlockIds) -> None:
+        """Drops one reference to each block, in the given order (null blocks skipped).
+
+        Blocks reaching zero join the free order: uncached ones in front, cached ones at the
+        back. Pass a request's blocks tail first so its tail is evicted first.
+
+        Raises:
+            InvalidBlockIdError: an id outside the pool.
+            DoubleFreeError: a block already free (nothing changes).
+        """
+    def touch(self, block_ids: _BlockIds) -> None:
+        """Takes one more reference to each block, reviving free cached blocks.
+
+        Raises:
+            InvalidBlockIdError: an id outside the pool.
+            BlockEvictedError: a free block was claimed by a concurrent allocation first
+                (nothing changes).
+        """
     def cache_full_blocks(
         self,
         block_ids: _BlockIds,
@@ -92,16 +185,35 @@ class BlockPool:
         parent_block_hash: _BlockHashLike | None = None,
         token_ids: Sequence[int] | None = None,
         block_size: int = 0,
-    ) -> None: ...
+    ) -> None:
+        """Enters `block_ids[i]` into the prefix cache under `(block_hashes[i], group_id)`.
+
+        Null blocks and blocks that already carry a key are skipped. `parent_block_hash`,
+        `token_ids` and `block_size` only fill the `BlockStored` event.
+
+        Raises:
+            InvalidArgumentError: `block_ids` and `block_hashes` differ in length.
+            BlockNotInUseError: a (non-null) block is free.
+        """
     def get_cached_block(
         self, block_hash: _BlockHashLike, group_ids: Sequence[int]
-    ) -> npt.NDArray[np.int32] | None: ...
-    def evict_blocks(self, block_ids: _BlockIds) -> None: ...
-    def reset_prefix_cache(self) -> bool: ...
-    def ref_count(self, block_id: int) -> int: ...
-    def block_hash(self, block_id: int) -> tuple[int, int] | None: ...
-    def free_order(self) -> npt.NDArray[np.int32]: ...
-    def take_events(self) -> list[_KVEvent]: ...
+    ) -> npt.NDArray[np.int32] | None:
+        """One cached block per group for `block_hash` (first cached among duplicates), or
+        None if any group misses."""
+    def evict_blocks(self, block_ids: _BlockIds) -> None:
+        """Removes the cache keys of the given blocks (reference counts untouched)."""
+    def reset_prefix_cache(self) -> bool:
+        """Clears the prefix cache; refused (False, nothing changes) while a block is in
+        use."""
+    def ref_count(self, block_id: int) -> int:
+        """The block's reference count (0 when free)."""
+    def block_hash(self, block_id: int) -> tuple[int, int] | None:
+        """The `(hash, group)` key the block is cached under, or None."""
+    def free_order(self) -> npt.NDArray[np.int32]:
+        """Free blocks front to back (the order `get_new_blocks` hands them out). Not for use
+        while other threads use the pool."""
+    def take_events(self) -> list[_KVEvent]:
+        """Drains the KV events (empty unless `enable_kv_events`)."""
 
 def hash_token_blocks(
     token_ids: _TokenIds,
@@ -113,11 +225,28 @@ def hash_token_blocks(
     seed: str = "",
     cache_salt: str | None = None,
     lora_name: str | None = None,
-    mm_inputs: Sequence[tuple[str, int, int]] | None = None,
-) -> npt.NDArray[np.uint64]: ...
+    mm_inputs: _MmInputs | None = None,
+) -> npt.NDArray[np.uint64]:
+    """Chained hashes of the full blocks of `token_ids`, shape `(n, 2)` (low, high halves).
+
+    Args:
+        token_ids: token ids in [0, 2**32); trailing partial tokens are checked, not hashed.
+        block_size: tokens per block, 1 to 2**20.
+        parent_block_hash: hash of the block before `token_ids[0]` (None: start of a prompt).
+        start: position of `token_ids[0]` in the sequence, a multiple of `block_size`.
+        algo: `"xxh3"` (default), `"sha256"` or `"blake3"`.
+        seed: seeds the parent hash of a sequence's first block.
+        cache_salt: per-tenant isolation, mixed into the first block.
+        lora_name: mixed into every block.
+        mm_inputs: `(identifier, offset, length)` of each multimodal input.
+
+    Long inputs (16,384 tokens or more) are hashed with the GIL released.
+    """
 
 @final
 class BlockHashChain:
+    """An incrementally extended hash chain over a growing token sequence. Thread-safe."""
+
     def __new__(
         cls,
         block_size: int,
@@ -126,68 +255,112 @@ class BlockHashChain:
         seed: str = "",
         cache_salt: str | None = None,
         lora_name: str | None = None,
-        mm_inputs: Sequence[tuple[str, int, int]] | None = None,
-    ) -> BlockHashChain: ...
-    def extend(self, token_ids: _TokenIds) -> npt.NDArray[np.uint64]: ...
+        mm_inputs: _MmInputs | None = None,
+    ) -> BlockHashChain:
+        """A chain hashing `block_size`-token blocks as `hash_token_blocks` does."""
+    def extend(self, token_ids: _TokenIds) -> npt.NDArray[np.uint64]:
+        """Appends tokens; returns the hashes of the blocks they completed, shape `(k, 2)`.
+        All or nothing: an out-of-range id rejects the whole call."""
     @property
-    def hashes(self) -> npt.NDArray[np.uint64]: ...
+    def hashes(self) -> npt.NDArray[np.uint64]:
+        """All hashes so far, shape `(n, 2)`."""
     @property
-    def num_tokens(self) -> int: ...
+    def num_tokens(self) -> int:
+        """Tokens appended so far."""
     @property
-    def block_size(self) -> int: ...
+    def block_size(self) -> int:
+        """Tokens per block."""
     def __len__(self) -> int: ...
 
 _GroupLike = Mapping[str, object] | object
 
 @final
 class Request:
+    """A request as the scheduler sees it: prompt, appended outputs and the scheduler's count
+    of computed tokens. Thread-safe.
+
+    The prompt is validated and hashed when the request is made, with `block_size`,
+    `hash_algo` and `hash_seed` (pass the manager's `hash_block_size` for the hashes to be
+    reused). Like vLLM's `Request`, it keeps a reference to the caller's prompt, which must not
+    change length afterwards. A manager keeps a hashed copy of every request it has seen; the
+    copy and the request's blocks go when the `Request` is garbage collected (before any counter
+    of the manager is read again) or `remove_request` is called.
+    """
+
     def __new__(
         cls,
         request_id: str,
         prompt_token_ids: _TokenIds,
         cache_salt: str | None = None,
         lora_name: str | None = None,
-        mm_inputs: Sequence[tuple[str, int, int]] | None = None,
+        mm_inputs: _MmInputs | None = None,
         *,
         block_size: int = 16,
         hash_algo: str = "xxh3",
         hash_seed: str = "",
-    ) -> Request: ...
+    ) -> Request:
+        """Raises:
+        InvalidArgumentError: an empty prompt.
+        OutOfRangeError: a token id outside [0, 2**32), a bad `block_size`, a negative or
+            overflowing multimodal offset or length.
+        TypeError: a prompt that is not a 1-D integer array or a sequence of ints (`bytes` and
+            `str` included).
+        """
     @property
     def request_id(self) -> str: ...
     @property
-    def num_tokens(self) -> int: ...
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
     @property
     def num_prompt_tokens(self) -> int: ...
     @property
     def num_output_tokens(self) -> int: ...
     @property
-    def num_computed_tokens(self) -> int: ...
+    def num_computed_tokens(self) -> int:
+        """The scheduler's count of computed tokens (it owns it, as in vLLM); at most
+        `num_tokens` (a larger value raises `OutOfRangeError`)."""
     @num_computed_tokens.setter
     def num_computed_tokens(self, value: int) -> None: ...
     @property
-    def prompt_token_ids(self) -> npt.NDArray[np.uint32]: ...
+    def prompt_token_ids(self) -> npt.NDArray[np.uint32]:
+        """The prompt, read again from the caller's object."""
     @property
     def output_token_ids(self) -> npt.NDArray[np.uint32]: ...
     @property
     def cache_salt(self) -> str | None: ...
     @property
     def lora_name(self) -> str | None: ...
-    def append_output_token_ids(self, token_ids: int | _TokenIds) -> None: ...
+    def append_output_token_ids(self, token_ids: int | _TokenIds) -> None:
+        """Appends sampled tokens: an int, a sequence of ints or a 1-D integer array.
+        All or nothing."""
 
 @final
 class KVCacheBlocks:
-    def get_block_ids(self) -> tuple[npt.NDArray[np.int32], ...]: ...
+    """Blocks per KV cache group: a prefix-cache hit (`get_computed_blocks`; pass it back to
+    `allocate_slots` unchanged) or the blocks newly allocated by `allocate_slots`."""
+
+    def get_block_ids(self) -> tuple[npt.NDArray[np.int32], ...]:
+        """One int32 array of block ids per group (the null block 0 where a slot needs
+        none)."""
     @property
     def num_groups(self) -> int: ...
     @property
-    def num_computed_tokens(self) -> int: ...
+    def num_computed_tokens(self) -> int:
+        """Tokens the blocks cover (prefix-cache hits only; 0 for new blocks)."""
     @property
-    def shared_prefix_boundary(self) -> int: ...
+    def shared_prefix_boundary(self) -> int:
+        """vLLM's shared-prefix boundary: 0, or the longer prefix some group alone had
+        cached."""
     def __len__(self) -> int: ...
 
 @final
 class KVCacheManager:
+    """The KV cache manager a scheduler drives, with vLLM 0.33's `KVCacheManager` semantics.
+
+    Thread-safe: scheduler calls are serialised on one lock; `probe` runs concurrently without
+    blocking them. Calls on requests of 4,096 tokens or more release the GIL.
+    """
+
     def __new__(
         cls,
         groups: Sequence[_GroupLike],
@@ -200,7 +373,33 @@ class KVCacheManager:
         hash_seed: str = "",
         watermark: float = 0.0,
         max_in_flight_tokens: int | None = None,
-    ) -> KVCacheManager: ...
+    ) -> KVCacheManager:
+        """A manager over a pool of `num_blocks` blocks (the null block included).
+
+        Args:
+            groups: the KV cache groups in group-id order, each a dict (or an object with these
+                attributes) with keys `kind` (`"full"`/`"full_attention"`, `"sliding_window"`,
+                `"chunked_local"`/`"chunked_local_attention"` or `"mamba"`), `block_size`
+                (tokens per block), and `sliding_window` for sliding-window groups or
+                `attention_chunk_size` for chunked-local ones.
+            num_blocks: blocks in the pool, the null block included.
+            max_model_len: the longest sequence a request may reach.
+            enable_caching: prefix caching (off: every hit is 0 and nothing is cached).
+            enable_kv_events: record KV events for `take_events` (the manager then keeps every
+                request's token ids, which the events report).
+            hash_algo: `"xxh3"` (default), `"sha256"` or `"blake3"`.
+            hash_seed: seeds the parent hash of every prompt's first block.
+            watermark: fraction of `num_blocks` an admission must leave free while other
+                requests are scheduled (vLLM's scheduler watermark), in [0, 1].
+            max_in_flight_tokens: tokens scheduled but not yet processed at most (concurrent
+                batches times `max_num_batched_tokens`); bounds what sliding-window and
+                chunked-local groups reserve at admission. None: `max_model_len`.
+
+        Raises:
+            InvalidConfigError: an unknown kind, a missing field, block sizes that do not
+                combine, no group, a watermark outside [0, 1].
+            OutOfRangeError: a negative or too large size.
+        """
     @property
     def num_groups(self) -> int: ...
     @property
@@ -208,22 +407,38 @@ class KVCacheManager:
     @property
     def max_model_len(self) -> int: ...
     @property
-    def block_sizes(self) -> list[int]: ...
+    def block_sizes(self) -> list[int]:
+        """Tokens per block of each group."""
     @property
-    def scheduler_block_size(self) -> int: ...
+    def scheduler_block_size(self) -> int:
+        """Hits are multiples of this many tokens (the lcm of the group block sizes)."""
     @property
-    def hash_block_size(self) -> int: ...
+    def hash_block_size(self) -> int:
+        """Tokens per request block hash: pass it as `Request(..., block_size=...)`."""
     @property
-    def usage(self) -> float: ...
+    def usage(self) -> float:
+        """Fraction of the usable blocks in use (vLLM's `usage`)."""
     @property
-    def num_free_blocks(self) -> int: ...
+    def num_free_blocks(self) -> int:
+        """Free blocks, cached evictable ones included (the null block never counts)."""
     @property
-    def num_cached_blocks(self) -> int: ...
+    def num_cached_blocks(self) -> int:
+        """`(block hash, group)` entries in the prefix cache."""
     @property
-    def num_requests(self) -> int: ...
-    def add_request(self, request: Request) -> None: ...
-    def remove_request(self, request_id: str) -> None: ...
-    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]: ...
+    def num_requests(self) -> int:
+        """Requests the manager holds a copy of."""
+    def add_request(self, request: Request) -> None:
+        """Registers a request now (otherwise its first call does)."""
+    def remove_request(self, request_id: str) -> None:
+        """Frees the request's blocks and forgets it.
+
+        Raises:
+            UnknownRequestError: no such request.
+        """
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """The request's cached prefix: `(blocks, num_computed_tokens)`, at most
+        `num_tokens - 1` tokens. Reference counts are untouched until `allocate_slots` adopts
+        the hit."""
     def allocate_slots(
         self,
         request: Request,
@@ -234,24 +449,86 @@ class KVCacheManager:
         delay_cache_blocks: bool = False,
         full_sequence_must_fit: bool = False,
         has_scheduled_reqs: bool = True,
-    ) -> KVCacheBlocks | None: ...
-    def free(self, request: Request) -> None: ...
-    def get_block_ids(self, request_id: str) -> tuple[npt.NDArray[np.int32], ...]: ...
+    ) -> KVCacheBlocks | None:
+        """Slots for `num_new_tokens` more tokens, adopting a prefix-cache hit on the request's
+        first allocation; caches the request's newly full blocks.
+
+        Args:
+            request: the request; its `num_computed_tokens` is the scheduler's count before
+                this call.
+            num_new_tokens: tokens to compute in this step.
+            num_new_computed_tokens: tokens of the hit to adopt (`get_computed_blocks`' count).
+            new_computed_blocks: the hit's blocks, unchanged.
+            num_lookahead_tokens: speculative tokens: slots, never cached.
+            delay_cache_blocks: do not cache the new full blocks in this call.
+            full_sequence_must_fit: admission: also refuse unless the whole sequence fits now
+                (sliding-window and chunked-local groups reserve what they hold at once).
+            has_scheduled_reqs: other requests run this step (the watermark then applies).
+
+        Returns:
+            The newly allocated blocks per group, or None when the pool cannot supply them.
+            A None may have freed blocks that already left the sliding window or local chunk
+            of the request's computed tokens (as vLLM does, which frees before it counts); it
+            changes nothing else. A refusal by the `full_sequence_must_fit` check changes
+            nothing at all.
+
+        Raises:
+            InvalidArgumentError: no tokens and nothing to adopt; a hit that does not match
+                the request or its count, or a request that already holds blocks.
+            OutOfRangeError: more tokens than `max_model_len`, more computed tokens than the
+                request has.
+            BlockEvictedError: a block of the hit was evicted since `get_computed_blocks`.
+
+        A rejected call changes nothing and registers nothing.
+        """
+    def num_blocks_to_admit(
+        self, request: Request, new_computed_blocks: KVCacheBlocks | None = None
+    ) -> int:
+        """Free blocks the admission check (`full_sequence_must_fit`) needs for the request's
+        whole sequence with `new_computed_blocks` adopted (watermark not included)."""
+    def free(self, request: Request) -> None:
+        """Frees the request's blocks, every group tail first; the request stays known (a
+        preempted request is re-admitted later). A request never allocated is a no-op."""
+    def get_block_ids(self, request_id: str) -> tuple[npt.NDArray[np.int32], ...]:
+        """The request's block tables, one int32 array per group."""
     def write_block_table(
         self, request_ids: Sequence[str], out: npt.NDArray[np.int32], group: int = 0
-    ) -> None: ...
+    ) -> None:
+        """Writes the block tables of `group` for a batch of requests into `out`, a writable
+        2-D int32 array with one row per request (any memory order). Entries past a table's
+        length are left as they are; nothing is written on error.
+
+        Raises:
+            TypeError: `out` is not a writable 2-D int32 numpy array.
+            InvalidArgumentError: too few rows, or a table longer than a row.
+            UnknownRequestError: an unknown request id.
+            OutOfRangeError: `group` out of range.
+        """
     def probe(
         self,
         token_ids: _TokenIds,
         cache_salt: str | None = None,
         lora_name: str | None = None,
-        mm_inputs: Sequence[tuple[str, int, int]] | None = None,
-    ) -> int: ...
+        mm_inputs: _MmInputs | None = None,
+    ) -> int:
+        """Tokens of this prompt cached right now (what `get_computed_blocks` would report),
+        from any thread, without the GIL and without blocking the scheduler's calls."""
     def record_prefix_cache_stats(
         self, request: Request, num_hits: int, preempted: bool = False
-    ) -> None: ...
-    def prefix_cache_stats(self) -> dict[str, int | float | bool]: ...
-    def make_prefix_cache_stats(self) -> dict[str, int | float | bool]: ...
-    def reset_prefix_cache(self) -> bool: ...
-    def take_events(self) -> list[_KVEvent]: ...
-    def new_step_starts(self) -> None: ...
+    ) -> None:
+        """Records one admission's lookup (after a successful admission). Re-admissions of
+        preempted requests count apart. `num_hits` above the request's tokens raises
+        `OutOfRangeError`."""
+    def prefix_cache_stats(self) -> dict[str, int | float | bool]:
+        """The statistics so far: `requests`, `queries`, `hits`, `hit_rate`,
+        `preempted_requests`, `preempted_queries`, `preempted_hits`, `reset`."""
+    def make_prefix_cache_stats(self) -> dict[str, int | float | bool]:
+        """Returns the statistics and starts new ones (vLLM's `make_prefix_cache_stats`)."""
+    def reset_prefix_cache(self) -> bool:
+        """Clears the prefix cache; refused (False, nothing changes) while a block is in
+        use."""
+    def take_events(self) -> list[_KVEvent]:
+        """Drains the KV events (empty unless `enable_kv_events`); `BlockStored` events carry
+        their group's kind and sliding window."""
+    def new_step_starts(self) -> None:
+        """Call once at the start of every scheduler step."""

@@ -28,11 +28,13 @@ from typing import IO, Any, Protocol
 import numpy as np
 
 from hybrid_kv._core import KVCacheManager, Request
+from hybrid_kv.manager import manager_from_header
 
 __all__ = [
     "Engine",
     "HybridKvEngine",
     "ReplayResult",
+    "ReplayStalledError",
     "load_json",
     "main",
     "manager_from_header",
@@ -59,23 +61,6 @@ def read_header(trace_path: str | Path) -> dict[str, Any]:
             if record.get("kind") == "header":
                 return record
     raise ValueError(f"{trace_path}: no header line")
-
-
-def manager_from_header(header: dict[str, Any], max_model_len: int) -> KVCacheManager:
-    """A manager with exactly the KV cache groups and pool size of a vLLM trace."""
-    kv = header["kv_cache"]
-    if any(g["kind"] == "mamba" for g in kv["groups"]):
-        raise ValueError("replaying Mamba layouts is not supported yet")
-    groups = [
-        {
-            "kind": g["kind"],
-            "block_size": g["block_size"],
-            "sliding_window": g.get("sliding_window"),
-            "attention_chunk_size": g.get("attention_chunk_size"),
-        }
-        for g in kv["groups"]
-    ]
-    return KVCacheManager(groups, kv["num_blocks"], max_model_len)
 
 
 def _encode_blocks(block_ids: Sequence[np.ndarray]) -> list[list[Any]]:
@@ -123,6 +108,35 @@ class Engine(Protocol):
 
     def prefix_cache_stats(self) -> dict[str, Any]: ...
 
+    def num_blocks_to_admit(self, request: Any, blocks: Any) -> int:
+        """Free blocks the admission check needs for `request`'s whole sequence with hit
+        `blocks` (only asked to explain a replay that cannot make progress)."""
+        ...
+
+    def num_blocks(self) -> int:
+        """Blocks in the pool, the null block included."""
+        ...
+
+
+class ReplayStalledError(RuntimeError):
+    """The scheduler loop can make no more progress: nothing is running, and the request at the
+    head of the queue cannot be admitted into this pool (so it is refused on every later step).
+    """
+
+    def __init__(
+        self, step: int, request_id: str, blocks_needed: int, free_blocks: int, num_blocks: int
+    ) -> None:
+        self.step = step
+        self.request_id = request_id
+        self.blocks_needed = blocks_needed
+        self.free_blocks = free_blocks
+        self.num_blocks = num_blocks
+        super().__init__(
+            f"no progress at step {step}: request {request_id!r} needs {blocks_needed} free "
+            f"blocks to be admitted, but the pool has {num_blocks} blocks ({free_blocks} free) "
+            "and nothing is running that could free more"
+        )
+
 
 class HybridKvEngine:
     """hybrid-kv's `KVCacheManager` as a replay [`Engine`]."""
@@ -162,6 +176,12 @@ class HybridKvEngine:
 
     def prefix_cache_stats(self) -> dict[str, Any]:
         return self.manager.prefix_cache_stats()
+
+    def num_blocks_to_admit(self, request: Request, blocks: Any) -> int:
+        return self.manager.num_blocks_to_admit(request, blocks)
+
+    def num_blocks(self) -> int:
+        return self.manager.num_blocks
 
 
 @dataclass
@@ -418,6 +438,18 @@ def replay(
                 scheduled.append((req, n))
                 budget -= n
 
+        if not scheduled and not preempted and not running:
+            # Nothing runs, so nothing will free blocks: the head is refused forever.
+            head = waiting[0]
+            blocks, _, _ = engine.hit(head.request, mgr.get_computed_blocks(head.request))
+            raise ReplayStalledError(
+                step,
+                head.rid,
+                engine.num_blocks_to_admit(head.request, blocks),
+                engine.num_free_blocks(),
+                engine.num_blocks(),
+            )
+
         # C) execute, D) sample and finish
         for req, n in scheduled:
             req.request.num_computed_tokens += n
@@ -502,7 +534,11 @@ def main(argv: list[str] | None = None) -> int:
         "kv_cache": vllm_header["kv_cache"],
     }
     with open(args.out, "w") as out:
-        result = replay(workload, manager, out, header, args.max_steps)
+        try:
+            result = replay(workload, manager, out, header, args.max_steps)
+        except ReplayStalledError as error:
+            print(f"replay: error: {error}", file=sys.stderr)
+            return 1
     print(
         f"{result.num_steps} steps, {result.num_finished} finished, "
         f"{result.num_preemptions} preemptions; manager time {result.manager_seconds():.4f} s"

@@ -54,7 +54,7 @@ impl TokenFn<Result<Vec<BlockHash>>> for HashAll<'_> {
 /// Chained hashes of the full blocks of `token_ids`, as an `(n, 2)` uint64 array of
 /// (low, high) 64-bit halves.
 #[pyfunction]
-#[pyo3(signature = (token_ids, block_size, *, parent_block_hash = None, start = UInt(0), algo = "xxh3", seed = "", cache_salt = None, lora_name = None, mm_inputs = None))]
+#[pyo3(signature = (token_ids, block_size, *, parent_block_hash = None, start = UInt(0), algo = "xxh3", seed = "", cache_salt = None, lora_name = None, mm_inputs = None), text_signature = "(token_ids, block_size, *, parent_block_hash=None, start=0, algo='xxh3', seed='', cache_salt=None, lora_name=None, mm_inputs=None)")]
 #[allow(clippy::too_many_arguments)]
 fn hash_token_blocks<'py>(
     py: Python<'py>,

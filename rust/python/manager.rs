@@ -434,7 +434,7 @@ impl PyKVCacheManager {
     /// Slots for `num_new_tokens` more tokens (plus lookahead tokens, never cached), adopting a
     /// prefix-cache hit on the first allocation. Returns the newly allocated blocks, or None when
     /// the pool cannot supply them (see the stub's docstring for what None may have freed).
-    #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens = UInt(0), new_computed_blocks = None, num_lookahead_tokens = UInt(0), delay_cache_blocks = false, full_sequence_must_fit = false, has_scheduled_reqs = true))]
+    #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens = UInt(0), new_computed_blocks = None, num_lookahead_tokens = UInt(0), delay_cache_blocks = false, full_sequence_must_fit = false, has_scheduled_reqs = true), text_signature = "(self, request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None, num_lookahead_tokens=0, delay_cache_blocks=False, full_sequence_must_fit=False, has_scheduled_reqs=True)")]
     #[allow(clippy::too_many_arguments)]
     fn allocate_slots(
         &self,
@@ -492,6 +492,22 @@ impl PyKVCacheManager {
         }
     }
 
+    /// Free blocks the admission check (`allocate_slots(..., full_sequence_must_fit=True)`)
+    /// needs for the request's whole sequence, with `new_computed_blocks` adopted.
+    #[pyo3(signature = (request, new_computed_blocks = None))]
+    fn num_blocks_to_admit(
+        &self,
+        py: Python<'_>,
+        request: &PyRequest,
+        new_computed_blocks: Option<&PyKVCacheBlocks>,
+    ) -> PyResult<usize> {
+        self.with_request(py, request, false, |inner, r| {
+            Ok(inner
+                .manager
+                .num_blocks_to_admit(r.handle, new_computed_blocks.map(|b| &b.computed))?)
+        })
+    }
+
     /// Frees the request's blocks, tail first (a request never allocated is a no-op).
     fn free(&self, request: &PyRequest) -> PyResult<()> {
         let mut guard = self.inner();
@@ -520,7 +536,7 @@ impl PyKVCacheManager {
     /// Writes the block tables of `group` for a batch of requests into `out`, a writable 2-D
     /// int32 numpy array with one row per request (any strides), in one call. Entries past a
     /// request's table are left as they are; nothing is written on error.
-    #[pyo3(signature = (request_ids, out, group = UInt(0)))]
+    #[pyo3(signature = (request_ids, out, group = UInt(0)), text_signature = "(self, request_ids, out, group=0)")]
     fn write_block_table(
         &self,
         request_ids: &Bound<'_, PyAny>,

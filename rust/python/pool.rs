@@ -73,7 +73,7 @@ impl PyBlockPool {
         Ok(py.detach(|| pool.touch(&ids))?)
     }
 
-    #[pyo3(signature = (block_ids, block_hashes, group_id = UInt(0), *, parent_block_hash = None, token_ids = None, block_size = UInt(0)))]
+    #[pyo3(signature = (block_ids, block_hashes, group_id = UInt(0), *, parent_block_hash = None, token_ids = None, block_size = UInt(0)), text_signature = "(self, block_ids, block_hashes, group_id=0, *, parent_block_hash=None, token_ids=None, block_size=0)")]
     fn cache_full_blocks(
         &self,
         block_ids: &Bound<'_, PyAny>,

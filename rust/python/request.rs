@@ -67,7 +67,7 @@ impl TokenFn<CoreResult<(usize, Prehashed)>> for Prehash<'_> {
 #[pymethods]
 impl PyRequest {
     #[new]
-    #[pyo3(signature = (request_id, prompt_token_ids, cache_salt = None, lora_name = None, mm_inputs = None, *, block_size = UInt(16), hash_algo = "xxh3", hash_seed = ""))]
+    #[pyo3(signature = (request_id, prompt_token_ids, cache_salt = None, lora_name = None, mm_inputs = None, *, block_size = UInt(16), hash_algo = "xxh3", hash_seed = ""), text_signature = "(request_id, prompt_token_ids, cache_salt=None, lora_name=None, mm_inputs=None, *, block_size=16, hash_algo='xxh3', hash_seed='')")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         request_id: String,
