@@ -446,3 +446,106 @@ def test_prompt_resized_after_the_request_was_made_is_an_error() -> None:
     with pytest.raises(hk.HybridKvError, match="changed from 40 to 41 tokens"):
         manager.allocate_slots(req, 40)
     assert (manager.num_free_blocks, manager.num_cached_blocks, manager.num_requests) == before
+
+
+# ----- hardening: behaviour a careful caller relies on --------------------------------------
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_write_block_table_writes_each_request_its_own_row_in_any_memory_order(order: str) -> None:
+    manager = hk.KVCacheManager(FULL_SW, 64, 1024)
+    a, b = hk.Request("a", list(range(40))), hk.Request("b", list(range(500, 570)))
+    manager.allocate_slots(a, 40)
+    manager.allocate_slots(b, 70)
+    out = np.full((3, 8), -1, dtype=np.int32, order=order)
+    manager.write_block_table(["a", "b"], out, group=0)
+    for row, rid in zip(out[:2], ["a", "b"], strict=True):
+        ids = manager.get_block_ids(rid)[0]
+        assert row[: len(ids)].tolist() == ids.tolist()
+        assert (row[len(ids) :] == -1).all()
+    assert (out[2] == -1).all()
+    # A strided view (every other column of a wider table) is written through its strides.
+    wide = np.full((2, 16), -1, dtype=np.int32)
+    manager.write_block_table(["a", "b"], wide[:, ::2], group=0)
+    assert wide[1, ::2][:5].tolist() == manager.get_block_ids("b")[0].tolist()
+    assert (wide[:, 1::2] == -1).all()
+
+
+def test_a_rejected_first_call_registers_nothing() -> None:
+    manager = hk.KVCacheManager(FULL_SW, 64, 1024)
+    req = hk.Request("r", list(range(40)))
+    with pytest.raises(hk.OutOfRangeError):
+        manager.allocate_slots(req, 2000)
+    assert manager.num_requests == 0
+    with pytest.raises(hk.OutOfRangeError):
+        manager.record_prefix_cache_stats(req, 41)
+    assert manager.num_requests == 0
+    # The same request then registers normally, with the hashes it was made with.
+    assert manager.allocate_slots(req, 40) is not None
+    assert manager.num_requests == 1
+
+
+def test_out_of_blocks_may_only_have_freed_blocks_that_left_the_window() -> None:
+    # One sliding-window group (window 32, block 16), 4 usable blocks. `r` holds blocks 1-3
+    # for its 48 prompt tokens, `hog` the last one. Scheduling 17 more tokens of `r` needs 2
+    # blocks: the one that left the window (tokens 0-15) is freed first, as vLLM does, then
+    # one free block is not enough and allocate_slots returns None. Nothing else changed.
+    manager = hk.KVCacheManager([FULL_SW[1]], 5, 1024, enable_caching=False)
+    req = hk.Request("r", list(range(48)))
+    assert manager.allocate_slots(req, 48) is not None
+    req.num_computed_tokens = 48
+    hog = hk.Request("hog", list(range(20)))
+    assert manager.allocate_slots(hog, 16) is not None
+    assert manager.num_free_blocks == 0
+    assert manager.get_block_ids("r")[0].tolist() == [1, 2, 3]
+    req.append_output_token_ids(list(range(17)))
+    assert manager.allocate_slots(req, 17) is None
+    assert manager.get_block_ids("r")[0].tolist() == [0, 2, 3], "block 1 left the window"
+    assert manager.num_free_blocks == 1
+    assert manager.get_block_ids("hog")[0].tolist() == [4]
+    # A refusal by the admission check changes nothing at all.
+    late = hk.Request("late", list(range(900, 1000)))
+    assert manager.allocate_slots(late, 100, full_sequence_must_fit=True) is None
+    assert manager.num_free_blocks == 1
+    assert [t.tolist() for t in manager.get_block_ids("late")] == [[]]
+
+
+def test_a_collected_request_returns_its_blocks_before_the_counters_are_read() -> None:
+    manager = hk.KVCacheManager(FULL_SW, 64, 1024, enable_caching=False)
+    req = hk.Request("r", list(range(100)))
+    assert manager.allocate_slots(req, 100) is not None
+    used = 63 - manager.num_free_blocks
+    assert used > 0
+    del req
+    gc.collect()
+    assert manager.num_free_blocks == 63
+    assert manager.usage == 0.0
+    assert manager.num_requests == 0
+
+
+def test_a_hit_evicted_before_it_is_adopted_names_the_eviction() -> None:
+    manager = hk.KVCacheManager([{"kind": "full", "block_size": 16}], 6, 1024)
+    a = hk.Request("a", list(range(64)))
+    manager.allocate_slots(a, 64)
+    manager.free(a)  # cached, free, evictable
+    b = hk.Request("b", list(range(64)) + [1])
+    hit, n = manager.get_computed_blocks(b)
+    assert n == 64
+    # Another caller allocates every free block in between: the hit's blocks are reused.
+    other = hk.Request("c", list(range(1000, 1080)))
+    assert manager.allocate_slots(other, 80) is not None
+    with pytest.raises(hk.BlockEvictedError, match="evicted"):
+        manager.allocate_slots(b, 1, num_new_computed_tokens=n, new_computed_blocks=hit)
+
+
+def test_integer_arrays_of_any_width_and_byte_order_are_token_ids() -> None:
+    prompt = list(range(40))
+    expected = hk.hash_token_blocks(prompt, 16).tolist()
+    for dtype in [">i8", "<i8", ">i4", ">u4", "u8", "i2", "u2", ">u8"]:
+        arr = np.array(prompt, dtype=dtype)
+        assert hk.hash_token_blocks(arr, 16).tolist() == expected, dtype
+        assert hk.Request("r", arr).num_tokens == 40
+    with pytest.raises(hk.OutOfRangeError):
+        hk.Request("r", np.array([1, -1], dtype=">i8"))
+    with pytest.raises(TypeError):
+        hk.Request("r", b"abc")

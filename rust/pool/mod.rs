@@ -195,7 +195,8 @@ impl BlockPool {
     /// Takes `n` blocks from the front of the free order, evicting their cache entries.
     /// All or nothing: when fewer than `n` are free, nothing changes.
     pub fn get_new_blocks(&self, n: usize) -> Result<Vec<BlockId>> {
-        let mut out = Vec::with_capacity(n);
+        // No capacity before the reservation: `n` is the caller's and may be anything.
+        let mut out = Vec::new();
         self.get_new_blocks_into(n, &mut out)?;
         Ok(out)
     }

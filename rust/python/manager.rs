@@ -115,12 +115,13 @@ fn group_from_py(obj: &Bound<'_, PyAny>, index: usize) -> PyResult<GroupSpec> {
         };
         Ok(value.filter(|v| !v.is_none()))
     };
-    let field = |name: &'static str| -> CoreResult<usize> {
-        let missing =
-            || crate::error::CoreError::InvalidConfig(format!("group {index}: missing {name}"));
-        let value = get(name).ok().flatten().ok_or_else(missing)?;
-        count_of(&value, &format!("group {index}: {name}"))
-            .map_err(|e| crate::error::CoreError::InvalidConfig(e.to_string()))
+    let field = |name: &'static str| -> PyResult<usize> {
+        match get(name)? {
+            Some(value) => count_of(&value, &format!("group {index}: {name}")),
+            None => Err(InvalidConfigError::new_err(format!(
+                "group {index}: missing {name}"
+            ))),
+        }
     };
     let kind = match get("kind")? {
         Some(k) if k.is_instance_of::<PyString>() => k.extract::<String>()?,
@@ -143,8 +144,18 @@ fn group_from_py(obj: &Bound<'_, PyAny>, index: usize) -> PyResult<GroupSpec> {
         }
     };
     let block_size = field("block_size")?;
-    let kind = AttentionKind::parse(&kind, field)
-        .map_err(|e| InvalidConfigError::new_err(format!("group {index}: {e}")))?;
+    // The kind's parameter is read inside the parser; its Python error is kept as raised.
+    let mut param_error = None;
+    let kind = AttentionKind::parse(&kind, |name| {
+        field(name).map_err(|e| {
+            param_error = Some(e);
+            crate::error::CoreError::InvalidConfig(String::new())
+        })
+    });
+    if let Some(e) = param_error {
+        return Err(e);
+    }
+    let kind = kind.map_err(|e| InvalidConfigError::new_err(format!("group {index}: {e}")))?;
     Ok(GroupSpec { kind, block_size })
 }
 
