@@ -57,7 +57,11 @@ def main() -> None:
         header = read_header(CONFORMANCE / f"{name}.vllm.jsonl.gz")
         best = None
         for _ in range(args.repeat):
-            manager = manager_from_header(header, workload["sched"]["max_model_len"])
+            manager = manager_from_header(
+                header,
+                workload["sched"]["max_model_len"],
+                workload["sched"]["max_num_batched_tokens"],
+            )
             result = replay(workload, manager, fresh_prompts=args.prompts == "fresh")
             if best is None or result.manager_seconds() < best.manager_seconds():
                 best = result

@@ -372,7 +372,9 @@ def hybrid_kv_replay(
     fresh_prompts: bool = True,
 ) -> Any:
     """hybrid-kv's own replay of the workload, as `compare_manager.py` runs it."""
-    manager = HK.manager_from_header(header, workload["sched"]["max_model_len"])
+    manager = HK.manager_from_header(
+        header, workload["sched"]["max_model_len"], workload["sched"]["max_num_batched_tokens"]
+    )
     if freeze_gc:
         _freeze_gc()
     try:

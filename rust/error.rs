@@ -6,7 +6,10 @@ use crate::types::{BlockId, MAX_BLOCKS};
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CoreError {
     // ----- the block pool -------------------------------------------------------------------
-    #[error("num_blocks must be at least 2 (block 0 is the null block), got {0}")]
+    #[error(
+        "num_blocks must be at least 2 (block 0 is the null block; 1 only without KV cache \
+         groups), got {0}"
+    )]
     PoolTooSmall(usize),
     #[error("num_blocks {0} is too large (at most {MAX_BLOCKS})")]
     PoolTooLarge(usize),

@@ -188,6 +188,60 @@ fn elapsed_ns(start: Instant) -> u64 {
     start.elapsed().as_nanos() as u64
 }
 
+/// What the Mamba block-aligned split needs of the scheduler's limits.
+pub struct SplitLimits {
+    /// The attention block size (Mamba states are kept at its multiples).
+    pub block_size: usize,
+    pub max_num_batched_tokens: usize,
+    /// 0: no limit.
+    pub long_prefill_token_threshold: usize,
+}
+
+/// vLLM's `_mamba_block_aligned_split` (align mode, hash block = block size, no EAGLE): clips a
+/// prefill chunk of `n` tokens starting at `start` so it ends where a Mamba state must be
+/// cached (a block boundary, the prompt's last cacheable position, a shared-prefix junction).
+pub fn mamba_block_aligned_split(
+    limits: &SplitLimits,
+    num_prompt_tokens: usize,
+    num_tokens: usize,
+    start: usize,
+    n: usize,
+    junction: usize,
+) -> usize {
+    let bs = limits.block_size;
+    let prefill_end = num_prompt_tokens.max(num_tokens.saturating_sub(1));
+    if start >= prefill_end {
+        return n;
+    }
+    let last_cache_position = num_tokens.saturating_sub(1) / bs * bs;
+    let mut end = start + n;
+    if end < prefill_end {
+        let threshold = limits.long_prefill_token_threshold;
+        let max_prefill = if threshold > 0 {
+            threshold.min(limits.max_num_batched_tokens)
+        } else {
+            limits.max_num_batched_tokens
+        };
+        let aligned_end = end / bs * bs;
+        if aligned_end > start || bs <= max_prefill {
+            end = aligned_end;
+        }
+    }
+    let next_block_boundary = (start / bs + 1) * bs;
+    let mut stops = [usize::MAX; 3];
+    if start % bs != 0 {
+        stops[0] = next_block_boundary;
+    }
+    stops[1] = last_cache_position;
+    if start < junction && junction < end {
+        stops[2] = start + (junction - start) / bs * bs;
+    }
+    if let Some(&stop) = stops.iter().filter(|&&s| start < s && s < end).min() {
+        end = stop;
+    }
+    end.saturating_sub(start)
+}
+
 /// Drives `manager` (built for the workload's KV cache layout, with no requests yet) through
 /// the conformance scheduler loop, calling `sink` for every step and manager call in order.
 pub fn replay<'w>(
@@ -226,6 +280,17 @@ pub fn replay<'w>(
         sched.long_prefill_token_threshold
     };
     let max_model_len = sched.max_model_len;
+    // Mamba layouts end prefill chunks where a state must be cached (vLLM's scheduler does).
+    let mamba_block = manager
+        .group_specs()
+        .iter()
+        .any(|g| g.is_mamba_align())
+        .then(|| manager.scheduler_block_size());
+    let split_limits = |bs: usize| SplitLimits {
+        block_size: bs,
+        max_num_batched_tokens: sched.max_num_batched_tokens,
+        long_prefill_token_threshold: sched.long_prefill_token_threshold,
+    };
     let mut order: Vec<usize> = (0..reqs.len()).collect();
     order.sort_by_key(|&i| reqs[i].arrival_step);
     let mut states: Vec<ReqState> = (0..reqs.len())
@@ -303,6 +368,17 @@ pub fn replay<'w>(
                 .min(threshold)
                 .min(budget)
                 .min(max_model_len.saturating_sub(1 + s.num_computed));
+            let n = match mamba_block {
+                Some(bs) => mamba_block_aligned_split(
+                    &split_limits(bs),
+                    reqs[i].prompt.len(),
+                    num_tokens(s, i),
+                    s.num_computed,
+                    n,
+                    manager.shared_prefix_boundary(handle(&handles, i))?,
+                ),
+                None => n,
+            };
             if n == 0 {
                 k += 1;
                 continue;
@@ -387,6 +463,17 @@ pub fn replay<'w>(
                     .min(threshold)
                     .min(budget)
                     .min(max_model_len.saturating_sub(1 + hit));
+                let n = match mamba_block {
+                    Some(bs) => mamba_block_aligned_split(
+                        &split_limits(bs),
+                        reqs[i].prompt.len(),
+                        total,
+                        states[i].num_computed + hit,
+                        n,
+                        computed.shared_prefix_boundary,
+                    ),
+                    None => n,
+                };
                 let emit_gcb = |sink: &mut dyn FnMut(TraceRecord<'w>), c: ComputedBlocks| {
                     sink(TraceRecord::Call(Call {
                         step,

@@ -174,3 +174,33 @@ fn full_attn_eviction_is_identical_to_vllm() {
 fn gemma3_27b_eviction_is_identical_to_vllm() {
     check_fixture("gemma3-27b.eviction");
 }
+
+#[test]
+fn gpt_oss_long_context_is_identical_to_vllm() {
+    check_fixture("gpt-oss.long-context");
+}
+
+#[test]
+fn jamba_eviction_is_identical_to_vllm() {
+    check_fixture("jamba.eviction");
+}
+
+#[test]
+fn jamba_shared_prefix_default_is_identical_to_vllm() {
+    check_fixture("jamba.shared-prefix.default");
+}
+
+#[test]
+fn gpt_oss_eviction_default_is_identical_to_vllm() {
+    check_fixture("gpt-oss.eviction.default");
+}
+
+#[test]
+fn gemma3_27b_shared_prefix_default_is_identical_to_vllm() {
+    check_fixture("gemma3-27b.shared-prefix.default");
+}
+
+#[test]
+fn llama4_long_context_default_is_identical_to_vllm() {
+    check_fixture("llama4.long-context.default");
+}

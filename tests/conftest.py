@@ -6,7 +6,17 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 CONFORMANCE = REPO.parent / "shared" / "conformance"
-FIXTURES = ["gpt-oss.shared-prefix", "full-attn.eviction", "gemma3-27b.eviction"]
+FIXTURES = [
+    "gpt-oss.shared-prefix",
+    "full-attn.eviction",
+    "gemma3-27b.eviction",
+    "gpt-oss.long-context",
+    "jamba.eviction",
+    "jamba.shared-prefix.default",
+    "gpt-oss.eviction.default",
+    "gemma3-27b.shared-prefix.default",
+    "llama4.long-context.default",
+]
 
 
 @pytest.fixture(scope="session")

@@ -312,7 +312,6 @@ def _constructor_cases() -> list[tuple[str, Callable[[], Any], type[Exception]]]
             OOR,
         ),
         ("no chunk", lambda: kvm([{"kind": "chunked_local", "block_size": 16}], 16, 64), IC),
-        ("no groups", lambda: kvm([], 16, 64), IC),
         ("num_blocks 1", lambda: kvm(full, 1, 64), OOR),
         ("num_blocks 2**31", lambda: kvm(full, 2**31, 64), OOR),
         ("max_model_len 0", lambda: kvm(full, 16, 0), IC),

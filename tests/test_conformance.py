@@ -58,7 +58,13 @@ def load_fixture(conformance_dir: Path, name: str) -> tuple[dict, dict, hk.KVCac
     """A fixture's workload and recorded trace header, and a manager built from the header."""
     workload = load_json(conformance_dir / f"{name}.workload.json.gz")
     header = read_header(conformance_dir / f"{name}.vllm.jsonl.gz")
-    return workload, header, manager_from_header(header, workload["sched"]["max_model_len"])
+    return (
+        workload,
+        header,
+        manager_from_header(
+            header, workload["sched"]["max_model_len"], workload["sched"]["max_num_batched_tokens"]
+        ),
+    )
 
 
 def req_lines(path: Path) -> list[dict]:
@@ -67,10 +73,10 @@ def req_lines(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.startswith('{"kind":"req"')]
 
 
+@pytest.mark.parametrize("name", ["gpt-oss.shared-prefix", "gpt-oss.eviction.default"])
 def test_replay_stays_identical_while_other_threads_probe(
-    conformance_dir: Path, tmp_path: Path
+    conformance_dir: Path, tmp_path: Path, name: str
 ) -> None:
-    name = "gpt-oss.shared-prefix"
     workload, header, manager = load_fixture(conformance_dir, name)
     prompts = [np.array(r["prompt"], dtype=np.int32) for r in workload["requests"][:60]]
     stop = threading.Event()

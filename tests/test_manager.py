@@ -36,7 +36,7 @@ def test_design_worked_example_7_full_blocks_and_2_per_sliding_window_group() ->
 
 
 def test_prefix_hit_is_adopted_and_shared() -> None:
-    manager = hk.KVCacheManager(FULL_SW, 64, 1024)
+    manager = hk.KVCacheManager(FULL_SW, 64, 1024, prefix_cache_retention_interval=None)
     a = hk.Request("a", list(range(64)))
     manager.allocate_slots(a, 64)
     a.num_computed_tokens = 64
@@ -219,7 +219,6 @@ def test_computed_blocks_from_another_manager_are_rejected() -> None:
 @pytest.mark.parametrize(
     ("groups", "match"),
     [
-        ([], "at least one"),
         ([{"kind": "attention", "block_size": 16}], "unknown attention kind"),
         ([{"kind": "sliding_window", "block_size": 16}], "sliding_window"),
         ([{"kind": "full"}], "block_size"),
@@ -549,3 +548,33 @@ def test_integer_arrays_of_any_width_and_byte_order_are_token_ids() -> None:
         hk.Request("r", np.array([1, -1], dtype=">i8"))
     with pytest.raises(TypeError):
         hk.Request("r", b"abc")
+
+
+# ----- vLLM's default configuration -----------------------------------------------------------
+
+
+def test_default_retention_keeps_only_the_sliding_window_blocks_a_hit_can_reach() -> None:
+    # vLLM's default (retention 0): the sliding-window group keeps only the blocks before the
+    # prompt's replay boundary (P - 1 = 63 -> 48: blocks 1 and 2 for a window of 32); dense
+    # retention keeps all four.
+    for retention, cached_sw, hit in [(0, 2, 48), (None, 4, 64)]:
+        manager = hk.KVCacheManager(FULL_SW, 64, 1024, prefix_cache_retention_interval=retention)
+        a = hk.Request("a", list(range(64)))
+        manager.allocate_slots(a, 64)
+        assert manager.num_cached_blocks == 4 + cached_sw
+        _, got = manager.get_computed_blocks(hk.Request("b", list(range(64)) + [9] * 16))
+        assert got == hit
+        # A resend of the same prompt hits at its replay boundary either way.
+        _, resend = manager.get_computed_blocks(hk.Request("c", list(range(64))))
+        assert resend == 48
+
+
+def test_an_attention_free_model_has_no_groups_and_no_blocks() -> None:
+    manager = hk.KVCacheManager([], 1, 1024)
+    assert manager.num_groups == 0
+    req = hk.Request("r", list(range(30)))
+    blocks, hit = manager.get_computed_blocks(req)
+    assert hit == 0 and blocks.get_block_ids() == ()
+    new = manager.allocate_slots(req, 30)
+    assert new is not None and new.get_block_ids() == ()
+    assert manager.num_free_blocks == 0

@@ -322,6 +322,18 @@ class Request:
     @num_computed_tokens.setter
     def num_computed_tokens(self, value: int) -> None: ...
     @property
+    def num_in_flight_tokens(self) -> int:
+        """Tokens scheduled but not yet processed (async scheduling): out-of-window blocks are
+        freed only once processed."""
+    @num_in_flight_tokens.setter
+    def num_in_flight_tokens(self, value: int) -> None: ...
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """The request reads no prefix-cache hit (vLLM sets it for prompt logprobs); its blocks
+        are still cached."""
+    @skip_reading_prefix_cache.setter
+    def skip_reading_prefix_cache(self, value: bool) -> None: ...
+    @property
     def prompt_token_ids(self) -> npt.NDArray[np.uint32]:
         """The prompt, read again from the caller's object."""
     @property
@@ -373,15 +385,27 @@ class KVCacheManager:
         hash_seed: str = "",
         watermark: float = 0.0,
         max_in_flight_tokens: int | None = None,
+        prefix_cache_retention_interval: int | None = 0,
+        use_eagle: bool = False,
+        eagle_groups: Sequence[int] | None = None,
+        num_hash_lookahead_tokens: int = 0,
+        num_prefill_lookahead: int = 0,
     ) -> KVCacheManager:
-        """A manager over a pool of `num_blocks` blocks (the null block included).
+        """A manager over a pool of `num_blocks` blocks (the null block included), with
+        vLLM 0.33's `KVCacheManager` semantics as vLLM configures itself by default.
 
         Args:
-            groups: the KV cache groups in group-id order, each a dict (or an object with these
-                attributes) with keys `kind` (`"full"`/`"full_attention"`, `"sliding_window"`,
-                `"chunked_local"`/`"chunked_local_attention"` or `"mamba"`), `block_size`
-                (tokens per block), and `sliding_window` for sliding-window groups or
-                `attention_chunk_size` for chunked-local ones.
+            groups: the KV cache groups in group-id order (none for an attention-free model),
+                each a dict (or an object with these attributes) with `kind` and `block_size`
+                (tokens per block), and the kind's parameters:
+                `"full"`/`"full_attention"`, `"mla"`; `"rswa"` (`rswa_window`: full attention
+                over the prompt, a window over the output); `"sliding_window"`
+                (`sliding_window`); `"sliding_window_mla"` (`sliding_window`,
+                `bounded_replay`: not prefix-cached when true); `"chunked_local"`/
+                `"chunked_local_attention"` (`attention_chunk_size`); `"mamba"`
+                (`mamba_cache_mode` `"align"`, the default with caching on, or `"none"`;
+                `num_speculative_blocks`); `"circular_buffer"` (one block per request, never
+                cached).
             num_blocks: blocks in the pool, the null block included.
             max_model_len: the longest sequence a request may reach.
             enable_caching: prefix caching (off: every hit is 0 and nothing is cached).
@@ -394,6 +418,19 @@ class KVCacheManager:
             max_in_flight_tokens: tokens scheduled but not yet processed at most (concurrent
                 batches times `max_num_batched_tokens`); bounds what sliding-window and
                 chunked-local groups reserve at admission. None: `max_model_len`.
+            prefix_cache_retention_interval: vLLM's `CacheConfig` option: 0 (its default)
+                keeps only the sliding-window and Mamba blocks a later hit can reach (each
+                prompt's replay boundary, shared-prefix junctions); None is dense (every full
+                block of every group); N also keeps one checkpoint per N tokens.
+            use_eagle: EAGLE speculative decoding: hits drop their last block (the drafter
+                recomputes it).
+            eagle_groups: the groups holding draft layers (vLLM's `is_eagle_group`); None or
+                empty: every group when `use_eagle`.
+            num_hash_lookahead_tokens: tokens past a block its hash covers (drafters proving
+                the boundary token).
+            num_prefill_lookahead: multi-token prediction: the last
+                `num_prefill_lookahead - 1` tokens may be re-prefilled: not cached, kept below
+                sliding windows.
 
         Raises:
             InvalidConfigError: an unknown kind, a missing field, block sizes that do not
@@ -406,6 +443,9 @@ class KVCacheManager:
     def num_blocks(self) -> int: ...
     @property
     def max_model_len(self) -> int: ...
+    @property
+    def groups(self) -> list[dict[str, object]]:
+        """The groups as the constructor reads them (`kind`, `block_size`, parameters)."""
     @property
     def block_sizes(self) -> list[int]:
         """Tokens per block of each group."""
@@ -435,10 +475,21 @@ class KVCacheManager:
         Raises:
             UnknownRequestError: no such request.
         """
-    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+    def get_computed_blocks(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int]:
         """The request's cached prefix: `(blocks, num_computed_tokens)`, at most
-        `num_tokens - 1` tokens. Reference counts are untouched until `allocate_slots` adopts
-        the hit."""
+        `max_cache_hit_length` (default `num_tokens - 1`) tokens; `blocks.shared_prefix_boundary`
+        is vLLM's junction, which the manager also keeps for the request's caching. A request
+        with `skip_reading_prefix_cache` gets no hit. Reference counts are untouched until
+        `allocate_slots` adopts the hit."""
+    def get_computed_blocks_for_connector(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, bool]:
+        """The local lookup for a request scheduled with a KV connector: for a Mamba hybrid with
+        full attention, the full-attention hit and `hit_diverged` (a lagging group hit less,
+        so the connector must supply the state there); otherwise `get_computed_blocks` and
+        False."""
     def allocate_slots(
         self,
         request: Request,
@@ -446,31 +497,44 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
         full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
         has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: Sequence[int] = (),
     ) -> KVCacheBlocks | None:
         """Slots for `num_new_tokens` more tokens, adopting a prefix-cache hit on the request's
-        first allocation; caches the request's newly full blocks.
+        first allocation; caches the request's newly full blocks (vLLM's `allocate_slots`).
 
         Args:
             request: the request; its `num_computed_tokens` is the scheduler's count before
-                this call.
+                this call, its `num_in_flight_tokens` the tokens not yet processed.
             num_new_tokens: tokens to compute in this step.
             num_new_computed_tokens: tokens of the hit to adopt (`get_computed_blocks`' count).
             new_computed_blocks: the hit's blocks, unchanged.
             num_lookahead_tokens: speculative tokens: slots, never cached.
-            delay_cache_blocks: do not cache the new full blocks in this call.
+            num_external_computed_tokens: tokens a KV connector supplies after the hit (their
+                blocks are allocated here).
+            delay_cache_blocks: do not cache the new full blocks in this call (`cache_blocks`
+                later).
+            num_encoder_tokens: must be 0 (cross-attention layouts are not supported).
             full_sequence_must_fit: admission: also refuse unless the whole sequence fits now
                 (sliding-window and chunked-local groups reserve what they hold at once).
+            reserved_blocks: free blocks to leave for other in-flight sequences.
             has_scheduled_reqs: other requests run this step (the watermark then applies).
+            skip_zeroing_group_ids: groups whose external-token blocks an asynchronous load
+                writes (not recorded for zeroing).
 
         Returns:
-            The newly allocated blocks per group, or None when the pool cannot supply them.
+            The blocks handed to the worker per group (for Mamba align, null blocks and
+            relocated state blocks included), or None when the pool cannot supply them.
             A None may have freed blocks that already left the sliding window or local chunk
             of the request's computed tokens (as vLLM does, which frees before it counts); it
             changes nothing else. A refusal by the `full_sequence_must_fit` check changes
-            nothing at all.
+            nothing at all. A Mamba hit on a state cached in this same step waits a step
+            (None), as in vLLM.
 
         Raises:
             InvalidArgumentError: no tokens and nothing to adopt; a hit that does not match
@@ -481,6 +545,52 @@ class KVCacheManager:
 
         A rejected call changes nothing and registers nothing.
         """
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Caches the request's full blocks of its first `num_computed_tokens` tokens (after
+        `allocate_slots(..., delay_cache_blocks=True)`, once the data arrived)."""
+    def pop_blocks_for_free(self, request: Request) -> npt.NDArray[np.int32]:
+        """Empties the request's tables without freeing: its blocks in allocation order, groups
+        concatenated, leading nulls dropped; free them later, reversed."""
+    def evict_blocks(self, block_ids: _BlockIds) -> None:
+        """Removes the cache entries of the given blocks (a KV connector's invalidation)."""
+    def take_new_block_ids(self) -> npt.NDArray[np.int32]:
+        """Drains the new attention blocks the worker must zero (layouts with Mamba layers)."""
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        """Records the request's attention blocks from the block-aligned `start_token` on for
+        zeroing again (blocks a failed asynchronous load left unwritten)."""
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """Drains this step's Mamba states committed to the cache:
+        `{request_id: [(group, block, boundary_tokens), ...]}`."""
+    def take_kv_cache_block_copies(
+        self,
+    ) -> tuple[list[tuple[int, int]], npt.NDArray[np.int32]]:
+        """Copy-on-write copies and their retained blocks: always empty (copies arise only from
+        fine-grained partial hash hits, which hybrid-kv refuses to configure)."""
+    def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
+        """Producer partial tails to offload when a request finishes: always empty (fine-grained
+        partial hash hits only)."""
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> tuple[npt.NDArray[np.int32], ...]:
+        """The request's tables with attention groups clipped to the blocks covering
+        `num_computed_tokens` (Mamba groups whole)."""
+    def estimate_cached_tokens(self, request: Request) -> int:
+        """Tokens of the request's own blocks in the prefix cache, the least over groups."""
+    def truncate_computed_blocks(
+        self, blocks: KVCacheBlocks, num_computed_tokens: int
+    ) -> KVCacheBlocks:
+        """A hit cut to its first `num_computed_tokens` tokens (Mamba groups keep what they
+        hold below it)."""
+    def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
+        """vLLM's deprecated cascade-attention query: 0 per group."""
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
+        """Frees the blocks that left the window (`allocate_slots` already does); with
+        `num_prompt_tokens`, reference-sliding-window groups free the gap after the prompt."""
     def num_blocks_to_admit(
         self, request: Request, new_computed_blocks: KVCacheBlocks | None = None
     ) -> int:
@@ -531,4 +641,5 @@ class KVCacheManager:
         """Drains the KV events (empty unless `enable_kv_events`); `BlockStored` events carry
         their group's kind and sliding window."""
     def new_step_starts(self) -> None:
-        """Call once at the start of every scheduler step."""
+        """Call once at the start of every scheduler step (Mamba states cached in the previous
+        step become usable by hits)."""

@@ -31,18 +31,24 @@ def manager_from_plan(plan: KVCachePlan, **kwargs: Any) -> KVCacheManager:
     return KVCacheManager(groups, plan.num_blocks, plan.max_model_len, **kwargs)
 
 
-def manager_from_header(header: dict[str, Any], max_model_len: int) -> KVCacheManager:
-    """A manager with exactly the KV cache groups and pool size of a vLLM `kvtrace/1` header."""
+def manager_from_header(
+    header: dict[str, Any], max_model_len: int, max_in_flight_tokens: int | None = None
+) -> KVCacheManager:
+    """A manager with exactly the KV cache groups, pool size, block sizes and prefix-cache
+    retention of a vLLM `kvtrace/1` header. `max_in_flight_tokens` is what vLLM's scheduler
+    passes (its `max_num_batched_tokens` for a synchronous engine)."""
     kv = header["kv_cache"]
-    if any(g["kind"] == "mamba" for g in kv["groups"]):
-        raise ValueError("replaying Mamba layouts is not supported yet")
-    groups = [
-        {
-            "kind": g["kind"],
-            "block_size": g["block_size"],
-            "sliding_window": g.get("sliding_window"),
-            "attention_chunk_size": g.get("attention_chunk_size"),
-        }
-        for g in kv["groups"]
-    ]
-    return KVCacheManager(groups, kv["num_blocks"], max_model_len)
+    groups = []
+    for g in kv["groups"]:
+        group = {"kind": g["kind"], "block_size": g["block_size"]}
+        for key in ("sliding_window", "attention_chunk_size", "mamba_cache_mode"):
+            if g.get(key) is not None:
+                group[key] = g[key]
+        groups.append(group)
+    return KVCacheManager(
+        groups,
+        kv["num_blocks"],
+        max_model_len,
+        max_in_flight_tokens=max_in_flight_tokens,
+        prefix_cache_retention_interval=kv.get("prefix_cache_retention_interval"),
+    )

@@ -117,6 +117,41 @@ class Engine(Protocol):
         """Blocks in the pool, the null block included."""
         ...
 
+    def mamba_block_size(self) -> int:
+        """The block size prefill chunks are aligned to for Mamba states (0: no Mamba)."""
+        ...
+
+
+def mamba_block_aligned_split(
+    block_size: int, sched: dict[str, Any], req: _Req, start: int, n: int, junction: int
+) -> int:
+    """vLLM's `_mamba_block_aligned_split` (align mode, hash block = block size, no EAGLE):
+    clips a prefill chunk of `n` tokens from `start` so it ends where a Mamba state must be
+    cached (a block boundary, the prompt's last cacheable position, a shared-prefix junction)."""
+    num_tokens = req.num_tokens
+    prefill_end = max(req.num_prompt_tokens, num_tokens - 1)
+    if start >= prefill_end:
+        return n
+    last_cache_position = max((num_tokens - 1) // block_size * block_size, 0)
+    end = start + n
+    if end < prefill_end:
+        max_prefill = sched["max_num_batched_tokens"]
+        threshold = sched.get("long_prefill_token_threshold") or 0
+        if 0 < threshold < max_prefill:
+            max_prefill = threshold
+        aligned_end = end // block_size * block_size
+        if aligned_end > start or block_size <= max_prefill:
+            end = aligned_end
+    stops = [last_cache_position]
+    if start % block_size:
+        stops.append((start // block_size + 1) * block_size)
+    if start < junction < end:
+        stops.append(start + (junction - start) // block_size * block_size)
+    inside = [s for s in stops if start < s < end]
+    if inside:
+        end = min(inside)
+    return max(end - start, 0)
+
 
 class ReplayStalledError(RuntimeError):
     """The scheduler loop can make no more progress: nothing is running, and the request at the
@@ -183,6 +218,10 @@ class HybridKvEngine:
     def num_blocks(self) -> int:
         return self.manager.num_blocks
 
+    def mamba_block_size(self) -> int:
+        align = any(g.get("mamba_cache_mode") == "align" for g in self.manager.groups)
+        return self.manager.scheduler_block_size if align else 0
+
 
 @dataclass
 class _Req:
@@ -192,6 +231,8 @@ class _Req:
     output: list[int]
     request: Any
     num_preemptions: int = 0
+    # vLLM's scheduler keeps the junction of the last get_computed_blocks on the request.
+    shared_prefix_boundary: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -302,6 +343,8 @@ def replay(
             n = min(n, threshold)
         return max(0, min(n, budget, max_model_len - 1 - computed))
 
+    mamba_block = engine.mamba_block_size()
+
     def call(op: str, rid: str, step: int, ns: int, **fields: Any) -> None:
         result.seq += 1
         record = {"kind": "call", "step": step, "op": op, "rid": rid, **fields, "ns": ns}
@@ -361,6 +404,10 @@ def replay(
             req = running[i]
             computed = req.request.num_computed_tokens
             n = cap(req, computed, budget)
+            if mamba_block:
+                n = mamba_block_aligned_split(
+                    mamba_block, sched, req, computed, n, req.shared_prefix_boundary
+                )
             if n == 0:
                 i += 1
                 continue
@@ -404,6 +451,7 @@ def replay(
                 ns = perf() - t0
                 stats.record("get_computed_blocks", ns)
                 blocks, hit, spb = engine.hit(req.request, found)
+                req.shared_prefix_boundary = spb
                 if tracing:
                     call(
                         "get_computed_blocks",
@@ -416,6 +464,10 @@ def replay(
                         spb=spb,
                     )
                 n = cap(req, hit, budget)
+                if mamba_block:
+                    n = mamba_block_aligned_split(
+                        mamba_block, sched, req, req.request.num_computed_tokens + hit, n, spb
+                    )
                 if n == 0:
                     break
                 t0 = perf()
@@ -515,7 +567,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         workload = load_json(args.workload)
         vllm_header = read_header(args.groups_from)
-        manager = manager_from_header(vllm_header, workload["sched"]["max_model_len"])
+        sched = workload["sched"]
+        manager = manager_from_header(
+            vllm_header, sched["max_model_len"], sched["max_num_batched_tokens"]
+        )
     except (OSError, ValueError, KeyError) as error:
         print(f"replay: error: {error}", file=sys.stderr)
         return 2

@@ -7,9 +7,9 @@
 //! in, so the same `Arc<Coordinator>` serves the scheduler and concurrent probes.
 
 use super::request::Request;
-use super::single_type::{find_longest_cache_hit, GroupManager, GroupTable};
-use super::spec::GroupSpec;
-use crate::error::Result;
+use super::single_type::{find_longest_cache_hit, CacheCtx, Effects, GroupManager, GroupTable};
+use super::spec::{AttentionKind, GroupSpec, ManagerConfig};
+use crate::error::{bad_config, Result};
 use crate::pool::BlockPool;
 use crate::types::{BlockHash, BlockId, GroupId};
 
@@ -29,6 +29,8 @@ pub enum CoordinatorKind {
 struct SpecGroup {
     spec: GroupSpec,
     group_ids: Vec<usize>,
+    /// Some member drops the EAGLE block.
+    use_eagle: bool,
 }
 
 /// The result of a hit search.
@@ -47,72 +49,129 @@ pub struct Coordinator {
     groups: Vec<GroupManager>,
     spec_groups: Vec<SpecGroup>,
     hash_block_size: usize,
+    scheduler_block_size: usize,
     /// Tokens a hit length must be a multiple of.
     alignment: usize,
     /// Exactly one full-attention spec group and one other: one pass of the fixed point.
     simple_hybrid: bool,
-    /// Some group is not prefix-cacheable: no hit can cover it.
-    has_uncacheable_group: bool,
+    /// Some group drops the EAGLE block (the replay boundaries move).
+    eagle: bool,
+    /// vLLM's `prefix_cache_retention_interval`.
+    retention: Option<usize>,
+    /// Tokens at the end that multi-token prediction may re-prefill (never cached).
+    num_reprefillable: usize,
+    num_hash_lookahead_tokens: usize,
+    /// Running requests may take the one-pass allocation path (no group with its own
+    /// allocation rules for running requests).
+    fast_running: bool,
 }
 
 impl Coordinator {
-    /// `specs` in group-id order; `max_in_flight_tokens` and `max_model_len` set the admission
-    /// caps of groups that recycle blocks.
     pub(crate) fn new(
-        specs: &[GroupSpec],
-        enable_caching: bool,
+        config: &ManagerConfig,
         scheduler_block_size: usize,
         hash_block_size: usize,
-        max_in_flight_tokens: usize,
-        max_model_len: usize,
-    ) -> Self {
-        let kind = if !enable_caching {
+    ) -> Result<Self> {
+        let specs = &config.groups;
+        let kind = if !config.enable_caching || specs.is_empty() {
             CoordinatorKind::NoPrefixCache
         } else if specs.len() == 1 {
             CoordinatorKind::Unitary
         } else {
             CoordinatorKind::Hybrid
         };
-        let groups = specs
-            .iter()
-            .enumerate()
-            .map(|(i, &spec)| GroupManager {
-                spec,
-                id: i as GroupId,
-                hash_ratio: (spec.block_size / hash_block_size).max(1),
-                admission_cap: spec.max_admission_blocks(max_in_flight_tokens, max_model_len),
-                alignment: scheduler_block_size,
-            })
-            .collect();
+        // Groups that get the EAGLE drop: the flagged ones, or every group.
+        let eagle_groups: Vec<usize> = match &config.eagle_groups {
+            Some(g) if !g.is_empty() => g.clone(),
+            _ if config.use_eagle => (0..specs.len()).collect(),
+            _ => Vec::new(),
+        };
+        let drops = |g: usize| config.use_eagle && eagle_groups.contains(&g);
+        let alignment = match kind {
+            CoordinatorKind::Unitary => specs[0].block_size,
+            _ => scheduler_block_size,
+        };
+        let max_in_flight = config.max_in_flight_tokens.unwrap_or(config.max_model_len);
+        let extra_retained = config.extra_retained_tokens();
+        let needs_zeroing = specs.iter().any(|g| g.is_mamba());
         let mut spec_groups: Vec<SpecGroup> = Vec::new();
         for (i, g) in specs.iter().enumerate() {
             if !g.prefix_cacheable() {
                 continue;
             }
             match spec_groups.iter_mut().find(|s| s.spec == *g) {
-                Some(s) => s.group_ids.push(i),
+                Some(s) => {
+                    s.group_ids.push(i);
+                    s.use_eagle |= drops(i);
+                }
                 None => spec_groups.push(SpecGroup {
                     spec: *g,
                     group_ids: vec![i],
+                    use_eagle: drops(i),
                 }),
             }
         }
         // Full attention first (stable): its left-to-right scan bounds the others.
         spec_groups.sort_by_key(|s| !s.spec.is_full());
+        if config.enable_caching {
+            if let Some(s) = spec_groups
+                .iter()
+                .find(|s| s.use_eagle && matches!(s.spec.kind, AttentionKind::ChunkedLocal { .. }))
+            {
+                return bad_config(format!(
+                    "EAGLE with chunked local attention (group {}) and prefix caching is not \
+                     supported (vLLM refuses it too)",
+                    s.group_ids[0]
+                ));
+            }
+        }
+        let groups = specs
+            .iter()
+            .enumerate()
+            .map(|(i, &spec)| {
+                // A hybrid's managers drop the EAGLE block as their spec group does; a single
+                // group as itself.
+                let use_eagle = match kind {
+                    CoordinatorKind::Hybrid => spec_groups
+                        .iter()
+                        .any(|s| s.use_eagle && s.group_ids.contains(&i)),
+                    _ => drops(i),
+                };
+                GroupManager {
+                    spec,
+                    id: i as GroupId,
+                    hash_ratio: (spec.block_size / hash_block_size).max(1),
+                    admission_cap: spec.max_admission_blocks(
+                        max_in_flight,
+                        config.max_model_len,
+                        extra_retained,
+                    ),
+                    alignment: scheduler_block_size,
+                    use_eagle,
+                    drop_eagle_checkpoint: config.use_eagle,
+                    extra_retained,
+                    records_new_blocks: needs_zeroing && spec.zeroes_new_blocks(),
+                    num_gpu_blocks: config.num_blocks,
+                }
+            })
+            .collect();
         let simple_hybrid = spec_groups.len() == 2 && spec_groups[0].spec.is_full();
-        let alignment = match kind {
-            CoordinatorKind::Unitary => specs[0].block_size,
-            _ => scheduler_block_size,
-        };
-        Coordinator {
+        Ok(Coordinator {
             kind,
             groups,
+            simple_hybrid,
+            eagle: !eagle_groups.is_empty() && config.use_eagle,
             spec_groups,
             hash_block_size,
+            scheduler_block_size,
             alignment,
-            simple_hybrid,
-            has_uncacheable_group: specs.iter().any(|g| !g.prefix_cacheable()),
-        }
+            retention: config.retention_interval,
+            num_reprefillable: config.num_prefill_lookahead.saturating_sub(1),
+            num_hash_lookahead_tokens: config.num_hash_lookahead_tokens,
+            fast_running: specs
+                .iter()
+                .all(|g| !g.is_mamba() && !matches!(g.kind, AttentionKind::CircularBuffer)),
+        })
     }
 
     pub fn kind(&self) -> CoordinatorKind {
@@ -136,6 +195,10 @@ impl Coordinator {
         self.groups.iter().map(|g| g.spec).collect()
     }
 
+    pub(crate) fn fast_running(&self) -> bool {
+        self.fast_running
+    }
+
     // ----- prefix-cache hits ------------------------------------------------------------------
 
     /// Finds the longest cached prefix of `hashes` (at hash block size) of at most `max_len`
@@ -153,22 +216,13 @@ impl Coordinator {
         for list in out.iter_mut() {
             list.clear();
         }
-        if self.kind == CoordinatorKind::NoPrefixCache
-            || self.has_uncacheable_group
-            || self.spec_groups.is_empty()
-        {
+        if self.kind == CoordinatorKind::NoPrefixCache || self.spec_groups.is_empty() {
             return Hit::default();
         }
         let mut scratch = Vec::new();
         if self.kind == CoordinatorKind::Unitary {
-            let tokens = self.find_for(
-                &self.spec_groups[0],
-                pool,
-                hashes,
-                max_len,
-                out,
-                &mut scratch,
-            );
+            let sg = &self.spec_groups[0];
+            let tokens = self.find_for(sg, pool, hashes, max_len, sg.use_eagle, out, &mut scratch);
             return Hit {
                 tokens,
                 uncached_common: 0,
@@ -176,12 +230,15 @@ impl Coordinator {
         }
 
         // The hybrid fixed point: the candidate length only decreases; every non-full type
-        // re-checks at the reduced length until a whole pass changes nothing.
+        // re-checks at the reduced length until a whole pass changes nothing. An EAGLE group
+        // drops its block at most once per candidate length.
         let n = self.spec_groups.len();
+        let hashed = hashes.len() * self.hash_block_size;
         let mut hit = max_len;
         let mut longest = 0;
         let mut looked_up = vec![false; n];
         let mut hit_by = vec![0usize; n];
+        let mut verified = vec![false; n];
         loop {
             let mut curr = hit;
             for (idx, sg) in self.spec_groups.iter().enumerate() {
@@ -190,7 +247,18 @@ impl Coordinator {
                     curr = curr.min(hit_by[idx]);
                     continue;
                 }
-                let new = self.find_for(sg, pool, hashes, curr, out, &mut scratch);
+                let drop = sg.use_eagle && !verified[idx];
+                let mut max = curr;
+                if drop && !sg.spec.is_mamba() {
+                    // Match one block past the candidate, then drop it.
+                    max = (curr + sg.spec.block_size).min(hashed);
+                }
+                let new = self.find_for(sg, pool, hashes, max, drop, out, &mut scratch);
+                if drop {
+                    verified[idx] = true;
+                } else if new < curr {
+                    verified.iter_mut().for_each(|v| *v = false);
+                }
                 looked_up[idx] = true;
                 hit_by[idx] = new;
                 curr = new;
@@ -204,7 +272,10 @@ impl Coordinator {
                 break;
             }
         }
-        for sg in self.spec_groups.iter().filter(|s| s.spec.is_full()) {
+        for (idx, sg) in self.spec_groups.iter().enumerate() {
+            if !sg.spec.is_full() || !looked_up[idx] {
+                continue;
+            }
             let keep = hit.div_ceil(sg.spec.block_size);
             for &g in &sg.group_ids {
                 out[g].truncate(keep);
@@ -216,12 +287,53 @@ impl Coordinator {
         }
     }
 
+    /// Each spec group's own longest hit, with no intersection (vLLM's
+    /// `find_longest_cache_hit_per_group`, the KV-connector path); fills `out` and `lengths`.
+    pub(crate) fn find_per_group(
+        &self,
+        pool: &BlockPool,
+        hashes: &[BlockHash],
+        max_len: usize,
+        out: &mut Vec<Vec<BlockId>>,
+        lengths: &mut Vec<usize>,
+    ) {
+        out.resize_with(self.groups.len(), Vec::new);
+        out.iter_mut().for_each(Vec::clear);
+        lengths.clear();
+        lengths.resize(self.groups.len(), 0);
+        if self.kind == CoordinatorKind::NoPrefixCache {
+            return;
+        }
+        let hashed = hashes.len() * self.hash_block_size;
+        let mut scratch = Vec::new();
+        for sg in &self.spec_groups {
+            let mut max = max_len;
+            if sg.use_eagle && !sg.spec.is_mamba() {
+                max = (max_len + sg.spec.block_size).min(hashed);
+            }
+            let hit = self.find_for(sg, pool, hashes, max, sg.use_eagle, out, &mut scratch);
+            for &g in &sg.group_ids {
+                lengths[g] = hit;
+            }
+        }
+    }
+
+    /// The first full-attention group, if any (vLLM's `full_attention_group_id`).
+    pub(crate) fn full_attention_group(&self) -> Option<usize> {
+        self.spec_groups
+            .first()
+            .filter(|s| s.spec.is_full())
+            .map(|s| s.group_ids[0])
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn find_for(
         &self,
         sg: &SpecGroup,
         pool: &BlockPool,
         hashes: &[BlockHash],
         max_len: usize,
+        drop_eagle: bool,
         out: &mut [Vec<BlockId>],
         scratch: &mut Vec<BlockId>,
     ) -> usize {
@@ -233,6 +345,7 @@ impl Coordinator {
             max_len,
             &sg.group_ids,
             self.alignment,
+            drop_eagle,
             out,
             scratch,
         )
@@ -241,7 +354,8 @@ impl Coordinator {
     // ----- allocation, over every group ---------------------------------------------------------
 
     /// Blocks the allocation of `num_tokens` slots would take, hit blocks that leave the free
-    /// order included (vLLM's `get_num_blocks_to_allocate`).
+    /// order included (vLLM's `get_num_blocks_to_allocate`; signed, as vLLM's sum may be).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn num_blocks_to_allocate(
         &self,
         pool: &BlockPool,
@@ -249,8 +363,10 @@ impl Coordinator {
         num_tokens: usize,
         hits: &[Vec<BlockId>],
         total_computed_tokens: usize,
+        num_tokens_main_model: usize,
         apply_admission_cap: bool,
-    ) -> usize {
+        effects: &Effects,
+    ) -> i64 {
         self.groups
             .iter()
             .zip(tables)
@@ -263,7 +379,9 @@ impl Coordinator {
                     num_tokens,
                     hit,
                     total_computed_tokens,
+                    num_tokens_main_model,
                     apply_admission_cap,
+                    effects,
                 )
             })
             .sum()
@@ -276,56 +394,128 @@ impl Coordinator {
         pool: &BlockPool,
         tables: &mut [GroupTable],
         num_computed_tokens: usize,
+        num_prompt_tokens: Option<usize>,
         scratch: &mut Vec<BlockId>,
     ) -> Result<()> {
         for (m, t) in self.groups.iter().zip(tables.iter_mut()) {
-            m.remove_skipped_blocks(pool, t, num_computed_tokens, scratch)?;
+            m.remove_skipped_blocks(pool, t, num_computed_tokens, num_prompt_tokens, scratch)?;
         }
         Ok(())
     }
 
-    /// Adopts a request's prefix-cache hit in every group (its first allocation).
-    pub(crate) fn add_local_computed_blocks(
+    /// Adopts a request's prefix-cache hit in every group (its first allocation), then
+    /// allocates the blocks of tokens a KV connector supplies: local hits are all touched
+    /// before any external block is taken, so no group evicts another group's hit.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn allocate_new_computed_blocks(
         &self,
         pool: &BlockPool,
         tables: &mut [GroupTable],
         hits: &[Vec<BlockId>],
-        num_computed_tokens: usize,
+        num_local_computed_tokens: usize,
+        num_external_computed_tokens: usize,
         enable_caching: bool,
+        skip_zeroing: &[usize],
+        effects: &mut Effects,
     ) -> Result<()> {
+        let total = num_local_computed_tokens + num_external_computed_tokens;
         for (g, (m, t)) in self.groups.iter().zip(tables.iter_mut()).enumerate() {
             let hit = hits.get(g).map_or(&[][..], Vec::as_slice);
-            m.add_local_computed_blocks(pool, t, hit, num_computed_tokens, enable_caching)?;
+            m.add_local_computed_blocks(pool, t, hit, total, enable_caching)?;
+        }
+        if num_external_computed_tokens > 0 {
+            for (g, (m, t)) in self.groups.iter().zip(tables.iter_mut()).enumerate() {
+                m.allocate_external_computed_blocks(
+                    pool,
+                    t,
+                    num_local_computed_tokens,
+                    num_external_computed_tokens,
+                    !skip_zeroing.contains(&g),
+                    effects,
+                )?;
+            }
         }
         Ok(())
     }
 
-    /// Grows every group's table to cover `num_tokens` slots; the new ids go to `new_blocks[g]`.
+    /// Grows every group's table to cover `num_tokens` slots; what each group hands the worker
+    /// goes to `new_blocks[g]`.
     pub(crate) fn allocate_new_blocks(
         &self,
         pool: &BlockPool,
         tables: &mut [GroupTable],
         num_tokens: usize,
+        num_tokens_main_model: usize,
         new_blocks: &mut [Vec<BlockId>],
+        effects: &mut Effects,
     ) -> Result<()> {
         for ((m, t), out) in self.groups.iter().zip(tables.iter_mut()).zip(new_blocks) {
-            m.allocate_new_blocks(pool, t, num_tokens, out)?;
+            m.allocate_new_blocks(pool, t, num_tokens, num_tokens_main_model, out, effects)?;
         }
         Ok(())
     }
 
+    /// Positions a later request replaying a prompt of `num_prompt_tokens` can resume at
+    /// (vLLM's `replay_boundaries`): the resend (capped at `P - 1`), and with EAGLE the
+    /// aligned block below each reach.
+    fn replay_boundaries(&self, num_prompt_tokens: usize) -> ([usize; 2], usize) {
+        if !self.eagle {
+            return ([num_prompt_tokens.saturating_sub(1), 0], 1);
+        }
+        let block = self.scheduler_block_size;
+        let resend = num_prompt_tokens.saturating_sub(1) / block * block;
+        let extension = num_prompt_tokens / block * block;
+        let (a, b) = (
+            resend.saturating_sub(block),
+            extension.saturating_sub(block),
+        );
+        if a == b {
+            ([a, 0], 1)
+        } else {
+            ([a.min(b), a.max(b)], 2)
+        }
+    }
+
+    /// Tokens group `m` may cache of `num_tokens` computed ones (vLLM's
+    /// `get_num_cacheable_tokens`): finalized tokens only, in a hybrid rounded down to the
+    /// scheduler block size (plus the EAGLE peek block).
+    fn cacheable_tokens(&self, m: &GroupManager, num_tokens: usize) -> usize {
+        if self.kind != CoordinatorKind::Hybrid {
+            return num_tokens.saturating_sub(self.num_reprefillable);
+        }
+        let sbs = self.scheduler_block_size;
+        let aligned = num_tokens / sbs * sbs;
+        if m.use_eagle && aligned > 0 {
+            let finalized = num_tokens.saturating_sub(self.num_reprefillable);
+            return finalized.min(finalized / sbs * sbs + m.spec.block_size);
+        }
+        aligned
+    }
+
     /// Enters the request's full blocks of its first `num_tokens` tokens into the prefix cache,
-    /// in every group.
+    /// in every group (what each group keeps depends on retention).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn cache_blocks(
         &self,
         pool: &BlockPool,
         tables: &mut [GroupTable],
         request: &Request,
         num_tokens: usize,
+        shared_prefix_boundary: usize,
         scratch: &mut Vec<BlockId>,
+        effects: &mut Effects,
     ) -> Result<()> {
+        let (boundaries, n) = self.replay_boundaries(request.num_prompt_tokens());
+        let ctx = CacheCtx {
+            hash_block_size: self.hash_block_size,
+            retention: self.retention,
+            replay_boundaries: &boundaries[..n],
+            shared_prefix_boundary,
+            num_hash_lookahead_tokens: self.num_hash_lookahead_tokens,
+        };
         for (m, t) in self.groups.iter().zip(tables.iter_mut()) {
-            m.cache_blocks(pool, t, request, num_tokens, self.hash_block_size, scratch)?;
+            let tokens = self.cacheable_tokens(m, num_tokens);
+            m.cache_blocks(pool, t, request, tokens, &ctx, scratch, effects)?;
         }
         Ok(())
     }
@@ -343,11 +533,20 @@ impl Coordinator {
         Ok(())
     }
 
+    /// Empties every group's table without freeing: the blocks in allocation order, groups
+    /// concatenated (vLLM's `pop_blocks_for_free`).
+    pub(crate) fn pop_blocks(&self, tables: &mut [GroupTable], out: &mut Vec<BlockId>) {
+        for (m, t) in self.groups.iter().zip(tables.iter_mut()) {
+            m.pop_blocks(t, out);
+        }
+    }
+
     /// One step of a request that already holds blocks in every group and adopts no hit
-    /// (decode and continued prefill): the decisions of the general path in one pass that
-    /// frees what left the window and counts the blocks needed, and one that allocates and
-    /// caches. `false` when the pool cannot supply the blocks (out-of-window blocks are freed
-    /// by then, as on the general path).
+    /// (decode and continued prefill), for layouts without per-kind running rules: the
+    /// decisions of the general path in one pass that frees what left the window and counts
+    /// the blocks needed, and one that allocates and caches. `false` when the pool cannot
+    /// supply the blocks (out-of-window blocks are freed by then, as on the general path).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn running_step(
         &self,
         pool: &BlockPool,
@@ -356,25 +555,45 @@ impl Coordinator {
         step: &RunningStep,
         new_blocks: &mut [Vec<BlockId>],
         scratch: &mut Vec<BlockId>,
+        effects: &mut Effects,
     ) -> Result<bool> {
         let mut need = 0;
         for (m, t) in self.groups.iter().zip(tables.iter_mut()) {
-            m.remove_skipped_blocks(pool, t, step.processed, scratch)?;
+            m.remove_skipped_blocks(
+                pool,
+                t,
+                step.processed,
+                Some(request.num_prompt_tokens()),
+                scratch,
+            )?;
             need += step
                 .need_slot
                 .div_ceil(m.spec.block_size)
                 .saturating_sub(t.blocks.len());
         }
-        if need > pool.num_free_blocks() {
+        if need + step.reserved > pool.num_free_blocks() {
             return Ok(false);
         }
-        for ((m, t), out) in self.groups.iter().zip(tables.iter_mut()).zip(new_blocks) {
+        for ((m, t), out) in self
+            .groups
+            .iter()
+            .zip(tables.iter_mut())
+            .zip(new_blocks.iter_mut())
+        {
             if need > 0 {
-                m.allocate_new_blocks(pool, t, step.need_slot, out)?;
+                m.allocate_new_blocks(pool, t, step.need_slot, step.need_slot, out, effects)?;
             }
-            if let Some(n) = step.cache_tokens {
-                m.cache_blocks(pool, t, request, n, self.hash_block_size, scratch)?;
-            }
+        }
+        if let Some(n) = step.cache_tokens {
+            self.cache_blocks(
+                pool,
+                tables,
+                request,
+                n,
+                step.shared_prefix_boundary,
+                scratch,
+                effects,
+            )?;
         }
         Ok(true)
     }
@@ -386,6 +605,9 @@ pub(crate) struct RunningStep {
     pub(crate) processed: usize,
     /// Slots the request needs after this step.
     pub(crate) need_slot: usize,
-    /// Tokens whose full blocks are cached; `None` when caching is off or delayed.
+    /// Tokens to cache (finalized ones); `None` when caching is off or delayed.
     pub(crate) cache_tokens: Option<usize>,
+    /// Free blocks the step must leave for others.
+    pub(crate) reserved: usize,
+    pub(crate) shared_prefix_boundary: usize,
 }

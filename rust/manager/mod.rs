@@ -25,14 +25,14 @@ mod tests;
 pub use coordinator::{Coordinator, CoordinatorKind};
 pub use request::Request;
 pub use slots::{RequestHandle, RequestKey};
-pub use spec::{AttentionKind, GroupSpec, ManagerConfig};
+pub use spec::{AttentionKind, GroupSpec, KindParams, MambaMode, ManagerConfig};
 
 use crate::error::{invalid, CoreError, Result};
 use crate::hashing::{BlockHasher, ExtraKeys, TokenId};
 use crate::pool::BlockPool;
-use crate::types::{BlockId, KvEvent, NULL_BLOCK};
+use crate::types::{BlockId, GroupId, KvEvent, NULL_BLOCK};
 use coordinator::RunningStep;
-use single_type::GroupTable;
+use single_type::{Effects, GroupTable};
 use slots::Slots;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -104,6 +104,13 @@ pub struct AllocateArgs<'a> {
     /// Other requests are scheduled in this step: a waiting request must then leave the
     /// watermark free (vLLM's default is `true`; irrelevant with a zero watermark).
     pub has_scheduled_reqs: bool,
+    /// Tokens a KV connector supplies after the local hit (their blocks are allocated, not
+    /// hit).
+    pub num_external_computed_tokens: usize,
+    /// Free blocks the allocation must leave for other in-flight sequences.
+    pub reserved_blocks: usize,
+    /// Groups whose external-token blocks an asynchronous load writes (not to be zeroed).
+    pub skip_zeroing_group_ids: &'a [usize],
 }
 
 /// Prefix-cache hit statistics (vLLM's `PrefixCacheStats`).
@@ -133,6 +140,9 @@ impl PrefixCacheStats {
 struct RequestState {
     request: Request,
     tables: Vec<GroupTable>,
+    /// The shared-prefix junction its last `get_computed_blocks` found (vLLM's
+    /// `request.shared_prefix_boundary`, set by its scheduler from that call).
+    shared_prefix_boundary: usize,
 }
 
 impl RequestState {
@@ -208,6 +218,8 @@ pub struct KVCacheManager {
     scheduler_block_size: usize,
     hash_block_size: usize,
     requests: Slots<RequestState>,
+    /// Side effects collected across calls (Mamba's step keys, blocks to zero, offloads).
+    effects: Effects,
     /// Successful allocations and cache resets so far (only these evict cached blocks).
     epoch: u64,
     stats: PrefixCacheStats,
@@ -239,13 +251,10 @@ impl KVCacheManager {
         )?);
         let hasher = BlockHasher::new(hash_block_size, config.hash_algo, &config.hash_seed)?;
         let coordinator = Arc::new(Coordinator::new(
-            &config.groups,
-            config.enable_caching,
+            config,
             scheduler_block_size,
             hash_block_size,
-            config.max_in_flight_tokens.unwrap_or(config.max_model_len),
-            config.max_model_len,
-        ));
+        )?);
         Ok(KVCacheManager {
             id: NEXT_MANAGER_ID.fetch_add(1, Ordering::Relaxed),
             pool,
@@ -257,6 +266,7 @@ impl KVCacheManager {
             scheduler_block_size,
             hash_block_size,
             requests: Slots::default(),
+            effects: Effects::default(),
             epoch: 0,
             stats: PrefixCacheStats::default(),
             scratch: Vec::new(),
@@ -369,7 +379,14 @@ impl KVCacheManager {
     fn insert_request(&mut self, request: Request) -> RequestHandle {
         let tables = vec![GroupTable::default(); self.num_groups()];
         let id = request.id().to_owned();
-        self.requests.insert(id, RequestState { request, tables })
+        self.requests.insert(
+            id,
+            RequestState {
+                request,
+                tables,
+                shared_prefix_boundary: 0,
+            },
+        )
     }
 
     /// The handle of a registered request (see [`RequestHandle`]).
@@ -423,29 +440,116 @@ impl KVCacheManager {
     /// `num_tokens - 1` tokens (the last token is recomputed for its logits). Reference counts
     /// are not touched: pass the result to `allocate_slots` before any other allocation.
     pub fn get_computed_blocks<'a>(
-        &self,
+        &mut self,
         request: impl Into<RequestKey<'a>>,
     ) -> Result<ComputedBlocks> {
-        let state = self.state(request)?;
+        self.get_computed_blocks_capped(request, None)
+    }
+
+    /// [`KVCacheManager::get_computed_blocks`] with vLLM's `max_cache_hit_length` (default
+    /// `num_tokens - 1`). A request that skips reading the prefix cache (prompt logprobs) gets
+    /// no hit. The request's shared-prefix boundary becomes the one found here, as vLLM's
+    /// scheduler sets it from this call.
+    pub fn get_computed_blocks_capped<'a>(
+        &mut self,
+        request: impl Into<RequestKey<'a>>,
+        max_cache_hit_length: Option<usize>,
+    ) -> Result<ComputedBlocks> {
+        let state = self.requests.get_mut(request.into())?;
         let mut blocks = Vec::new();
-        let max_len = state.request.num_tokens().saturating_sub(1);
+        if state.request.skip_reading_prefix_cache() {
+            blocks.resize_with(self.coordinator.num_groups(), Vec::new);
+            return Ok(ComputedBlocks {
+                blocks,
+                origin: self.id,
+                epoch: self.epoch,
+                ..ComputedBlocks::default()
+            });
+        }
+        let max_len =
+            max_cache_hit_length.unwrap_or_else(|| state.request.num_tokens().saturating_sub(1));
         let hit = self.coordinator.find(
             &self.pool,
             state.request.block_hashes(),
             max_len,
             &mut blocks,
         );
+        let shared_prefix_boundary = if hit.uncached_common > 0 {
+            hit.tokens + hit.uncached_common
+        } else {
+            0
+        };
+        state.shared_prefix_boundary = shared_prefix_boundary;
         Ok(ComputedBlocks {
             blocks,
             num_computed_tokens: hit.tokens,
-            shared_prefix_boundary: if hit.uncached_common > 0 {
-                hit.tokens + hit.uncached_common
-            } else {
-                0
-            },
+            shared_prefix_boundary,
             origin: self.id,
             epoch: self.epoch,
         })
+    }
+
+    /// The local prefix-cache lookup for a request scheduled with a KV connector (vLLM's
+    /// `get_computed_blocks_for_connector`): for a Mamba hybrid with a full-attention group,
+    /// the full-attention hit, and whether a lagging group hit less (`hit_diverged`: the
+    /// connector must then supply the state at the boundary); otherwise `get_computed_blocks`.
+    pub fn get_computed_blocks_for_connector<'a>(
+        &mut self,
+        request: impl Into<RequestKey<'a>>,
+        max_cache_hit_length: Option<usize>,
+    ) -> Result<(ComputedBlocks, bool)> {
+        let key = request.into();
+        let coordinator = &*self.coordinator;
+        let fa = coordinator.full_attention_group();
+        let has_mamba = coordinator.groups().iter().any(|g| g.spec.is_mamba());
+        let (Some(fa), CoordinatorKind::Hybrid, true) = (fa, coordinator.kind(), has_mamba) else {
+            return Ok((
+                self.get_computed_blocks_capped(key, max_cache_hit_length)?,
+                false,
+            ));
+        };
+        let state = self.requests.get(key)?;
+        if state.request.skip_reading_prefix_cache() {
+            return Ok((
+                self.get_computed_blocks_capped(key, max_cache_hit_length)?,
+                false,
+            ));
+        }
+        let max_len =
+            max_cache_hit_length.unwrap_or_else(|| state.request.num_tokens().saturating_sub(1));
+        let (mut blocks, mut lengths) = (Vec::new(), Vec::new());
+        coordinator.find_per_group(
+            &self.pool,
+            state.request.block_hashes(),
+            max_len,
+            &mut blocks,
+            &mut lengths,
+        );
+        let cacheable = |g: &usize| coordinator.groups()[*g].spec.prefix_cacheable();
+        let fa_hit = lengths[fa];
+        if (0..lengths.len())
+            .filter(cacheable)
+            .any(|g| lengths[g] > fa_hit)
+        {
+            // A lagging group hit deeper: full attention's tail was evicted.
+            return Ok((
+                self.get_computed_blocks_capped(key, max_cache_hit_length)?,
+                false,
+            ));
+        }
+        let diverged = (0..lengths.len())
+            .filter(cacheable)
+            .any(|g| lengths[g] < fa_hit);
+        Ok((
+            ComputedBlocks {
+                blocks,
+                num_computed_tokens: fa_hit,
+                shared_prefix_boundary: 0,
+                origin: self.id,
+                epoch: self.epoch,
+            },
+            diverged,
+        ))
     }
 
     /// Gives the request slots for `num_new_tokens` more tokens (plus lookahead), adopting a
@@ -493,26 +597,34 @@ impl KVCacheManager {
         let state = self.requests.get_mut(key)?;
 
         let n_local = args.num_computed_tokens + args.num_new_computed_tokens;
-        let total = n_local.min(self.max_model_len);
+        let n_external = args.num_external_computed_tokens;
+        let total = (n_local + n_external).min(self.max_model_len);
         let main = total + args.num_new_tokens;
         let need_slot = main
             .saturating_add(args.num_lookahead_tokens)
             .min(self.max_model_len);
         let num_tokens = state.request.num_tokens();
-
+        let num_prompt = state.request.num_prompt_tokens();
         let processed = total.saturating_sub(args.num_in_flight_tokens);
-        // Full blocks of these tokens are cached after the allocation.
-        let cache_tokens = (self.enable_caching && !args.delay_cache_blocks)
-            .then(|| main.min(num_tokens) / self.scheduler_block_size * self.scheduler_block_size);
+        // Draft tokens are never cached: at most the request's tokens.
+        let cache_tokens =
+            (self.enable_caching && !args.delay_cache_blocks).then(|| main.min(num_tokens));
 
         let running = state.tables.iter().all(|t| t.num_cached.is_some());
         #[cfg(test)]
         let running = running && !self.general_path_only;
-        if running && hits.is_empty() && !args.full_sequence_must_fit {
+        if running
+            && coordinator.fast_running()
+            && hits.is_empty()
+            && n_external == 0
+            && !args.full_sequence_must_fit
+        {
             let step = RunningStep {
                 processed,
                 need_slot,
                 cache_tokens,
+                reserved: args.reserved_blocks,
+                shared_prefix_boundary: state.shared_prefix_boundary,
             };
             return coordinator.running_step(
                 pool,
@@ -521,47 +633,84 @@ impl KVCacheManager {
                 &step,
                 new_blocks,
                 &mut self.scratch,
+                &mut self.effects,
             );
         }
         // A waiting (or preempted) request holds no blocks yet.
         let watermark = if args.has_scheduled_reqs && !state.is_tracked() {
-            self.watermark_blocks
+            self.watermark_blocks as i64
         } else {
             0
         };
+        let free = pool.num_free_blocks() as i64;
         if args.full_sequence_must_fit {
             let full = num_tokens.min(self.max_model_len);
-            let need =
-                coordinator.num_blocks_to_allocate(pool, &state.tables, full, hits, total, true);
-            if need + watermark > pool.num_free_blocks() {
+            let need = coordinator.num_blocks_to_allocate(
+                pool,
+                &state.tables,
+                full,
+                hits,
+                total,
+                full,
+                true,
+                &self.effects,
+            );
+            if need + watermark > free {
                 return Ok(false);
             }
         }
 
         // Free what fell out of the window before counting: fewer evictions.
-        coordinator.remove_skipped_blocks(pool, &mut state.tables, processed, &mut self.scratch)?;
-        let need =
-            coordinator.num_blocks_to_allocate(pool, &state.tables, need_slot, hits, total, false);
-        if need + watermark > pool.num_free_blocks() {
+        coordinator.remove_skipped_blocks(
+            pool,
+            &mut state.tables,
+            processed,
+            Some(num_prompt),
+            &mut self.scratch,
+        )?;
+        let need = coordinator.num_blocks_to_allocate(
+            pool,
+            &state.tables,
+            need_slot,
+            hits,
+            n_local + n_external,
+            main,
+            false,
+            &self.effects,
+        );
+        let available = pool.num_free_blocks() as i64 - args.reserved_blocks as i64;
+        if need + watermark > available {
             return Ok(false);
         }
-        if !hits.is_empty() {
-            coordinator.add_local_computed_blocks(
+        if (!hits.is_empty() || n_external > 0) && !state.is_tracked() {
+            coordinator.allocate_new_computed_blocks(
                 pool,
                 &mut state.tables,
                 hits,
-                total,
+                n_local,
+                n_external,
                 self.enable_caching,
+                args.skip_zeroing_group_ids,
+                &mut self.effects,
             )?;
         }
-        coordinator.allocate_new_blocks(pool, &mut state.tables, need_slot, new_blocks)?;
+        coordinator.allocate_new_blocks(
+            pool,
+            &mut state.tables,
+            need_slot,
+            main,
+            new_blocks,
+            &mut self.effects,
+        )?;
         if let Some(n) = cache_tokens {
             coordinator.cache_blocks(
                 pool,
                 &mut state.tables,
                 &state.request,
                 n,
+                state.shared_prefix_boundary,
                 &mut self.scratch,
+                &mut self.effects,
             )?;
         }
         Ok(true)
@@ -577,7 +726,10 @@ impl KVCacheManager {
     ) -> Result<()> {
         let id = state.request.id();
         let max_model_len = self.max_model_len;
-        if args.num_new_tokens == 0 && args.num_new_computed_tokens == 0 {
+        if args.num_new_tokens == 0
+            && args.num_new_computed_tokens == 0
+            && args.num_external_computed_tokens == 0
+        {
             return invalid(format!(
                 "request {id:?}: num_new_tokens must be greater than 0 when there are no \
                  computed tokens to adopt"
@@ -586,16 +738,30 @@ impl KVCacheManager {
         let n_local = args
             .num_computed_tokens
             .checked_add(args.num_new_computed_tokens)
+            .and_then(|n| n.checked_add(args.num_external_computed_tokens))
             .and_then(|n| n.checked_add(args.num_new_tokens));
         match n_local {
             Some(n) if n <= max_model_len => {}
             _ => {
                 return Err(CoreError::OutOfRange(format!(
-                    "request {id:?}: {} computed + {} newly computed + {} new tokens exceed \
-                     max_model_len {max_model_len}",
-                    args.num_computed_tokens, args.num_new_computed_tokens, args.num_new_tokens
+                    "request {id:?}: {} computed + {} newly computed + {} external + {} new \
+                     tokens exceed max_model_len {max_model_len}",
+                    args.num_computed_tokens,
+                    args.num_new_computed_tokens,
+                    args.num_external_computed_tokens,
+                    args.num_new_tokens
                 )))
             }
+        }
+        if let Some(&g) = args
+            .skip_zeroing_group_ids
+            .iter()
+            .find(|&&g| g >= self.num_groups())
+        {
+            return Err(CoreError::OutOfRange(format!(
+                "skip_zeroing_group_ids: group {g} out of range ({} groups)",
+                self.num_groups()
+            )));
         }
         let computed = args.num_computed_tokens + args.num_new_computed_tokens;
         if computed > state.request.num_tokens() {
@@ -647,7 +813,10 @@ impl KVCacheManager {
             } else {
                 0
             };
-            if list.len() != expected {
+            // A Mamba group may hold its hit below the endpoint (a connector supplies the
+            // state there).
+            let fits = list.len() == expected || (m.spec.is_mamba() && list.len() < expected);
+            if !fits {
                 return invalid(format!(
                     "request {id:?}: group {g} got {} computed blocks for {n} computed tokens \
                      (expected {expected}); pass get_computed_blocks' result unchanged",
@@ -696,14 +865,17 @@ impl KVCacheManager {
             .map_or(&[][..], |c| &c.blocks[..]);
         let computed = hit.map_or(0, |c| c.num_computed_tokens);
         let full = state.request.num_tokens().min(self.max_model_len);
-        Ok(self.coordinator.num_blocks_to_allocate(
+        let need = self.coordinator.num_blocks_to_allocate(
             &self.pool,
             &state.tables,
             full,
             hits,
             computed,
+            full,
             true,
-        ))
+            &self.effects,
+        );
+        Ok(need.max(0) as usize)
     }
 
     /// Frees all of a request's blocks, every group tail first (the request stays known, e.g.
@@ -715,11 +887,13 @@ impl KVCacheManager {
     }
 
     /// Frees the blocks that fell out of the window after `num_computed_tokens` (vLLM's
-    /// `remove_skipped_blocks`); `allocate_slots` already does this.
+    /// `remove_skipped_blocks`); `allocate_slots` already does this. With `num_prompt_tokens`,
+    /// reference-sliding-window groups also free the gap after the prompt.
     pub fn remove_skipped_blocks<'a>(
         &mut self,
         request: impl Into<RequestKey<'a>>,
         num_computed_tokens: usize,
+        num_prompt_tokens: Option<usize>,
     ) -> Result<()> {
         let state = self.requests.get_mut(request.into())?;
         if num_computed_tokens > state.request.num_tokens() {
@@ -733,6 +907,7 @@ impl KVCacheManager {
             &self.pool,
             &mut state.tables,
             num_computed_tokens,
+            num_prompt_tokens,
             &mut self.scratch,
         )
     }
@@ -878,9 +1053,230 @@ impl KVCacheManager {
         ok
     }
 
-    /// Called once per scheduler step (kept for API parity; nothing to do without Mamba
-    /// prefix caching).
-    pub fn new_step_starts(&mut self) {}
+    /// Call once at the start of every scheduler step: Mamba states cached in the previous step
+    /// become usable by hits.
+    pub fn new_step_starts(&mut self) {
+        if !self.effects.cached_this_step.is_empty() {
+            self.effects.cached_this_step.clear();
+        }
+    }
+
+    /// Caches the request's full blocks of its first `num_computed_tokens` tokens (after an
+    /// allocation with `delay_cache_blocks`, once the data has arrived).
+    pub fn cache_blocks<'a>(
+        &mut self,
+        request: impl Into<RequestKey<'a>>,
+        num_computed_tokens: usize,
+    ) -> Result<()> {
+        let state = self.requests.get_mut(request.into())?;
+        if num_computed_tokens > state.request.num_tokens() {
+            return Err(CoreError::OutOfRange(format!(
+                "request {:?}: {num_computed_tokens} tokens to cache but the request has only {}",
+                state.request.id(),
+                state.request.num_tokens()
+            )));
+        }
+        if !self.enable_caching {
+            return Ok(());
+        }
+        self.coordinator.cache_blocks(
+            &self.pool,
+            &mut state.tables,
+            &state.request,
+            num_computed_tokens,
+            state.shared_prefix_boundary,
+            &mut self.scratch,
+            &mut self.effects,
+        )
+    }
+
+    /// Empties the request's tables without freeing: its blocks in allocation order, groups
+    /// concatenated, leading nulls of each group dropped (vLLM's `pop_blocks_for_free`). The
+    /// caller frees them later, in reverse order.
+    pub fn pop_blocks_for_free<'a>(
+        &mut self,
+        request: impl Into<RequestKey<'a>>,
+    ) -> Result<Vec<BlockId>> {
+        let state = self.requests.get_mut(request.into())?;
+        let mut out = Vec::new();
+        self.coordinator.pop_blocks(&mut state.tables, &mut out);
+        Ok(out)
+    }
+
+    /// Removes the cache entries of the given blocks (reference counts untouched; a KV
+    /// connector's invalidation).
+    pub fn evict_blocks(&mut self, block_ids: &[BlockId]) -> Result<()> {
+        self.pool.evict_blocks(block_ids)?;
+        self.epoch += 1;
+        Ok(())
+    }
+
+    /// Drains the ids of newly allocated attention blocks the worker must zero (recorded when
+    /// the layout has Mamba layers, as vLLM's `needs_kv_cache_zeroing`).
+    pub fn take_new_block_ids(&mut self) -> Vec<BlockId> {
+        std::mem::take(&mut self.effects.new_block_ids)
+    }
+
+    /// Records the request's attention blocks from `start_token` on for zeroing again (blocks
+    /// a failed asynchronous load left unwritten). `start_token` must be block aligned in
+    /// every recording group.
+    pub fn record_blocks_for_zeroing<'a>(
+        &mut self,
+        request: impl Into<RequestKey<'a>>,
+        start_token: usize,
+    ) -> Result<()> {
+        let state = self.requests.get(request.into())?;
+        let groups = self.coordinator.groups();
+        for m in groups.iter().filter(|m| m.records_new_blocks) {
+            if start_token % m.spec.block_size != 0 {
+                return invalid(format!(
+                    "start_token {start_token} is not a multiple of group {}'s block size {}",
+                    m.id, m.spec.block_size
+                ));
+            }
+        }
+        for (m, t) in groups.iter().zip(&state.tables) {
+            if m.records_new_blocks {
+                let start = (start_token / m.spec.block_size).min(t.blocks.len());
+                self.effects
+                    .new_block_ids
+                    .extend_from_slice(&t.blocks[start..]);
+            }
+        }
+        Ok(())
+    }
+
+    /// Drains this step's Mamba boundary states committed to the cache, for KV connectors:
+    /// `(request id, group, block, boundary tokens)` each.
+    pub fn take_boundary_state_offloads(&mut self) -> Vec<(String, GroupId, BlockId, usize)> {
+        std::mem::take(&mut self.effects.boundary_offloads)
+    }
+
+    /// The request's block tables with attention groups clipped to the blocks covering
+    /// `num_computed_tokens` (Mamba groups whole).
+    pub fn get_block_ids_for_computed_tokens<'a>(
+        &self,
+        request: impl Into<RequestKey<'a>>,
+        num_computed_tokens: usize,
+    ) -> Result<Vec<Vec<BlockId>>> {
+        let state = self.state(request)?;
+        Ok(self
+            .coordinator
+            .groups()
+            .iter()
+            .zip(&state.tables)
+            .map(|(m, t)| {
+                let keep = if m.spec.is_mamba() {
+                    t.blocks.len()
+                } else {
+                    num_computed_tokens.div_ceil(m.spec.block_size)
+                };
+                t.blocks[..keep.min(t.blocks.len())].to_vec()
+            })
+            .collect())
+    }
+
+    /// Tokens of the request's own blocks in the prefix cache: per prefix-cacheable group the
+    /// longest prefix one of its blocks is cached for, the least over groups (vLLM's
+    /// `estimate_cached_tokens`).
+    pub fn estimate_cached_tokens<'a>(&self, request: impl Into<RequestKey<'a>>) -> Result<usize> {
+        let state = self.state(request)?;
+        let mut cached: Option<usize> = None;
+        for (m, t) in self.coordinator.groups().iter().zip(&state.tables) {
+            if !m.spec.prefix_cacheable() {
+                continue;
+            }
+            let bs = m.spec.block_size;
+            let group = t
+                .blocks
+                .iter()
+                .enumerate()
+                .rev()
+                .find(|&(_, &b)| {
+                    b != NULL_BLOCK
+                        && self
+                            .pool
+                            .block_key(b)
+                            .ok()
+                            .flatten()
+                            .is_some_and(|k| k.group == m.id)
+                })
+                .map_or(0, |(i, _)| (i + 1) * bs);
+            cached = Some(cached.map_or(group, |c| c.min(group)));
+        }
+        Ok(cached.unwrap_or(0))
+    }
+
+    /// A hit cut to its first `num_computed_tokens` tokens (a multiple of every prefix-cacheable
+    /// group's block size, within the hit; Mamba groups keep what they have below it).
+    pub fn truncate_computed_blocks(
+        &self,
+        blocks: &ComputedBlocks,
+        num_computed_tokens: usize,
+    ) -> Result<ComputedBlocks> {
+        let groups = self.coordinator.groups();
+        if !blocks.is_empty() && blocks.blocks.len() != groups.len() {
+            return invalid(format!(
+                "computed blocks for {} groups, the manager has {}",
+                blocks.blocks.len(),
+                groups.len()
+            ));
+        }
+        let mut out = Vec::with_capacity(groups.len());
+        for (g, m) in groups.iter().enumerate() {
+            let list = blocks.blocks.get(g).map_or(&[][..], Vec::as_slice);
+            if !m.spec.prefix_cacheable() {
+                out.push(Vec::new());
+                continue;
+            }
+            let bs = m.spec.block_size;
+            if num_computed_tokens % bs != 0 {
+                return invalid(format!(
+                    "{num_computed_tokens} tokens is not a multiple of group {g}'s block size {bs}"
+                ));
+            }
+            let mut keep = num_computed_tokens / bs;
+            if m.spec.is_mamba() {
+                keep = keep.min(list.len());
+            } else if keep > list.len() {
+                return Err(CoreError::OutOfRange(format!(
+                    "{num_computed_tokens} tokens are more than group {g}'s hit of {} blocks",
+                    list.len()
+                )));
+            }
+            out.push(list[..keep].to_vec());
+        }
+        Ok(ComputedBlocks {
+            blocks: out,
+            num_computed_tokens,
+            shared_prefix_boundary: 0,
+            origin: blocks.origin,
+            epoch: blocks.epoch,
+        })
+    }
+
+    /// vLLM's deprecated cascade-attention query: always 0 per group.
+    pub fn get_num_common_prefix_blocks(&self) -> Vec<usize> {
+        vec![0; self.num_groups()]
+    }
+
+    /// Marks a request as one that reads no prefix-cache hit (prompt logprobs).
+    pub fn set_skip_reading_prefix_cache<'a>(
+        &mut self,
+        request: impl Into<RequestKey<'a>>,
+        skip: bool,
+    ) -> Result<()> {
+        self.requests
+            .get_mut(request.into())?
+            .request
+            .set_skip_reading_prefix_cache(skip);
+        Ok(())
+    }
+
+    /// The request's shared-prefix boundary (set by `get_computed_blocks`).
+    pub fn shared_prefix_boundary<'a>(&self, request: impl Into<RequestKey<'a>>) -> Result<usize> {
+        Ok(self.state(request)?.shared_prefix_boundary)
+    }
 
     /// Fraction of the usable blocks in use.
     pub fn usage(&self) -> f64 {

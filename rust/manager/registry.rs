@@ -69,6 +69,10 @@ pub struct RequestRecord {
     pub output: Vec<u32>,
     /// The scheduler's count of computed tokens (it owns it; the manager is told per call).
     pub num_computed_tokens: usize,
+    /// Tokens scheduled but not yet processed (async scheduling).
+    pub num_in_flight_tokens: usize,
+    /// The request reads no prefix-cache hit (prompt logprobs).
+    pub skip_reading_prefix_cache: bool,
     prehashed: Option<Prehashed>,
     registrations: Vec<Registration>,
 }
@@ -93,6 +97,8 @@ impl RequestRecord {
             extra,
             output: Vec::new(),
             num_computed_tokens: 0,
+            num_in_flight_tokens: 0,
+            skip_reading_prefix_cache: false,
             prehashed,
             registrations: Vec::new(),
         })

@@ -21,6 +21,8 @@ pub struct Request {
     tail: Vec<u32>,
     /// Every token, kept only for KV events.
     all: Option<Vec<u32>>,
+    /// Prompt-logprobs requests read no prefix-cache hit (their blocks are still cached).
+    skip_reading: bool,
 }
 
 impl Request {
@@ -45,6 +47,7 @@ impl Request {
             hasher,
             extra,
             hashes,
+            skip_reading: false,
         })
     }
 
@@ -76,11 +79,21 @@ impl Request {
             hashes,
             tail,
             all: None,
+            skip_reading: false,
         })
     }
 
     pub fn id(&self) -> &str {
         &self.id
+    }
+
+    /// Whether the request reads no prefix-cache hit (vLLM's `skip_reading_prefix_cache`).
+    pub fn skip_reading_prefix_cache(&self) -> bool {
+        self.skip_reading
+    }
+
+    pub(crate) fn set_skip_reading_prefix_cache(&mut self, skip: bool) {
+        self.skip_reading = skip;
     }
 
     pub fn num_prompt_tokens(&self) -> usize {

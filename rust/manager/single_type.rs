@@ -1,13 +1,14 @@
 //! Per-group block tables and the rules of each attention type (vLLM's
 //! `SingleTypeKVCacheManager` and subclasses): how many blocks a request holds, which ones it
-//! frees as it advances, which it caches, and which prefix of a prompt counts as a cache hit
-//! ([`find_longest_cache_hit`]).
+//! frees as it advances, which it caches (and, under sparse retention, which it keeps
+//! reachable), and which prefix of a prompt counts as a cache hit ([`find_longest_cache_hit`]).
 
 use super::request::{HashView, Request};
-use super::spec::{AttentionKind, GroupSpec};
+use super::spec::{AttentionKind, GroupSpec, MambaMode};
 use crate::error::Result;
 use crate::pool::BlockPool;
-use crate::types::{BlockHash, BlockId, GroupId, StoreInfo, NULL_BLOCK};
+use crate::types::{BlockHash, BlockId, CacheKey, GroupId, StoreInfo, NULL_BLOCK};
+use std::collections::HashSet;
 
 /// One request's blocks in one group.
 #[derive(Clone, Debug, Default)]
@@ -17,13 +18,51 @@ pub(crate) struct GroupTable {
     /// Blocks already entered into the prefix cache; `None` until the request's first
     /// allocation with a hit or its first cached block (vLLM's `num_cached_block`).
     pub(crate) num_cached: Option<usize>,
+    /// Mamba align: blocks were allocated for the request before (vLLM's
+    /// `_allocated_block_reqs`).
+    pub(crate) allocated: bool,
+    /// Mamba align: the slot of the state the previous step started from, freed once it is
+    /// more than one block behind (vLLM's `last_state_block_idx`).
+    pub(crate) last_state: Option<usize>,
+    /// Mamba align: slots below this were already retired (vLLM's `_num_retired_blocks`).
+    pub(crate) num_retired: usize,
 }
 
 impl GroupTable {
     pub(crate) fn clear(&mut self) {
+        *self = GroupTable {
+            blocks: std::mem::take(&mut self.blocks),
+            ..GroupTable::default()
+        };
         self.blocks.clear();
-        self.num_cached = None;
     }
+}
+
+/// Side effects of allocation and caching the manager collects across calls.
+#[derive(Debug, Default)]
+pub(crate) struct Effects {
+    /// Mamba: keys cached in this scheduler step; a hit ending on one waits a step (its state
+    /// is only written by this step's forward pass).
+    pub(crate) cached_this_step: HashSet<CacheKey>,
+    /// Newly allocated attention blocks the worker must zero (when the layout needs it).
+    pub(crate) new_block_ids: Vec<BlockId>,
+    /// Mamba align: `(group, block, boundary tokens)` of each state committed to the cache
+    /// this step, for KV connectors; keyed by request id.
+    pub(crate) boundary_offloads: Vec<(String, GroupId, BlockId, usize)>,
+}
+
+/// What `cache_blocks` needs to know about the request beyond its hashes.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CacheCtx<'a> {
+    pub(crate) hash_block_size: usize,
+    /// vLLM's `prefix_cache_retention_interval`.
+    pub(crate) retention: Option<usize>,
+    /// Positions a later request replaying the prompt can resume at.
+    pub(crate) replay_boundaries: &'a [usize],
+    /// The request's shared-prefix junction (0: none).
+    pub(crate) shared_prefix_boundary: usize,
+    /// The request's computed tokens before this call (Mamba shared-prefix checkpoints).
+    pub(crate) num_hash_lookahead_tokens: usize,
 }
 
 /// A group's spec plus the values derived from the manager's config.
@@ -34,14 +73,40 @@ pub(crate) struct GroupManager {
     /// Hash blocks per block of this group.
     pub(crate) hash_ratio: usize,
     pub(crate) admission_cap: Option<usize>,
-    /// Only full blocks ending on a multiple of this many tokens are worth caching
-    /// (`scheduler_block_size`); used by the sliding-window reachability mask.
+    /// Hit lengths are multiples of this many tokens (vLLM's `cache_hit_alignment_tokens`).
     pub(crate) alignment: usize,
+    /// The group's hits drop the EAGLE block (vLLM's manager `use_eagle`).
+    pub(crate) use_eagle: bool,
+    /// Mamba checkpoints follow EAGLE's replay boundary.
+    pub(crate) drop_eagle_checkpoint: bool,
+    /// Tokens kept below a sliding window for multi-token prediction.
+    pub(crate) extra_retained: usize,
+    /// New blocks are recorded for the worker to zero.
+    pub(crate) records_new_blocks: bool,
+    /// Blocks in the pool, the null block included (Mamba's "wait a step" answer).
+    pub(crate) num_gpu_blocks: usize,
+}
+
+fn evictable(pool: &BlockPool, hits: &[BlockId]) -> usize {
+    hits.iter()
+        .filter(|&&b| b != NULL_BLOCK && pool.ref_count(b).unwrap_or(1) == 0)
+        .count()
 }
 
 impl GroupManager {
+    fn bs(&self) -> usize {
+        self.spec.block_size
+    }
+
+    fn skipped_tokens(&self, num_computed_tokens: usize) -> usize {
+        self.spec
+            .skipped_tokens(num_computed_tokens, self.extra_retained)
+    }
+
     /// Blocks `allocate_new_blocks` will take for `num_tokens` slots, plus the hit blocks that
-    /// touching will take out of the free order (vLLM's `get_num_blocks_to_allocate`).
+    /// touching will take out of the free order (vLLM's `get_num_blocks_to_allocate`). Signed:
+    /// a Mamba align group may answer below zero, as in vLLM.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn num_blocks_to_allocate(
         &self,
         pool: &BlockPool,
@@ -49,9 +114,69 @@ impl GroupManager {
         num_tokens: usize,
         hits: &[BlockId],
         total_computed_tokens: usize,
+        num_tokens_main_model: usize,
         apply_admission_cap: bool,
-    ) -> usize {
-        let bs = self.spec.block_size;
+        effects: &Effects,
+    ) -> i64 {
+        let bs = self.bs();
+        match self.spec.kind {
+            AttentionKind::CircularBuffer => return table.blocks.is_empty() as i64,
+            AttentionKind::Mamba {
+                mode,
+                speculative_blocks,
+            } => {
+                if let Some(&last) = hits.last() {
+                    let key = pool.block_key(last).ok().flatten();
+                    if key.is_some_and(|k| effects.cached_this_step.contains(&k)) {
+                        // Its state is written by this step's forward: wait a step.
+                        return self.num_gpu_blocks as i64 + 1;
+                    }
+                }
+                if mode == MambaMode::None {
+                    let tokens = num_tokens + bs * speculative_blocks;
+                    return self.base_blocks_to_allocate(
+                        pool,
+                        table,
+                        tokens,
+                        hits,
+                        total_computed_tokens,
+                        apply_admission_cap,
+                    );
+                }
+                // Align: lookahead tokens get no state block.
+                let required = (num_tokens_main_model.div_ceil(bs) + speculative_blocks) as i64;
+                let mut new = required - hits.len() as i64 - table.blocks.len() as i64;
+                if new > 0 {
+                    let mut cap = 1;
+                    if !table.allocated {
+                        cap += speculative_blocks as i64;
+                    }
+                    new = new.min(cap);
+                }
+                return new + evictable(pool, hits) as i64;
+            }
+            _ => {}
+        }
+        self.base_blocks_to_allocate(
+            pool,
+            table,
+            num_tokens,
+            hits,
+            total_computed_tokens,
+            apply_admission_cap,
+        )
+    }
+
+    fn base_blocks_to_allocate(
+        &self,
+        pool: &BlockPool,
+        table: &GroupTable,
+        num_tokens: usize,
+        hits: &[BlockId],
+        total_computed_tokens: usize,
+        apply_admission_cap: bool,
+    ) -> i64 {
+        let bs = self.bs();
         let mut required = num_tokens.div_ceil(bs);
         if apply_admission_cap {
             if let Some(cap) = self.admission_cap {
@@ -61,16 +186,12 @@ impl GroupManager {
         let held = table.blocks.len();
         if table.num_cached.is_some() {
             // A running request: no new hits.
-            return required.saturating_sub(held);
+            return required.saturating_sub(held) as i64;
         }
-        let skipped_blocks = self.spec.skipped_tokens(total_computed_tokens) / bs;
+        let skipped_blocks = self.skipped_tokens(total_computed_tokens) / bs;
         let new = required.saturating_sub(skipped_blocks.max(hits.len() + held));
         let skip_hits = skipped_blocks.saturating_sub(held).min(hits.len());
-        let evictable = hits[skip_hits..]
-            .iter()
-            .filter(|&&b| b != NULL_BLOCK && pool.ref_count(b).unwrap_or(1) == 0)
-            .count();
-        new + evictable
+        (new + evictable(pool, &hits[skip_hits..])) as i64
     }
 
     /// Adopts a request's first hit: skipped positions become null, the rest are touched.
@@ -79,10 +200,13 @@ impl GroupManager {
         pool: &BlockPool,
         table: &mut GroupTable,
         hits: &[BlockId],
-        num_computed_tokens: usize,
+        total_computed_tokens: usize,
         enable_caching: bool,
     ) -> Result<()> {
-        let skipped = self.spec.skipped_tokens(num_computed_tokens) / self.spec.block_size;
+        if matches!(self.spec.kind, AttentionKind::CircularBuffer) {
+            return Ok(());
+        }
+        let skipped = self.skipped_tokens(total_computed_tokens) / self.bs();
         let kept = &hits[skipped.min(hits.len())..];
         if enable_caching {
             pool.touch(kept)?;
@@ -93,122 +217,471 @@ impl GroupManager {
         Ok(())
     }
 
-    /// Appends new blocks until the table covers `num_tokens` slots; the new ids go to `out`.
+    /// Blocks for tokens a KV connector supplies (after every group adopted its local hit).
+    pub(crate) fn allocate_external_computed_blocks(
+        &self,
+        pool: &BlockPool,
+        table: &mut GroupTable,
+        num_local_computed_tokens: usize,
+        num_external_computed_tokens: usize,
+        record_new: bool,
+        effects: &mut Effects,
+    ) -> Result<()> {
+        if matches!(self.spec.kind, AttentionKind::CircularBuffer) {
+            return self.claim_ring_block(pool, table, record_new, effects);
+        }
+        let total = num_local_computed_tokens + num_external_computed_tokens;
+        let skipped = self.skipped_tokens(total);
+        let external = if skipped > 0 {
+            (total - skipped).min(num_external_computed_tokens)
+        } else {
+            num_external_computed_tokens
+        };
+        if external == 0 {
+            return Ok(());
+        }
+        let new = total.div_ceil(self.bs()).saturating_sub(table.blocks.len());
+        let start = table.blocks.len();
+        pool.get_new_blocks_into(new, &mut table.blocks)?;
+        if self.records_new_blocks && record_new {
+            effects
+                .new_block_ids
+                .extend_from_slice(&table.blocks[start..]);
+        }
+        Ok(())
+    }
+
+    fn claim_ring_block(
+        &self,
+        pool: &BlockPool,
+        table: &mut GroupTable,
+        record_new: bool,
+        effects: &mut Effects,
+    ) -> Result<()> {
+        if table.blocks.is_empty() {
+            pool.get_new_blocks_into(1, &mut table.blocks)?;
+            if self.records_new_blocks && record_new {
+                effects.new_block_ids.push(table.blocks[0]);
+            }
+        }
+        Ok(())
+    }
+
+    /// Grows the table to cover `num_tokens` slots; what the worker gets for this step goes to
+    /// `out` (for Mamba align that may include null blocks and relocated speculative blocks).
     pub(crate) fn allocate_new_blocks(
         &self,
         pool: &BlockPool,
         table: &mut GroupTable,
         num_tokens: usize,
+        num_tokens_main_model: usize,
         out: &mut Vec<BlockId>,
+        effects: &mut Effects,
     ) -> Result<()> {
-        let required = num_tokens.div_ceil(self.spec.block_size);
-        let new = required.saturating_sub(table.blocks.len());
+        let bs = self.bs();
+        let num_tokens = match self.spec.kind {
+            AttentionKind::CircularBuffer => {
+                let had = table.blocks.len();
+                self.claim_ring_block(pool, table, true, effects)?;
+                out.extend_from_slice(&table.blocks[had..]);
+                return Ok(());
+            }
+            AttentionKind::Mamba {
+                mode: MambaMode::Align,
+                speculative_blocks,
+            } => {
+                return self.allocate_mamba_align(
+                    pool,
+                    table,
+                    num_tokens_main_model,
+                    speculative_blocks,
+                    out,
+                )
+            }
+            AttentionKind::Mamba {
+                mode: MambaMode::None,
+                speculative_blocks,
+            } => num_tokens + bs * speculative_blocks,
+            _ => num_tokens,
+        };
+        let new = num_tokens.div_ceil(bs).saturating_sub(table.blocks.len());
         if new > 0 {
             let start = table.blocks.len();
             pool.get_new_blocks_into(new, &mut table.blocks)?;
             out.extend_from_slice(&table.blocks[start..]);
+            if self.records_new_blocks {
+                effects
+                    .new_block_ids
+                    .extend_from_slice(&table.blocks[start..]);
+            }
         }
         Ok(())
     }
 
+    /// vLLM's align-mode Mamba allocation: the table keeps only live states (nulls elsewhere),
+    /// one new state block per step (plus the speculative blocks on the first allocation),
+    /// exclusively owned speculative blocks relocated to the end.
+    fn allocate_mamba_align(
+        &self,
+        pool: &BlockPool,
+        table: &mut GroupTable,
+        num_tokens: usize,
+        spec_blocks: usize,
+        out: &mut Vec<BlockId>,
+    ) -> Result<()> {
+        let required = num_tokens.div_ceil(self.bs()) + spec_blocks;
+        if required <= table.blocks.len() {
+            table.allocated = true;
+            return Ok(());
+        }
+        let prev = table.blocks.len();
+        let allocated = table.allocated;
+        if allocated {
+            // The running state always sits in the last (1 + speculative) blocks.
+            table.last_state = Some(prev - 1 - spec_blocks);
+        } else if prev > 0 {
+            // A new request's last hit block holds the hit state.
+            table.last_state = Some(prev - 1);
+        }
+        let skipped = required - spec_blocks - 1;
+        if prev < skipped {
+            table.blocks.resize(skipped, NULL_BLOCK);
+        }
+        if allocated {
+            for idx in prev.saturating_sub(spec_blocks)..prev {
+                if idx >= skipped {
+                    break;
+                }
+                let block = table.blocks[idx];
+                table.blocks.push(block);
+                table.blocks[idx] = NULL_BLOCK;
+            }
+        }
+        let new = required.saturating_sub(table.blocks.len());
+        out.extend_from_slice(&table.blocks[prev..]);
+        let start = table.blocks.len();
+        pool.get_new_blocks_into(new, &mut table.blocks)?;
+        out.extend_from_slice(&table.blocks[start..]);
+        table.allocated = true;
+        Ok(())
+    }
+
     /// Enters the request's full blocks covering the first `num_tokens` tokens into the prefix
-    /// cache (dense retention: every non-null block, or the reachable ones when a hit can only
-    /// end on coarser alignment boundaries).
+    /// cache: every non-null block in dense retention, under sparse retention only the blocks a
+    /// later hit can reach (vLLM's `cache_blocks` with `reachable_block_mask`).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn cache_blocks(
         &self,
         pool: &BlockPool,
         table: &mut GroupTable,
         request: &Request,
         num_tokens: usize,
-        hash_block_size: usize,
+        ctx: &CacheCtx<'_>,
         scratch: &mut Vec<BlockId>,
+        effects: &mut Effects,
     ) -> Result<()> {
         if !self.spec.prefix_cacheable() {
             return Ok(());
         }
-        let bs = self.spec.block_size;
+        let bs = self.bs();
         let hashes = request.block_hashes();
-        let num_full =
-            (num_tokens.min(hashes.len() * hash_block_size) / bs).min(table.blocks.len());
         let num_cached = table.num_cached.unwrap_or(0);
-        if num_cached >= num_full {
-            return Ok(());
+        let num_full =
+            (num_tokens.min(hashes.len() * ctx.hash_block_size) / bs).min(table.blocks.len());
+        if num_cached < num_full {
+            let view = HashView::new(hashes, self.hash_ratio);
+            let mut blocks = &table.blocks[num_cached..num_full];
+            if self.mask_blocks(num_cached, num_full, ctx, blocks, scratch) {
+                blocks = scratch.as_slice();
+            }
+            let mut hash_buf;
+            let block_hashes = if self.hash_ratio == 1 {
+                &hashes[num_cached..num_full]
+            } else {
+                hash_buf = Vec::with_capacity(num_full - num_cached);
+                hash_buf.extend((num_cached..num_full).map(|i| view.get(i)));
+                hash_buf.as_slice()
+            };
+            let info = StoreInfo {
+                parent_block_hash: (num_cached > 0).then(|| view.get(num_cached - 1)),
+                token_ids: request.token_range(num_cached * bs, num_full * bs),
+                block_size: bs as u32,
+            };
+            pool.cache_full_blocks(blocks, block_hashes, self.id, info)?;
+            table.num_cached = Some(num_full);
+            if self.spec.is_mamba_align() {
+                self.record_cached_states(pool, table, request, num_cached, num_full, effects);
+            }
         }
-        let view = HashView::new(hashes, self.hash_ratio);
-        let mut blocks = &table.blocks[num_cached..num_full];
-        if let Some(per) = self.reachable_period() {
-            let need = self.spec.sliding_window_contiguous_blocks();
-            scratch.clear();
-            scratch.extend(blocks.iter().enumerate().map(|(j, &b)| {
-                if (num_cached + j) % per >= per - need {
-                    b
-                } else {
-                    NULL_BLOCK
-                }
-            }));
-            blocks = scratch.as_slice();
+        if self.spec.is_mamba_align() {
+            self.cache_mamba_prompt_tail(pool, table, request, num_tokens, ctx, effects)?;
         }
-        let mut hash_buf;
-        let block_hashes = if self.hash_ratio == 1 {
-            &hashes[num_cached..num_full]
-        } else {
-            hash_buf = Vec::with_capacity(num_full - num_cached);
-            hash_buf.extend((num_cached..num_full).map(|i| view.get(i)));
-            hash_buf.as_slice()
-        };
-        let info = StoreInfo {
-            parent_block_hash: (num_cached > 0).then(|| view.get(num_cached - 1)),
-            token_ids: request.token_range(num_cached * bs, num_full * bs),
-            block_size: bs as u32,
-        };
-        pool.cache_full_blocks(blocks, block_hashes, self.id, info)?;
-        table.num_cached = Some(num_full);
         Ok(())
     }
 
-    /// Sliding-window groups whose hits must end on `alignment` boundaries spanning several of
-    /// their blocks only keep the `need` blocks before each boundary reachable; `None` when
-    /// every block is.
-    fn reachable_period(&self) -> Option<usize> {
-        match self.spec.kind {
-            AttentionKind::SlidingWindow { .. } => {
-                let per = self.alignment / self.spec.block_size;
-                let need = self.spec.sliding_window_contiguous_blocks();
-                (need < per).then_some(per)
+    /// Mamba align: remembers the states cached in `[from, to)` (hits on them wait a step) and
+    /// offers them to KV connectors.
+    fn record_cached_states(
+        &self,
+        pool: &BlockPool,
+        table: &GroupTable,
+        request: &Request,
+        from: usize,
+        to: usize,
+        effects: &mut Effects,
+    ) {
+        for idx in from..to {
+            let block = table.blocks[idx];
+            if block == NULL_BLOCK {
+                continue;
             }
-            _ => None,
+            if let Ok(Some(key)) = pool.block_key(block) {
+                effects.cached_this_step.insert(key);
+                effects.boundary_offloads.push((
+                    request.id().to_owned(),
+                    self.id,
+                    block,
+                    (idx + 1) * self.bs(),
+                ));
+            }
         }
     }
 
+    /// Mamba align: caches the state at the prompt's latest hash boundary when this chunk ended
+    /// exactly there (vLLM's `_cache_partial_tail_block` without prefill checkpoints).
+    fn cache_mamba_prompt_tail(
+        &self,
+        pool: &BlockPool,
+        table: &mut GroupTable,
+        request: &Request,
+        num_tokens: usize,
+        ctx: &CacheCtx<'_>,
+        effects: &mut Effects,
+    ) -> Result<()> {
+        let hash_bs = ctx.hash_block_size;
+        if num_tokens == 0 || num_tokens % hash_bs != 0 {
+            return Ok(());
+        }
+        let latest = mamba_checkpoint_position(
+            request.num_prompt_tokens(),
+            hash_bs,
+            self.drop_eagle_checkpoint,
+            ctx.num_hash_lookahead_tokens,
+        );
+        if num_tokens != latest {
+            return Ok(());
+        }
+        let idx = num_tokens.div_ceil(self.bs()) - 1;
+        let Some(&block) = table.blocks.get(idx) else {
+            return Ok(());
+        };
+        if block == NULL_BLOCK {
+            return Ok(());
+        }
+        let hash = request.block_hashes()[num_tokens / hash_bs - 1];
+        let key = CacheKey {
+            hash,
+            group: self.id,
+        };
+        if pool.block_key(block)? == Some(key) {
+            // Already keyed here (by a hit or an earlier step).
+            return Ok(());
+        }
+        let info = StoreInfo {
+            parent_block_hash: (num_tokens > hash_bs)
+                .then(|| request.block_hashes()[num_tokens / hash_bs - 2]),
+            token_ids: request.token_range(num_tokens - hash_bs, num_tokens),
+            block_size: hash_bs as u32,
+        };
+        if pool.block_key(block)?.is_some() {
+            // A key for a shorter prefix: the state moved on, the key goes.
+            pool.evict_blocks(&[block])?;
+        }
+        pool.cache_full_blocks(&[block], &[hash], self.id, info)?;
+        effects.cached_this_step.insert(key);
+        Ok(())
+    }
+
+    /// Fills `scratch` with the blocks of `[start, end)` a later hit can reach (null blocks
+    /// elsewhere) and returns `true`, or returns `false` when every block is reachable.
+    fn mask_blocks(
+        &self,
+        start: usize,
+        end: usize,
+        ctx: &CacheCtx<'_>,
+        blocks: &[BlockId],
+        scratch: &mut Vec<BlockId>,
+    ) -> bool {
+        let bs = self.bs();
+        let alignment = self.alignment;
+        let mut boundaries = [0usize; 4];
+        let mut n = 0;
+        for &b in ctx.replay_boundaries {
+            boundaries[n] = b;
+            n += 1;
+        }
+        if ctx.shared_prefix_boundary > 0 {
+            boundaries[n] = ctx.shared_prefix_boundary;
+            n += 1;
+            if self.use_eagle {
+                // A sibling diverging right after the junction cannot use the block past it
+                // as the EAGLE peek: its hit lands one block lower.
+                boundaries[n] = ctx.shared_prefix_boundary.saturating_sub(bs);
+                n += 1;
+            }
+        }
+        let boundaries = &boundaries[..n];
+        let mark = |scratch: &mut Vec<BlockId>, i: usize| scratch[i - start] = blocks[i - start];
+        if self.spec.is_sliding_window() {
+            if alignment % bs != 0 {
+                return false;
+            }
+            let need = self.spec.sliding_window_contiguous_blocks(self.use_eagle);
+            let shift = self.use_eagle as usize;
+            let segment = match ctx.retention {
+                None => Some(alignment),
+                Some(0) => None,
+                Some(r) => Some(r),
+            };
+            scratch.clear();
+            scratch.resize(end - start, NULL_BLOCK);
+            if let Some(segment) = segment {
+                let per = segment / bs;
+                if need >= per {
+                    return false;
+                }
+                for i in start..end {
+                    if i >= shift && (i - shift) % per >= per - need {
+                        mark(scratch, i);
+                    }
+                }
+            }
+            if ctx.retention.is_some() {
+                for &b in boundaries {
+                    let aligned = b / alignment * alignment;
+                    let e = aligned / bs + shift;
+                    for j in e.saturating_sub(need).max(start)..e.min(end) {
+                        mark(scratch, j);
+                    }
+                }
+            }
+            return true;
+        }
+        if self.spec.is_mamba() {
+            let Some(retention) = ctx.retention else {
+                return false;
+            };
+            scratch.clear();
+            scratch.resize(end - start, NULL_BLOCK);
+            if retention > 0 {
+                let per = retention / bs;
+                if per <= 1 {
+                    return false;
+                }
+                let first = (start + per) / per * per - 1;
+                let mut i = first;
+                while i < end {
+                    mark(scratch, i);
+                    i += per;
+                }
+            }
+            for &b in boundaries {
+                let aligned = b / alignment * alignment;
+                if let Some(block) = (aligned / bs).checked_sub(1) {
+                    if (start..end).contains(&block) {
+                        mark(scratch, block);
+                    }
+                }
+            }
+            return true;
+        }
+        false
+    }
+
     /// Replaces blocks no longer needed after `num_computed_tokens` with the null block and
-    /// frees them, last first, stopping at the first slot already null.
+    /// frees them, last first (vLLM's `remove_skipped_blocks`). `num_prompt_tokens` lets a
+    /// reference-sliding-window group free the gap between the prompt and its window.
     pub(crate) fn remove_skipped_blocks(
         &self,
         pool: &BlockPool,
         table: &mut GroupTable,
         num_computed_tokens: usize,
+        num_prompt_tokens: Option<usize>,
         scratch: &mut Vec<BlockId>,
     ) -> Result<()> {
-        let skipped = self.spec.skipped_tokens(num_computed_tokens);
-        if skipped == 0 {
-            return Ok(());
-        }
-        let last = (skipped / self.spec.block_size).min(table.blocks.len());
-        scratch.clear();
-        for i in (0..last).rev() {
-            let b = table.blocks[i];
-            if b == NULL_BLOCK {
-                break;
+        let bs = self.bs();
+        match (self.spec.kind, num_prompt_tokens) {
+            (AttentionKind::CircularBuffer, _) => return Ok(()),
+            (AttentionKind::Rswa { window }, Some(prompt)) => {
+                let first = prompt.div_ceil(bs);
+                let last = prompt.max(num_computed_tokens.saturating_sub(window)) / bs;
+                return remove_blocks_in_range(pool, table, first, last, scratch);
             }
-            scratch.push(b);
+            _ => {}
         }
-        if scratch.is_empty() {
+        let skipped = self.skipped_tokens(num_computed_tokens);
+        if skipped > 0 {
+            let last = (skipped / bs).min(table.blocks.len());
+            if self.spec.is_mamba_align() {
+                self.retire_mamba_blocks(pool, table, last, scratch)?;
+            } else {
+                remove_blocks_in_range(pool, table, 0, last, scratch)?;
+            }
+        }
+        if self.spec.is_mamba_align() {
+            // The state the previous step started from is no longer needed once the request
+            // is more than one block past it.
+            if let Some(idx) = table.last_state {
+                if idx + 1 < num_computed_tokens.div_ceil(bs) {
+                    if let Some(slot) = table.blocks.get_mut(idx) {
+                        if *slot != NULL_BLOCK {
+                            let block = std::mem::replace(slot, NULL_BLOCK);
+                            pool.free_blocks(&[block])?;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Mamba align: frees the live blocks of `[retired, last)` (nulls between states are
+    /// skipped, not a stop) and remembers that everything below `last` is retired.
+    fn retire_mamba_blocks(
+        &self,
+        pool: &BlockPool,
+        table: &mut GroupTable,
+        last: usize,
+        scratch: &mut Vec<BlockId>,
+    ) -> Result<()> {
+        let first = table.num_retired;
+        if first >= last {
             return Ok(());
         }
-        pool.free_blocks(scratch)?;
-        let first = last - scratch.len();
-        table.blocks[first..last].fill(NULL_BLOCK);
+        scratch.clear();
+        for i in (first..last).rev() {
+            if table.blocks[i] != NULL_BLOCK {
+                scratch.push(table.blocks[i]);
+                table.blocks[i] = NULL_BLOCK;
+            }
+        }
+        if !scratch.is_empty() {
+            pool.free_blocks(scratch)?;
+        }
+        table.num_retired = last;
         Ok(())
+    }
+
+    /// Empties the table: its blocks without the leading nulls, in allocation order (vLLM's
+    /// `pop_blocks_for_free`).
+    pub(crate) fn pop_blocks(&self, table: &mut GroupTable, out: &mut Vec<BlockId>) {
+        let lead = table
+            .blocks
+            .iter()
+            .position(|&b| b != NULL_BLOCK)
+            .unwrap_or(table.blocks.len());
+        out.extend_from_slice(&table.blocks[lead..]);
+        table.clear();
     }
 
     /// Frees a request's blocks tail first (leading nulls dropped) and forgets them.
@@ -218,24 +691,70 @@ impl GroupManager {
         table: &mut GroupTable,
         scratch: &mut Vec<BlockId>,
     ) -> Result<()> {
-        let lead = table
-            .blocks
-            .iter()
-            .position(|&b| b != NULL_BLOCK)
-            .unwrap_or(table.blocks.len());
         scratch.clear();
-        scratch.extend(table.blocks[lead..].iter().rev());
-        pool.free_blocks(scratch)?;
-        table.clear();
-        Ok(())
+        self.pop_blocks(table, scratch);
+        scratch.reverse();
+        pool.free_blocks(scratch)
     }
 }
 
-/// The longest cached prefix of `hashes` (at `hash_block_size`) of at most `max_len` tokens under
-/// the rule of `spec`'s attention type, for the groups `gids` (all with that spec: a hit needs
-/// every one of them cached). Fills `out[g]` for each of them (null blocks where a slot needs
-/// none) and returns the hit length in tokens, a multiple of `alignment` (vLLM's
-/// `find_longest_cache_hit` of each single-type manager).
+/// Frees the blocks of `[first, last)` from the last backwards, stopping at the first null
+/// (everything before it was removed already), and nulls their slots.
+fn remove_blocks_in_range(
+    pool: &BlockPool,
+    table: &mut GroupTable,
+    first: usize,
+    last: usize,
+    scratch: &mut Vec<BlockId>,
+) -> Result<()> {
+    let last = last.min(table.blocks.len());
+    if first >= last {
+        return Ok(());
+    }
+    scratch.clear();
+    for i in (first..last).rev() {
+        let b = table.blocks[i];
+        if b == NULL_BLOCK {
+            break;
+        }
+        scratch.push(b);
+    }
+    if scratch.is_empty() {
+        return Ok(());
+    }
+    pool.free_blocks(scratch)?;
+    table.blocks[last - scratch.len()..last].fill(NULL_BLOCK);
+    Ok(())
+}
+
+/// vLLM's `get_mamba_prefill_checkpoint_position`: the latest hash boundary of a prefill of
+/// `num_tokens` whose state a later request can reuse (leaving a token to recompute, or the
+/// EAGLE block).
+pub(crate) fn mamba_checkpoint_position(
+    num_tokens: usize,
+    hash_block_size: usize,
+    drop_eagle_block: bool,
+    num_hash_lookahead_tokens: usize,
+) -> usize {
+    let limit = if drop_eagle_block {
+        num_tokens
+    } else {
+        num_tokens.saturating_sub(num_hash_lookahead_tokens.max(1))
+    };
+    let position = limit / hash_block_size * hash_block_size;
+    if drop_eagle_block {
+        position.saturating_sub(hash_block_size)
+    } else {
+        position
+    }
+}
+
+/// The longest cached prefix of `hashes` (at `hash_block_size`) of at most `max_len` tokens
+/// under the rule of `spec`'s attention type, for the groups `gids` (all with that spec: a hit
+/// needs every one of them cached). Fills `out[g]` for each of them (null blocks where a slot
+/// needs none) and returns the hit length in tokens, a multiple of `alignment` (vLLM's
+/// `find_longest_cache_hit` of each single-type manager). `drop_eagle` drops the last matched
+/// block (EAGLE drafting recomputes it).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn find_longest_cache_hit(
     spec: &GroupSpec,
@@ -245,6 +764,7 @@ pub(crate) fn find_longest_cache_hit(
     max_len: usize,
     gids: &[usize],
     alignment: usize,
+    drop_eagle: bool,
     out: &mut [Vec<BlockId>],
     scratch: &mut Vec<BlockId>,
 ) -> usize {
@@ -254,7 +774,7 @@ pub(crate) fn find_longest_cache_hit(
         out[g].clear();
     }
     match spec.kind {
-        AttentionKind::Full => {
+        AttentionKind::Full | AttentionKind::Mla | AttentionKind::Rswa { .. } => {
             // Left to right, stopping at the first miss.
             let max_blocks = (max_len / bs).min(view.len());
             for i in 0..max_blocks {
@@ -265,12 +785,20 @@ pub(crate) fn find_longest_cache_hit(
                     out[g].push(b);
                 }
             }
-            pop_to_alignment(bs, alignment, gids, out);
-            out[gids[0]].len() * bs
+            let mut hit = out[gids[0]].len() * bs;
+            if drop_eagle && hit > 0 {
+                hit -= alignment.min(bs);
+            }
+            hit -= hit % alignment;
+            let keep = hit.div_ceil(bs);
+            for &g in gids {
+                out[g].truncate(keep);
+            }
+            hit
         }
-        AttentionKind::SlidingWindow { .. } => {
+        AttentionKind::SlidingWindow { .. } | AttentionKind::SlidingWindowMla { .. } => {
             // Right to left: the first run of enough contiguous cached blocks wins.
-            let need = spec.sliding_window_contiguous_blocks();
+            let need = spec.sliding_window_contiguous_blocks(drop_eagle);
             let max_blocks = (max_len / bs).min(view.len());
             for &g in gids {
                 out[g].resize(max_blocks, NULL_BLOCK);
@@ -279,8 +807,9 @@ pub(crate) fn find_longest_cache_hit(
             let mut found = false;
             for i in (0..max_blocks).rev() {
                 if lookup_all(pool, view.get(i), gids, scratch) {
-                    // A run must end on an alignment boundary.
-                    if run == 0 && bs != alignment && ((i + 1) * bs) % alignment != 0 {
+                    // A run must end on an alignment boundary (after the EAGLE pop).
+                    let after_pop = if drop_eagle { i } else { i + 1 };
+                    if run == 0 && bs != alignment && (after_pop * bs) % alignment != 0 {
                         continue;
                     }
                     for (&g, &b) in gids.iter().zip(scratch.iter()) {
@@ -302,6 +831,12 @@ pub(crate) fn find_longest_cache_hit(
                 // A run reaching block 0 is a hit even if shorter than the window.
                 for &g in gids {
                     out[g].truncate(run);
+                }
+                pop_to_alignment(bs, alignment, gids, out);
+            }
+            if drop_eagle && !out[gids[0]].is_empty() {
+                for &g in gids {
+                    out[g].pop();
                 }
                 pop_to_alignment(bs, alignment, gids, out);
             }
@@ -328,7 +863,26 @@ pub(crate) fn find_longest_cache_hit(
             }
             out[gids[0]].len() * bs
         }
-        AttentionKind::Mamba => 0,
+        AttentionKind::Mamba { .. } => {
+            // Right to left: the latest cached state on an aligned boundary; no EAGLE drop
+            // (draft models have no Mamba layers).
+            let max_blocks = (max_len / bs).min(view.len());
+            for i in (0..max_blocks).rev() {
+                if !lookup_all(pool, view.get(i), gids, scratch) {
+                    continue;
+                }
+                if bs != alignment && ((i + 1) * bs) % alignment != 0 {
+                    continue;
+                }
+                for (&g, &b) in gids.iter().zip(scratch.iter()) {
+                    out[g].resize(i, NULL_BLOCK);
+                    out[g].push(b);
+                }
+                return (i + 1) * bs;
+            }
+            0
+        }
+        AttentionKind::CircularBuffer => 0,
     }
 }
 

@@ -3,40 +3,104 @@
 use crate::error::{bad_config, Result};
 use crate::hashing::HashAlgo;
 
+/// How a Mamba group keeps its states (vLLM's `mamba_cache_mode`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum MambaMode {
+    /// One running state per request (plus speculative blocks); no prefix caching.
+    None,
+    /// States at block-aligned positions are kept and prefix-cached (vLLM's default with
+    /// prefix caching on).
+    Align,
+}
+
 /// The attention type of a KV cache group: decides how many blocks a request holds in the
-/// group and which prefix of a prompt counts as a cache hit.
+/// group and which prefix of a prompt counts as a cache hit. The variants are vLLM 0.33's
+/// single-type managers.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 pub enum AttentionKind {
     /// Every token needs a slot; a hit needs every block of the prefix cached.
     Full,
+    /// Full attention in the MLA cache format (same rules; reported as `mla_attention`).
+    Mla,
+    /// Reference sliding window (vLLM's `RSWASpec`): full attention over the prompt, and only
+    /// the last `window` generated tokens; blocks between the prompt and that window are freed.
+    Rswa { window: usize },
     /// Only the last `window` tokens are attended; blocks that fall out of the window are
     /// freed (replaced by the null block), and a hit needs only the blocks covering the last
     /// `window - 1` tokens before the hit point.
     SlidingWindow { window: usize },
+    /// Sliding window in the MLA cache format; with `bounded_replay` its blocks are not
+    /// prefix-cached.
+    SlidingWindowMla { window: usize, bounded_replay: bool },
     /// Llama-4 style local attention over fixed chunks of `chunk` tokens: blocks before the
     /// current chunk are not needed.
     ChunkedLocal { chunk: usize },
-    /// One recurrent state per request (vLLM's mamba_cache_mode "none": only the last state is
-    /// kept). Not prefix-cacheable here: a layout with a Mamba group always hits 0 tokens.
-    Mamba,
+    /// Recurrent state. `None` mode keeps one state block (plus `speculative_blocks`);
+    /// `Align` mode keeps the state at block-aligned positions and prefix-caches them.
+    Mamba {
+        mode: MambaMode,
+        speculative_blocks: usize,
+    },
+    /// One block per request for its whole life (vLLM's `CircularBufferSpec`); never cached.
+    CircularBuffer,
+}
+
+/// The parameters a kind may take, as a binding reads them (each optional).
+#[derive(Clone, Debug, Default)]
+pub struct KindParams {
+    pub sliding_window: Option<usize>,
+    pub attention_chunk_size: Option<usize>,
+    pub rswa_window: Option<usize>,
+    pub bounded_replay: Option<bool>,
+    /// `"align"` or `"none"`; `None`: align with prefix caching on, none with it off.
+    pub mamba_cache_mode: Option<String>,
+    pub num_speculative_blocks: Option<usize>,
 }
 
 impl AttentionKind {
     /// The kind names a binding accepts (vLLM's spec-kind names and short forms).
-    pub const NAMES: &'static str = "full, sliding_window, chunked_local or mamba";
+    pub const NAMES: &'static str = "full, mla, rswa, sliding_window, sliding_window_mla, \
+                                     chunked_local, mamba or circular_buffer";
 
-    /// The kind named `name`, with its parameter (`sliding_window` or `attention_chunk_size`)
-    /// read by `param` only when the kind has one.
-    pub fn parse(name: &str, param: impl FnOnce(&'static str) -> Result<usize>) -> Result<Self> {
+    /// The kind named `name` with its parameters; `enable_caching` picks the default Mamba
+    /// mode.
+    pub fn parse(name: &str, params: &KindParams, enable_caching: bool) -> Result<Self> {
+        let need = |value: Option<usize>, what: &str| {
+            value.ok_or_else(|| {
+                crate::error::CoreError::InvalidConfig(format!("missing {what} for kind {name:?}"))
+            })
+        };
         Ok(match name {
             "full" | "full_attention" => AttentionKind::Full,
+            "mla" | "mla_attention" => AttentionKind::Mla,
+            "rswa" | "reference_sliding_window" => AttentionKind::Rswa {
+                window: need(params.rswa_window, "rswa_window")?,
+            },
             "sliding_window" => AttentionKind::SlidingWindow {
-                window: param("sliding_window")?,
+                window: need(params.sliding_window, "sliding_window")?,
+            },
+            "sliding_window_mla" => AttentionKind::SlidingWindowMla {
+                window: need(params.sliding_window, "sliding_window")?,
+                bounded_replay: params.bounded_replay.unwrap_or(false),
             },
             "chunked_local" | "chunked_local_attention" => AttentionKind::ChunkedLocal {
-                chunk: param("attention_chunk_size")?,
+                chunk: need(params.attention_chunk_size, "attention_chunk_size")?,
             },
-            "mamba" => AttentionKind::Mamba,
+            "mamba" => AttentionKind::Mamba {
+                mode: match params.mamba_cache_mode.as_deref() {
+                    Some("align") => MambaMode::Align,
+                    Some("none") => MambaMode::None,
+                    None if enable_caching => MambaMode::Align,
+                    None => MambaMode::None,
+                    Some(other) => {
+                        return bad_config(format!(
+                            "unknown mamba_cache_mode {other:?} (expected 'align' or 'none')"
+                        ))
+                    }
+                },
+                speculative_blocks: params.num_speculative_blocks.unwrap_or(0),
+            },
+            "circular_buffer" => AttentionKind::CircularBuffer,
             other => {
                 return bad_config(format!(
                     "unknown attention kind {other:?} (expected {})",
@@ -49,17 +113,21 @@ impl AttentionKind {
     /// vLLM's `KVCacheSpecKind` name of this kind (as in its KV events).
     pub fn as_str(&self) -> &'static str {
         match self {
-            AttentionKind::Full => "full_attention",
+            AttentionKind::Full | AttentionKind::Rswa { .. } => "full_attention",
+            AttentionKind::Mla => "mla_attention",
             AttentionKind::SlidingWindow { .. } => "sliding_window",
+            AttentionKind::SlidingWindowMla { .. } => "sliding_window_mla",
             AttentionKind::ChunkedLocal { .. } => "chunked_local_attention",
-            AttentionKind::Mamba => "mamba",
+            AttentionKind::Mamba { .. } => "mamba",
+            AttentionKind::CircularBuffer => "unknown",
         }
     }
 
-    /// The sliding window in tokens, for sliding-window kinds.
+    /// The sliding window in tokens, for sliding-window kinds (as vLLM's events report it).
     pub fn sliding_window(&self) -> Option<usize> {
         match self {
-            AttentionKind::SlidingWindow { window } => Some(*window),
+            AttentionKind::SlidingWindow { window }
+            | AttentionKind::SlidingWindowMla { window, .. } => Some(*window),
             _ => None,
         }
     }
@@ -74,63 +142,117 @@ pub struct GroupSpec {
 }
 
 impl GroupSpec {
+    pub fn new(kind: AttentionKind, block_size: usize) -> Self {
+        GroupSpec { kind, block_size }
+    }
+
     pub fn full(block_size: usize) -> Self {
-        GroupSpec {
-            kind: AttentionKind::Full,
-            block_size,
-        }
+        Self::new(AttentionKind::Full, block_size)
     }
 
     pub fn sliding_window(block_size: usize, window: usize) -> Self {
-        GroupSpec {
-            kind: AttentionKind::SlidingWindow { window },
-            block_size,
-        }
+        Self::new(AttentionKind::SlidingWindow { window }, block_size)
     }
 
     pub fn chunked_local(block_size: usize, chunk: usize) -> Self {
-        GroupSpec {
-            kind: AttentionKind::ChunkedLocal { chunk },
-            block_size,
-        }
+        Self::new(AttentionKind::ChunkedLocal { chunk }, block_size)
     }
 
+    /// A Mamba group in align mode (prefix-cached states), vLLM's default with caching on.
     pub fn mamba(block_size: usize) -> Self {
-        GroupSpec {
-            kind: AttentionKind::Mamba,
+        Self::mamba_with(block_size, MambaMode::Align, 0)
+    }
+
+    /// A Mamba group in none mode: one state block per request (no prefix caching).
+    pub fn mamba_none(block_size: usize) -> Self {
+        Self::mamba_with(block_size, MambaMode::None, 0)
+    }
+
+    pub fn mamba_with(block_size: usize, mode: MambaMode, speculative_blocks: usize) -> Self {
+        Self::new(
+            AttentionKind::Mamba {
+                mode,
+                speculative_blocks,
+            },
             block_size,
-        }
+        )
     }
 
+    /// Full-attention based (vLLM's `FullAttentionSpec` and subclasses): left-to-right hits,
+    /// looked up first by the hybrid coordinator.
     pub fn is_full(&self) -> bool {
-        matches!(self.kind, AttentionKind::Full)
+        matches!(
+            self.kind,
+            AttentionKind::Full | AttentionKind::Mla | AttentionKind::Rswa { .. }
+        )
     }
 
-    /// Whether the group's blocks enter the prefix cache (everything but Mamba here).
+    pub fn is_mamba(&self) -> bool {
+        matches!(self.kind, AttentionKind::Mamba { .. })
+    }
+
+    pub fn is_mamba_align(&self) -> bool {
+        matches!(
+            self.kind,
+            AttentionKind::Mamba {
+                mode: MambaMode::Align,
+                ..
+            }
+        )
+    }
+
+    pub fn is_sliding_window(&self) -> bool {
+        matches!(
+            self.kind,
+            AttentionKind::SlidingWindow { .. } | AttentionKind::SlidingWindowMla { .. }
+        )
+    }
+
+    /// Attention layers (vLLM's `AttentionSpec`): their new blocks are zeroed by the worker
+    /// when the layout needs it (circular buffers excepted).
+    pub fn zeroes_new_blocks(&self) -> bool {
+        !matches!(
+            self.kind,
+            AttentionKind::Mamba { .. } | AttentionKind::CircularBuffer
+        )
+    }
+
+    /// Whether the group's blocks enter the prefix cache.
     pub fn prefix_cacheable(&self) -> bool {
-        !matches!(self.kind, AttentionKind::Mamba)
+        !matches!(
+            self.kind,
+            AttentionKind::CircularBuffer
+                | AttentionKind::SlidingWindowMla {
+                    bounded_replay: true,
+                    ..
+                }
+        )
     }
 
     /// Leading tokens whose KV is no longer needed once `num_computed_tokens` are computed
-    /// (vLLM's `get_num_skipped_tokens`).
-    pub fn skipped_tokens(&self, num_computed_tokens: usize) -> usize {
+    /// (vLLM's `get_num_skipped_tokens`); `extra_retained` tokens below a sliding window are
+    /// kept (multi-token prediction re-prefills them).
+    pub fn skipped_tokens(&self, num_computed_tokens: usize, extra_retained: usize) -> usize {
         match self.kind {
-            AttentionKind::Full => 0,
-            AttentionKind::SlidingWindow { window } => {
-                (num_computed_tokens + 1).saturating_sub(window)
+            AttentionKind::Full
+            | AttentionKind::Mla
+            | AttentionKind::Rswa { .. }
+            | AttentionKind::CircularBuffer => 0,
+            AttentionKind::SlidingWindow { window }
+            | AttentionKind::SlidingWindowMla { window, .. } => {
+                (num_computed_tokens + 1).saturating_sub(window + extra_retained)
             }
             AttentionKind::ChunkedLocal { chunk } => num_computed_tokens / chunk * chunk,
-            AttentionKind::Mamba => num_computed_tokens.saturating_sub(1),
+            AttentionKind::Mamba { .. } => num_computed_tokens.saturating_sub(1),
         }
     }
 
-    /// Contiguous cached blocks a sliding-window hit needs: `cdiv(window - 1, block_size)`.
-    pub(crate) fn sliding_window_contiguous_blocks(&self) -> usize {
-        match self.kind {
-            AttentionKind::SlidingWindow { window } => {
-                window.saturating_sub(1).div_ceil(self.block_size)
-            }
-            _ => 0,
+    /// Contiguous cached blocks a sliding-window hit needs: `cdiv(window - 1, block_size)`, one
+    /// more when the EAGLE drop applies.
+    pub(crate) fn sliding_window_contiguous_blocks(&self, use_eagle: bool) -> usize {
+        match self.kind.sliding_window() {
+            Some(window) => window.saturating_sub(1).div_ceil(self.block_size) + use_eagle as usize,
+            None => 0,
         }
     }
 
@@ -140,19 +262,24 @@ impl GroupSpec {
         &self,
         max_in_flight_tokens: usize,
         max_model_len: usize,
+        extra_retained: usize,
     ) -> Option<usize> {
         let bs = self.block_size;
         match self.kind {
-            AttentionKind::SlidingWindow { window } => {
-                let tokens = (window - 1 + max_in_flight_tokens).min(max_model_len);
+            AttentionKind::SlidingWindow { window }
+            | AttentionKind::SlidingWindowMla { window, .. } => {
+                let tokens = (window - 1 + extra_retained)
+                    .saturating_add(max_in_flight_tokens)
+                    .min(max_model_len);
                 Some(tokens.div_ceil(bs) + 1)
             }
             AttentionKind::ChunkedLocal { chunk } => Some(
-                (chunk + max_in_flight_tokens)
+                chunk
+                    .saturating_add(max_in_flight_tokens)
                     .min(max_model_len)
                     .div_ceil(bs),
             ),
-            AttentionKind::Full | AttentionKind::Mamba => None,
+            _ => None,
         }
     }
 
@@ -162,9 +289,9 @@ impl GroupSpec {
             return bad("block_size must be positive".into());
         }
         match self.kind {
-            AttentionKind::SlidingWindow { window: 0 } => {
-                bad("sliding window must be positive".into())
-            }
+            AttentionKind::SlidingWindow { window: 0 }
+            | AttentionKind::SlidingWindowMla { window: 0, .. }
+            | AttentionKind::Rswa { window: 0 } => bad("the window must be positive".into()),
             AttentionKind::ChunkedLocal { chunk: 0 } => {
                 bad("attention chunk size must be positive".into())
             }
@@ -173,10 +300,10 @@ impl GroupSpec {
     }
 }
 
-/// Everything the manager needs to know at construction.
+/// Everything the manager needs to know at construction (vLLM's `KVCacheManager` arguments).
 #[derive(Clone, Debug)]
 pub struct ManagerConfig {
-    /// The KV cache groups, in group-id order.
+    /// The KV cache groups, in group-id order (none for an attention-free model).
     pub groups: Vec<GroupSpec>,
     /// Blocks in the pool, the null block 0 included.
     pub num_blocks: usize,
@@ -196,10 +323,27 @@ pub struct ManagerConfig {
     /// Fraction of `num_blocks` kept free when admitting a waiting request while others are
     /// scheduled (vLLM's scheduler `watermark`; default 0).
     pub watermark: f64,
+    /// vLLM's `prefix_cache_retention_interval`: `Some(0)` (vLLM's default) keeps only the
+    /// checkpoint blocks of sliding-window and Mamba groups (the latest replay boundary of each
+    /// prompt and shared-prefix junctions); `None` is dense (every full block of every group
+    /// stays cached); `Some(n)` also keeps one checkpoint per `n` tokens.
+    pub retention_interval: Option<usize>,
+    /// EAGLE-style speculative decoding: hits drop their last block in the EAGLE groups
+    /// (vLLM's manager `use_eagle`, which its scheduler clears when drafters hash lookahead
+    /// tokens instead).
+    pub use_eagle: bool,
+    /// The groups holding draft layers (vLLM's `is_eagle_group`); `None` or empty: every group
+    /// when `use_eagle`.
+    pub eagle_groups: Option<Vec<usize>>,
+    /// Tokens past a block its hash also covers (drafters that prove the boundary token).
+    pub num_hash_lookahead_tokens: usize,
+    /// Multi-token prediction: the last `num_prefill_lookahead - 1` tokens may be re-prefilled,
+    /// so they are not cached and sliding windows keep them.
+    pub num_prefill_lookahead: usize,
 }
 
 impl ManagerConfig {
-    /// Caching on, events off, default hashing.
+    /// Caching on, events off, default hashing, vLLM's default retention.
     pub fn new(groups: Vec<GroupSpec>, num_blocks: usize, max_model_len: usize) -> Self {
         ManagerConfig {
             groups,
@@ -213,15 +357,28 @@ impl ManagerConfig {
             hash_algo: HashAlgo::default(),
             hash_seed: String::new(),
             watermark: 0.0,
+            retention_interval: Some(0),
+            use_eagle: false,
+            eagle_groups: None,
+            num_hash_lookahead_tokens: 0,
+            num_prefill_lookahead: 0,
         }
+    }
+
+    /// The same config in dense retention.
+    pub fn dense(mut self) -> Self {
+        self.retention_interval = None;
+        self
+    }
+
+    /// Tokens below a sliding window that are kept (vLLM's `extra_retained_tokens`).
+    pub(crate) fn extra_retained_tokens(&self) -> usize {
+        self.num_prefill_lookahead.saturating_sub(1)
     }
 
     /// Checks the config and resolves `(scheduler_block_size, hash_block_size)`.
     pub(crate) fn resolve_block_sizes(&self) -> Result<(usize, usize)> {
         let invalid = |msg: String| bad_config(msg);
-        if self.groups.is_empty() {
-            return invalid("at least one KV cache group is required".into());
-        }
         if self.max_model_len == 0 {
             return invalid("max_model_len must be positive".into());
         }
@@ -230,6 +387,36 @@ impl ManagerConfig {
         }
         for (i, g) in self.groups.iter().enumerate() {
             g.validate(i)?;
+            if self.enable_caching
+                && matches!(
+                    g.kind,
+                    AttentionKind::Mamba {
+                        mode: MambaMode::None,
+                        ..
+                    }
+                )
+            {
+                return invalid(format!(
+                    "KV cache group {i}: Mamba prefix caching requires mamba_cache_mode 'align' \
+                     (or prefix caching off)"
+                ));
+            }
+        }
+        if let Some(eagle) = &self.eagle_groups {
+            if let Some(&g) = eagle.iter().find(|&&g| g >= self.groups.len()) {
+                return invalid(format!(
+                    "eagle group {g} out of range ({} groups)",
+                    self.groups.len()
+                ));
+            }
+        }
+        if !self.groups.is_empty() && self.num_blocks < 2 {
+            return Err(crate::error::CoreError::PoolTooSmall(self.num_blocks));
+        }
+        if self.groups.is_empty() {
+            // An attention-free model: no blocks to manage but the null block.
+            let bs = self.scheduler_block_size.unwrap_or(16).max(1);
+            return Ok((bs, self.hash_block_size.unwrap_or(bs).max(1)));
         }
         let lcm = self
             .groups
@@ -251,23 +438,31 @@ impl ManagerConfig {
                 self.groups[0].block_size
             ));
         }
+        // A Mamba group outside align mode breaks the divisibility of finer hashes: vLLM then
+        // hashes at the scheduler block size.
+        let any_mamba_none = self
+            .groups
+            .iter()
+            .any(|g| g.is_mamba() && !g.is_mamba_align());
         let cacheable_gcd = self
             .groups
             .iter()
             .filter(|g| g.prefix_cacheable())
             .fold(0usize, |acc, g| gcd(acc, g.block_size));
-        let hash = self.hash_block_size.unwrap_or(if cacheable_gcd == 0 {
-            scheduler
-        } else {
-            cacheable_gcd
-        });
+        let hash = self.hash_block_size.unwrap_or(
+            if cacheable_gcd == 0 || any_mamba_none || !self.enable_caching {
+                scheduler
+            } else {
+                cacheable_gcd
+            },
+        );
         if hash == 0 || scheduler % hash != 0 {
             return invalid(format!(
                 "hash_block_size {hash} must divide scheduler_block_size {scheduler}"
             ));
         }
         for (i, g) in self.groups.iter().enumerate() {
-            if g.prefix_cacheable() && g.block_size % hash != 0 {
+            if self.enable_caching && g.prefix_cacheable() && g.block_size % hash != 0 {
                 return invalid(format!(
                     "KV cache group {i}: block_size {} is not a multiple of hash_block_size {hash}",
                     g.block_size
@@ -276,6 +471,11 @@ impl ManagerConfig {
         }
         if self.enable_caching {
             let cacheable = self.groups.iter().filter(|g| g.prefix_cacheable()).count();
+            if cacheable == 0 && self.groups.len() > 1 {
+                return invalid(
+                    "prefix caching needs at least one prefix-cacheable KV cache group".into(),
+                );
+            }
             if self.groups.len() == 1 && cacheable == 1 && self.groups[0].block_size != hash {
                 return invalid(format!(
                     "a single group caches at its own block size {} but hash_block_size is {hash}",
@@ -291,7 +491,42 @@ impl ManagerConfig {
                         g.block_size
                     ));
                 }
+                if g.is_mamba_align() && g.block_size > hash && self.groups.len() > 1 {
+                    return invalid(format!(
+                        "KV cache group {i}: Mamba block size {} above hash_block_size {hash} \
+                         needs fine-grained partial hash hits, which hybrid-kv does not \
+                         implement; hash at the Mamba block size",
+                        g.block_size
+                    ));
+                }
             }
+        }
+        if let Some(interval) = self.retention_interval {
+            let sparse = self
+                .groups
+                .iter()
+                .any(|g| g.is_sliding_window() || g.is_mamba());
+            if !sparse && interval != 0 {
+                return invalid(format!(
+                    "prefix_cache_retention_interval {interval} has no effect: the layout has \
+                     no sliding-window or Mamba group (use 0 or None)"
+                ));
+            }
+            if interval % scheduler != 0 {
+                return invalid(format!(
+                    "prefix_cache_retention_interval {interval} must be a multiple of \
+                     scheduler_block_size {scheduler}"
+                ));
+            }
+        }
+        let has_eagle_groups =
+            self.use_eagle || self.eagle_groups.as_ref().is_some_and(|g| !g.is_empty());
+        if self.enable_caching && has_eagle_groups && scheduler < self.num_prefill_lookahead {
+            return invalid(format!(
+                "multi-token prediction with prefix caching needs scheduler_block_size \
+                 ({scheduler}) >= num_prefill_lookahead ({})",
+                self.num_prefill_lookahead
+            ));
         }
         Ok((scheduler, hash))
     }

@@ -2,8 +2,10 @@ use super::*;
 use crate::types::{BlockHash, GroupId, StoreInfo};
 use proptest::prelude::*;
 
+/// A dense-retention config (every full block of every group cached): the classic design the
+/// tests below pin down. Sparse retention has its own tests.
 fn config(groups: Vec<GroupSpec>, num_blocks: usize) -> ManagerConfig {
-    ManagerConfig::new(groups, num_blocks, 4096)
+    ManagerConfig::new(groups, num_blocks, 4096).dense()
 }
 
 fn manager(groups: Vec<GroupSpec>, num_blocks: usize) -> KVCacheManager {
@@ -46,6 +48,16 @@ fn admit(m: &mut KVCacheManager, id: &str) -> Option<(usize, Vec<Vec<BlockId>>)>
         .map(|b| (hit.num_computed_tokens, b))
 }
 
+/// A coordinator for `groups` with the given scheduler and hash block sizes.
+fn finder(
+    groups: &[GroupSpec],
+    scheduler_block_size: usize,
+    hash_block_size: usize,
+) -> Coordinator {
+    let config = ManagerConfig::new(groups.to_vec(), 4096, 4096);
+    Coordinator::new(&config, scheduler_block_size, hash_block_size).unwrap()
+}
+
 fn non_null(ids: &[BlockId]) -> usize {
     ids.iter().filter(|&&b| b != NULL_BLOCK).count()
 }
@@ -75,7 +87,7 @@ fn sliding_window_hit_scans_right_to_left() {
     // DESIGN.md: window 4, block size 1, 15-token prompt. A hit at L needs tokens L-3..L-1
     // cached; candidates 5, 6 and 14: the rightmost (14) wins, only token 14 is recomputed.
     let groups = [GroupSpec::sliding_window(1, 4)];
-    let finder = Coordinator::new(&groups, true, 1, 1, 4096, 4096);
+    let finder = finder(&groups, 1, 1);
     let pool = pool_with_cached(16, &[2, 3, 4, 5, 11, 12, 13], 0);
     let mut out = Vec::new();
     let hit = finder.find(&pool, &chain(15), 14, &mut out);
@@ -95,7 +107,7 @@ fn sliding_window_hit_scans_right_to_left() {
 #[test]
 fn sliding_window_run_reaching_the_first_block_is_a_hit_even_if_short() {
     let groups = [GroupSpec::sliding_window(1, 4)];
-    let finder = Coordinator::new(&groups, true, 1, 1, 4096, 4096);
+    let finder = finder(&groups, 1, 1);
     let pool = pool_with_cached(16, &[0, 1], 0);
     let mut out = Vec::new();
     assert_eq!(finder.find(&pool, &chain(15), 14, &mut out).tokens, 2);
@@ -104,7 +116,7 @@ fn sliding_window_run_reaching_the_first_block_is_a_hit_even_if_short() {
 #[test]
 fn full_attention_hit_scans_left_to_right_and_stops_at_first_miss() {
     let groups = [GroupSpec::full(1)];
-    let finder = Coordinator::new(&groups, true, 1, 1, 4096, 4096);
+    let finder = finder(&groups, 1, 1);
     let pool = pool_with_cached(16, &[0, 1, 2, 4, 5, 6], 0);
     let mut out = Vec::new();
     assert_eq!(finder.find(&pool, &chain(10), 9, &mut out).tokens, 3);
@@ -116,7 +128,7 @@ fn chunked_local_hit_skips_blocks_before_the_current_chunk() {
     // vLLM's example: chunk 8, block size 4, max length 15: tokens 0-7 are outside the local
     // window (null blocks), block 2 (tokens 8-11) is looked up.
     let groups = [GroupSpec::chunked_local(4, 8)];
-    let finder = Coordinator::new(&groups, true, 4, 4, 4096, 4096);
+    let finder = finder(&groups, 4, 4);
     let mut out = Vec::new();
     let pool = pool_with_cached(8, &[2], 0);
     let hit = finder.find(&pool, &chain(4), 15, &mut out);
@@ -134,7 +146,7 @@ fn chunked_local_hit_skips_blocks_before_the_current_chunk() {
 fn hybrid_hit_is_the_sliding_window_hit_within_the_full_hit() {
     // Full attention cached blocks 0..6; sliding window (need 2 blocks) only 0..2 and 4..5.
     let groups = [GroupSpec::full(1), GroupSpec::sliding_window(1, 3)];
-    let finder = Coordinator::new(&groups, true, 1, 1, 4096, 4096);
+    let finder = finder(&groups, 1, 1);
     let pool = BlockPool::new(32).unwrap();
     let cache = |positions: &[usize], group| {
         let blocks = pool.get_new_blocks(positions.len()).unwrap();
@@ -163,7 +175,7 @@ fn groups_with_identical_specs_hit_only_where_all_are_cached() {
         GroupSpec::sliding_window(1, 3),
         GroupSpec::full(1),
     ];
-    let finder = Coordinator::new(&groups, true, 1, 1, 4096, 4096);
+    let finder = finder(&groups, 1, 1);
     let pool = BlockPool::new(64).unwrap();
     let cache = |positions: &[usize], group| {
         let blocks = pool.get_new_blocks(positions.len()).unwrap();
@@ -190,7 +202,7 @@ fn fixed_point_loop_rechecks_every_type_at_the_reduced_length() {
         GroupSpec::sliding_window(4, 5),
         GroupSpec::chunked_local(4, 8),
     ];
-    let finder = Coordinator::new(&groups, true, 4, 4, 4096, 4096);
+    let finder = finder(&groups, 4, 4);
     let pool = BlockPool::new(64).unwrap();
     let cache = |positions: &[usize], group| {
         let blocks = pool.get_new_blocks(positions.len()).unwrap();
@@ -264,7 +276,7 @@ fn design_worked_example_full_and_two_sliding_window_groups() {
     let mut m = manager_with_r(groups, 64, 112);
     let new = m.allocate_slots("r", &new_tokens(112, 0)).unwrap().unwrap();
     assert_eq!(new.iter().map(Vec::len).collect::<Vec<_>>(), [7, 7, 7]);
-    m.remove_skipped_blocks("r", 112).unwrap();
+    m.remove_skipped_blocks("r", 112, None).unwrap();
     let held: Vec<usize> = (0..3)
         .map(|g| non_null(m.block_ids("r", g).unwrap()))
         .collect();
@@ -467,13 +479,17 @@ fn admission_cap_bounds_the_sliding_window_share_of_the_full_sequence_check() {
 }
 
 #[test]
-fn mamba_hybrid_allocates_one_state_block_and_never_hits() {
-    // Mamba without prefix caching: block size = max_model_len, so one state block.
-    let groups = vec![GroupSpec::full(16), GroupSpec::mamba(4096)];
-    let mut c = config(groups, 64);
-    c.scheduler_block_size = Some(4096);
-    c.hash_block_size = Some(16);
+fn mamba_none_mode_holds_one_state_block_and_needs_caching_off() {
+    // vLLM without prefix caching: Mamba block size = max_model_len, one state block.
+    let groups = vec![GroupSpec::full(16), GroupSpec::mamba_none(4096)];
+    let mut c = config(groups.clone(), 64);
+    assert!(matches!(
+        KVCacheManager::new(&c),
+        Err(CoreError::InvalidConfig(msg)) if msg.contains("align")
+    ));
+    c.enable_caching = false;
     let mut m = KVCacheManager::new(&c).unwrap();
+    assert_eq!(m.scheduler_block_size(), 4096);
     m.add_request("a", &tokens(0, 100), ExtraKeys::default())
         .unwrap();
     let (hit, new) = admit(&mut m, "a").unwrap();
@@ -486,30 +502,20 @@ fn mamba_hybrid_allocates_one_state_block_and_never_hits() {
             .unwrap();
         assert_eq!(non_null(m.block_ids("a", 1).unwrap()), 1);
     }
-    m.free("a").unwrap();
-    m.add_request("b", &tokens(0, 100), ExtraKeys::default())
-        .unwrap();
-    assert_eq!(m.get_computed_blocks("b").unwrap().num_computed_tokens, 0);
-    assert_eq!(
-        m.prober()
-            .probe(&tokens(0, 100), &ExtraKeys::default())
-            .unwrap(),
-        0
-    );
 }
 
 #[test]
-fn small_mamba_blocks_keep_only_the_last_state() {
-    let groups = vec![GroupSpec::full(16), GroupSpec::mamba(16)];
-    let mut m = manager(groups, 64);
-    m.add_request("a", &tokens(0, 64), ExtraKeys::default())
+fn mamba_none_mode_adds_speculative_blocks() {
+    // vLLM allocates 1 + num_speculative_blocks state blocks: M(16, none, spec=2) at 40
+    // tokens holds cdiv(40 + 2 * 16, 16) = 5 blocks.
+    let groups = vec![GroupSpec::mamba_with(16, MambaMode::None, 2)];
+    let mut c = config(groups, 64);
+    c.enable_caching = false;
+    let mut m = KVCacheManager::new(&c).unwrap();
+    m.add_request("a", &tokens(0, 40), ExtraKeys::default())
         .unwrap();
-    m.allocate_slots("a", &new_tokens(64, 0)).unwrap().unwrap();
-    m.append_token_ids("a", &[1u32]).unwrap();
-    m.allocate_slots("a", &new_tokens(1, 64)).unwrap().unwrap();
-    // 64 computed: tokens 0..63 skipped → blocks 0..2 freed; block 3 (token 63) and 4 live.
-    assert_eq!(non_null(m.block_ids("a", 1).unwrap()), 2);
-    assert_eq!(m.get_computed_blocks("a").unwrap().num_computed_tokens, 0);
+    let new = m.allocate_slots("a", &new_tokens(40, 0)).unwrap().unwrap();
+    assert_eq!(new[0].len(), 5);
 }
 
 #[test]
@@ -810,7 +816,6 @@ fn bad_input_is_an_error_and_changes_nothing() {
 #[test]
 fn bad_configs_are_rejected() {
     let bad = [
-        config(vec![], 16),
         config(vec![GroupSpec::full(0)], 16),
         config(vec![GroupSpec::sliding_window(16, 0)], 16),
         config(vec![GroupSpec::full(16)], 1),

@@ -122,7 +122,7 @@ impl BlockPool {
         enable_caching: bool,
         enable_events: bool,
     ) -> Result<Self> {
-        if num_blocks < 2 {
+        if num_blocks < 1 {
             return Err(CoreError::PoolTooSmall(num_blocks));
         }
         if num_blocks > MAX_BLOCKS {
@@ -158,6 +158,9 @@ impl BlockPool {
 
     /// Fraction of the usable blocks in use (vLLM's `get_usage`).
     pub fn usage(&self) -> f64 {
+        if self.num_blocks <= 1 {
+            return 0.0;
+        }
         1.0 - self.num_free_blocks() as f64 / (self.num_blocks - 1) as f64
     }
 

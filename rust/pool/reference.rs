@@ -18,7 +18,7 @@ pub struct RefBlockPool {
 
 impl RefBlockPool {
     pub fn new(num_blocks: usize, enable_caching: bool, enable_events: bool) -> Result<Self> {
-        if num_blocks < 2 {
+        if num_blocks < 1 {
             return Err(CoreError::PoolTooSmall(num_blocks));
         }
         if num_blocks > super::MAX_BLOCKS {
@@ -50,6 +50,9 @@ impl RefBlockPool {
     }
 
     pub fn usage(&self) -> f64 {
+        if self.num_blocks <= 1 {
+            return 0.0;
+        }
         1.0 - self.free.len() as f64 / (self.num_blocks - 1) as f64
     }
 

@@ -223,7 +223,14 @@ fn with_caching_off_every_free_goes_to_the_front() {
 
 #[test]
 fn pool_size_limits_are_errors() {
-    assert!(matches!(BlockPool::new(1), Err(CoreError::PoolTooSmall(1))));
+    assert!(matches!(BlockPool::new(0), Err(CoreError::PoolTooSmall(0))));
+    // Only the null block (an attention-free model): nothing to hand out, usage 0.
+    let pool = BlockPool::new(1).unwrap();
+    assert_eq!((pool.num_free_blocks(), pool.usage()), (0, 0.0));
+    assert!(matches!(
+        pool.get_new_blocks(1),
+        Err(CoreError::NotEnoughFreeBlocks { .. })
+    ));
     assert!(matches!(
         BlockPool::new(MAX_BLOCKS + 1),
         Err(CoreError::PoolTooLarge(_))

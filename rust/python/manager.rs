@@ -15,8 +15,8 @@ use crate::error::Result as CoreResult;
 use crate::hashing::{ExtraKeys, HashAlgo, TokenId};
 use crate::manager::registry::{DropQueue, Lookup, Registry, Synced};
 use crate::manager::{
-    AllocateArgs, AttentionKind, ComputedBlocks, GroupSpec, KVCacheManager, ManagerConfig,
-    PrefixCacheStats, Prober, RequestHandle,
+    AllocateArgs, AttentionKind, ComputedBlocks, GroupSpec, KVCacheManager, KindParams,
+    ManagerConfig, PrefixCacheStats, Prober, RequestHandle,
 };
 use crate::types::BlockId;
 use numpy::{PyArray2, PyArrayMethods, PyUntypedArrayMethods};
@@ -104,7 +104,12 @@ pub(crate) struct PyKVCacheManager {
 }
 
 /// A group spec from a dict or an object with the same attributes.
-fn group_from_py(obj: &Bound<'_, PyAny>, index: usize) -> PyResult<GroupSpec> {
+/// A group spec from a dict or an object with the same attributes.
+fn group_from_py(
+    obj: &Bound<'_, PyAny>,
+    index: usize,
+    enable_caching: bool,
+) -> PyResult<GroupSpec> {
     let get = |name: &str| -> PyResult<Option<Bound<'_, PyAny>>> {
         let value = if let Ok(d) = obj.cast::<PyDict>() {
             d.get_item(name)?
@@ -115,22 +120,23 @@ fn group_from_py(obj: &Bound<'_, PyAny>, index: usize) -> PyResult<GroupSpec> {
         };
         Ok(value.filter(|v| !v.is_none()))
     };
-    let field = |name: &'static str| -> PyResult<usize> {
+    let count = |name: &'static str| -> PyResult<Option<usize>> {
+        get(name)?
+            .map(|v| count_of(&v, &format!("group {index}: {name}")))
+            .transpose()
+    };
+    let string = |name: &'static str| -> PyResult<Option<String>> {
         match get(name)? {
-            Some(value) => count_of(&value, &format!("group {index}: {name}")),
-            None => Err(InvalidConfigError::new_err(format!(
-                "group {index}: missing {name}"
+            Some(v) if v.is_instance_of::<PyString>() => Ok(Some(v.extract()?)),
+            Some(v) => Err(PyTypeError::new_err(format!(
+                "group {index}: {name} must be a str, got {}",
+                v.get_type().name()?
             ))),
+            None => Ok(None),
         }
     };
-    let kind = match get("kind")? {
-        Some(k) if k.is_instance_of::<PyString>() => k.extract::<String>()?,
-        Some(k) => {
-            return Err(PyTypeError::new_err(format!(
-                "group {index}: kind must be a str, got {}",
-                k.get_type().name()?
-            )))
-        }
+    let kind = match string("kind")? {
+        Some(kind) => kind,
         None if obj.cast::<PyDict>().is_err() && !obj.hasattr("block_size")? => {
             return Err(PyTypeError::new_err(format!(
                 "group {index} must be a dict or an object with kind and block_size, got {}",
@@ -143,19 +149,27 @@ fn group_from_py(obj: &Bound<'_, PyAny>, index: usize) -> PyResult<GroupSpec> {
             )))
         }
     };
-    let block_size = field("block_size")?;
-    // The kind's parameter is read inside the parser; its Python error is kept as raised.
-    let mut param_error = None;
-    let kind = AttentionKind::parse(&kind, |name| {
-        field(name).map_err(|e| {
-            param_error = Some(e);
-            crate::error::CoreError::InvalidConfig(String::new())
-        })
-    });
-    if let Some(e) = param_error {
-        return Err(e);
-    }
-    let kind = kind.map_err(|e| InvalidConfigError::new_err(format!("group {index}: {e}")))?;
+    let Some(block_size) = count("block_size")? else {
+        return Err(InvalidConfigError::new_err(format!(
+            "group {index}: missing block_size"
+        )));
+    };
+    let bounded_replay = match get("bounded_replay")? {
+        Some(v) => Some(v.extract::<bool>().map_err(|_| {
+            PyTypeError::new_err(format!("group {index}: bounded_replay must be a bool"))
+        })?),
+        None => None,
+    };
+    let params = KindParams {
+        sliding_window: count("sliding_window")?,
+        attention_chunk_size: count("attention_chunk_size")?,
+        rswa_window: count("rswa_window")?,
+        bounded_replay,
+        mamba_cache_mode: string("mamba_cache_mode")?,
+        num_speculative_blocks: count("num_speculative_blocks")?,
+    };
+    let kind = AttentionKind::parse(&kind, &params, enable_caching)
+        .map_err(|e| InvalidConfigError::new_err(format!("group {index}: {e}")))?;
     Ok(GroupSpec { kind, block_size })
 }
 
@@ -191,6 +205,8 @@ impl TokenFn<CoreResult<usize>> for ProbeFn<'_> {
 struct Current {
     handle: RequestHandle,
     num_computed_tokens: usize,
+    num_in_flight_tokens: usize,
+    skip_reading_prefix_cache: bool,
 }
 
 impl PyKVCacheManager {
@@ -237,6 +253,8 @@ impl PyKVCacheManager {
                 let current = Current {
                     handle,
                     num_computed_tokens: record.num_computed_tokens,
+                    num_in_flight_tokens: record.num_in_flight_tokens,
+                    skip_reading_prefix_cache: record.skip_reading_prefix_cache,
                 };
                 match f(inner, current) {
                     Ok(r) => Ok(Some(r)),
@@ -294,7 +312,7 @@ impl PyKVCacheManager {
 #[pymethods]
 impl PyKVCacheManager {
     #[new]
-    #[pyo3(signature = (groups, num_blocks, max_model_len, *, enable_caching = true, enable_kv_events = false, hash_algo = "xxh3", hash_seed = "", watermark = 0.0, max_in_flight_tokens = None))]
+    #[pyo3(signature = (groups, num_blocks, max_model_len, *, enable_caching = true, enable_kv_events = false, hash_algo = "xxh3", hash_seed = "", watermark = 0.0, max_in_flight_tokens = None, prefix_cache_retention_interval = Some(UInt(0)), use_eagle = false, eagle_groups = None, num_hash_lookahead_tokens = UInt(0), num_prefill_lookahead = UInt(0)), text_signature = "(groups, num_blocks, max_model_len, *, enable_caching=True, enable_kv_events=False, hash_algo='xxh3', hash_seed='', watermark=0.0, max_in_flight_tokens=None, prefix_cache_retention_interval=0, use_eagle=False, eagle_groups=None, num_hash_lookahead_tokens=0, num_prefill_lookahead=0)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -307,6 +325,11 @@ impl PyKVCacheManager {
         hash_seed: &str,
         watermark: f64,
         max_in_flight_tokens: Option<Count>,
+        prefix_cache_retention_interval: Option<Count>,
+        use_eagle: bool,
+        eagle_groups: Option<Vec<Count>>,
+        num_hash_lookahead_tokens: Count,
+        num_prefill_lookahead: Count,
     ) -> PyResult<Self> {
         if groups.is_instance_of::<PyString>() || groups.is_instance_of::<PyDict>() {
             return Err(PyTypeError::new_err(
@@ -317,7 +340,7 @@ impl PyKVCacheManager {
             .try_iter()
             .map_err(|_| PyTypeError::new_err("groups must be a sequence of group specs"))?
             .enumerate()
-            .map(|(i, g)| group_from_py(&g?, i))
+            .map(|(i, g)| group_from_py(&g?, i, enable_caching))
             .collect::<PyResult<Vec<_>>>()?;
         let mut config = ManagerConfig::new(specs, num_blocks.get(), max_model_len.get());
         config.enable_caching = enable_caching;
@@ -326,6 +349,11 @@ impl PyKVCacheManager {
         config.hash_seed = hash_seed.to_owned();
         config.watermark = watermark;
         config.max_in_flight_tokens = max_in_flight_tokens.map(Count::get);
+        config.retention_interval = prefix_cache_retention_interval.map(Count::get);
+        config.use_eagle = use_eagle;
+        config.eagle_groups = eagle_groups.map(|g| g.into_iter().map(Count::get).collect());
+        config.num_hash_lookahead_tokens = num_hash_lookahead_tokens.get();
+        config.num_prefill_lookahead = num_prefill_lookahead.get();
         let manager = KVCacheManager::new(&config)?;
         let num_groups = manager.num_groups();
         let id = manager.id();
@@ -366,6 +394,59 @@ impl PyKVCacheManager {
     #[getter]
     fn max_model_len(&self) -> usize {
         self.inner().manager.max_model_len()
+    }
+
+    /// The KV cache groups as the constructor reads them: one dict per group (`kind`,
+    /// `block_size`, and the kind's parameters).
+    #[getter]
+    fn groups<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let specs = self.inner().manager.group_specs();
+        specs
+            .iter()
+            .map(|g| {
+                let d = PyDict::new(py);
+                d.set_item("block_size", g.block_size)?;
+                let kind = match g.kind {
+                    AttentionKind::Full => "full",
+                    AttentionKind::Mla => "mla",
+                    AttentionKind::Rswa { window } => {
+                        d.set_item("rswa_window", window)?;
+                        "rswa"
+                    }
+                    AttentionKind::SlidingWindow { window } => {
+                        d.set_item("sliding_window", window)?;
+                        "sliding_window"
+                    }
+                    AttentionKind::SlidingWindowMla {
+                        window,
+                        bounded_replay,
+                    } => {
+                        d.set_item("sliding_window", window)?;
+                        d.set_item("bounded_replay", bounded_replay)?;
+                        "sliding_window_mla"
+                    }
+                    AttentionKind::ChunkedLocal { chunk } => {
+                        d.set_item("attention_chunk_size", chunk)?;
+                        "chunked_local"
+                    }
+                    AttentionKind::Mamba {
+                        mode,
+                        speculative_blocks,
+                    } => {
+                        let mode = match mode {
+                            crate::manager::MambaMode::Align => "align",
+                            crate::manager::MambaMode::None => "none",
+                        };
+                        d.set_item("mamba_cache_mode", mode)?;
+                        d.set_item("num_speculative_blocks", speculative_blocks)?;
+                        "mamba"
+                    }
+                    AttentionKind::CircularBuffer => "circular_buffer",
+                };
+                d.set_item("kind", kind)?;
+                Ok(d)
+            })
+            .collect()
     }
 
     #[getter]
@@ -427,25 +508,53 @@ impl PyKVCacheManager {
         Ok(inner.registry.remove(&mut inner.manager, request_id)?)
     }
 
-    /// The request's cached prefix: `(blocks, num_computed_tokens)`, at most `num_tokens - 1`
-    /// tokens. Reference counts are not touched until `allocate_slots` adopts the hit.
+    /// The request's cached prefix: `(blocks, num_computed_tokens)`, at most
+    /// `max_cache_hit_length` (default `num_tokens - 1`) tokens. Reference counts are not
+    /// touched until `allocate_slots` adopts the hit.
+    #[pyo3(signature = (request, max_cache_hit_length = None))]
     fn get_computed_blocks(
         &self,
         py: Python<'_>,
         request: &PyRequest,
+        max_cache_hit_length: Option<Count>,
     ) -> PyResult<(Py<PyKVCacheBlocks>, usize)> {
         let long = request.num_tokens_now() >= DETACH_SCHEDULE_TOKENS;
         let computed = self.with_request(py, request, long, |inner, r| {
-            Ok(inner.manager.get_computed_blocks(r.handle)?)
+            let m = &mut inner.manager;
+            m.set_skip_reading_prefix_cache(r.handle, r.skip_reading_prefix_cache)?;
+            Ok(m.get_computed_blocks_capped(r.handle, max_cache_hit_length.map(Count::get))?)
         })?;
         let n = computed.num_computed_tokens;
         Ok((self.blocks(py, computed)?, n))
     }
 
+    /// The local lookup for a request scheduled with a KV connector: `(blocks,
+    /// num_computed_tokens, hit_diverged)` (see the stub).
+    #[pyo3(signature = (request, max_cache_hit_length = None))]
+    fn get_computed_blocks_for_connector(
+        &self,
+        py: Python<'_>,
+        request: &PyRequest,
+        max_cache_hit_length: Option<Count>,
+    ) -> PyResult<(Py<PyKVCacheBlocks>, usize, bool)> {
+        let long = request.num_tokens_now() >= DETACH_SCHEDULE_TOKENS;
+        let (computed, diverged) =
+            self.with_request(py, request, long, |inner, r| {
+                let m = &mut inner.manager;
+                m.set_skip_reading_prefix_cache(r.handle, r.skip_reading_prefix_cache)?;
+                Ok(m.get_computed_blocks_for_connector(
+                    r.handle,
+                    max_cache_hit_length.map(Count::get),
+                )?)
+            })?;
+        let n = computed.num_computed_tokens;
+        Ok((self.blocks(py, computed)?, n, diverged))
+    }
+
     /// Slots for `num_new_tokens` more tokens (plus lookahead tokens, never cached), adopting a
     /// prefix-cache hit on the first allocation. Returns the newly allocated blocks, or None when
     /// the pool cannot supply them (see the stub's docstring for what None may have freed).
-    #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens = UInt(0), new_computed_blocks = None, num_lookahead_tokens = UInt(0), delay_cache_blocks = false, full_sequence_must_fit = false, has_scheduled_reqs = true), text_signature = "(self, request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None, num_lookahead_tokens=0, delay_cache_blocks=False, full_sequence_must_fit=False, has_scheduled_reqs=True)")]
+    #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens = UInt(0), new_computed_blocks = None, num_lookahead_tokens = UInt(0), num_external_computed_tokens = UInt(0), delay_cache_blocks = false, num_encoder_tokens = UInt(0), full_sequence_must_fit = false, reserved_blocks = UInt(0), has_scheduled_reqs = true, skip_zeroing_group_ids = Vec::new()), text_signature = "(self, request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None, num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=False, num_encoder_tokens=0, full_sequence_must_fit=False, reserved_blocks=0, has_scheduled_reqs=True, skip_zeroing_group_ids=())")]
     #[allow(clippy::too_many_arguments)]
     fn allocate_slots(
         &self,
@@ -455,9 +564,13 @@ impl PyKVCacheManager {
         num_new_computed_tokens: Count,
         new_computed_blocks: Option<&PyKVCacheBlocks>,
         num_lookahead_tokens: Count,
+        num_external_computed_tokens: Count,
         delay_cache_blocks: bool,
+        num_encoder_tokens: Count,
         full_sequence_must_fit: bool,
+        reserved_blocks: Count,
         has_scheduled_reqs: bool,
+        skip_zeroing_group_ids: Vec<Count>,
     ) -> PyResult<Option<Py<PyKVCacheBlocks>>> {
         if let Some(b) = new_computed_blocks {
             if b.manager_id != self.shared.id {
@@ -466,6 +579,12 @@ impl PyKVCacheManager {
                 ));
             }
         }
+        if num_encoder_tokens.get() != 0 {
+            return Err(InvalidArgumentError::new_err(
+                "num_encoder_tokens: cross-attention (encoder-decoder) layouts are not supported",
+            ));
+        }
+        let skip_zeroing: Vec<usize> = skip_zeroing_group_ids.into_iter().map(Count::get).collect();
         let args = AllocateArgs {
             num_new_tokens: num_new_tokens.get(),
             num_computed_tokens: 0,
@@ -476,12 +595,16 @@ impl PyKVCacheManager {
             delay_cache_blocks,
             full_sequence_must_fit,
             has_scheduled_reqs,
+            num_external_computed_tokens: num_external_computed_tokens.get(),
+            reserved_blocks: reserved_blocks.get(),
+            skip_zeroing_group_ids: &skip_zeroing,
         };
         let long = args.num_new_tokens >= DETACH_SCHEDULE_TOKENS;
         // None: out of blocks; Some(None): nothing new (the shared empty result).
         let new = self.with_request(py, request, long, |inner, r| {
             let args = AllocateArgs {
                 num_computed_tokens: r.num_computed_tokens,
+                num_in_flight_tokens: r.num_in_flight_tokens,
                 ..args
             };
             let Inner {
@@ -501,6 +624,164 @@ impl PyKVCacheManager {
             Some(None) => Ok(Some(self.empty.clone_ref(py))),
             Some(Some(blocks)) => self.blocks(py, ComputedBlocks::new(blocks, 0)).map(Some),
         }
+    }
+
+    /// Caches the request's full blocks of its first `num_computed_tokens` tokens (after an
+    /// allocation with `delay_cache_blocks`, once the data arrived).
+    fn cache_blocks(
+        &self,
+        py: Python<'_>,
+        request: &PyRequest,
+        num_computed_tokens: Count,
+    ) -> PyResult<()> {
+        self.with_request(py, request, false, |inner, r| {
+            Ok(inner
+                .manager
+                .cache_blocks(r.handle, num_computed_tokens.get())?)
+        })
+    }
+
+    /// Pops the request's blocks without freeing them (groups concatenated, allocation order,
+    /// leading nulls dropped); the caller frees them later, reversed.
+    fn pop_blocks_for_free<'py>(
+        &self,
+        py: Python<'py>,
+        request: &PyRequest,
+    ) -> PyResult<Bound<'py, numpy::PyArray1<i32>>> {
+        let mut guard = self.inner();
+        let inner = &mut *guard;
+        let record = lock(&request.record);
+        let ids = match inner.registry.lookup(&inner.manager, &record)? {
+            Lookup::Registered(handle) => inner.manager.pop_blocks_for_free(handle)?,
+            Lookup::NotRegistered => Vec::new(),
+            Lookup::OtherObject => {
+                return Err(InvalidArgumentError::new_err(format!(
+                    "request id {:?} is registered by another Request object",
+                    request.request_id_str()
+                )))
+            }
+        };
+        Ok(ids_to_numpy(py, ids))
+    }
+
+    /// Removes the cache entries of the given blocks (reference counts untouched).
+    fn evict_blocks(&self, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = super::convert::extract_ids(block_ids)?;
+        Ok(self.inner().manager.evict_blocks(&ids)?)
+    }
+
+    /// Drains the ids of new attention blocks the worker must zero (layouts with Mamba
+    /// layers).
+    fn take_new_block_ids<'py>(&self, py: Python<'py>) -> Bound<'py, numpy::PyArray1<i32>> {
+        let ids = self.inner().manager.take_new_block_ids();
+        ids_to_numpy(py, ids)
+    }
+
+    /// Records the request's attention blocks from the block-aligned `start_token` on for
+    /// zeroing again.
+    fn record_blocks_for_zeroing(&self, request_id: &str, start_token: Count) -> PyResult<()> {
+        Ok(self
+            .inner()
+            .manager
+            .record_blocks_for_zeroing(request_id, start_token.get())?)
+    }
+
+    /// Drains this step's Mamba boundary states committed to the cache:
+    /// `{request_id: [(group, block, boundary_tokens), ...]}`.
+    fn take_boundary_state_offloads<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let offloads = self.inner().manager.take_boundary_state_offloads();
+        let d = PyDict::new(py);
+        for (rid, group, block, tokens) in offloads {
+            let entry = (group, block as i32, tokens);
+            match d.get_item(&rid)? {
+                Some(list) => list.call_method1("append", (entry,))?,
+                None => {
+                    d.set_item(&rid, vec![entry])?;
+                    continue;
+                }
+            };
+        }
+        Ok(d)
+    }
+
+    /// Copy-on-write block copies for the worker and the blocks retained until they ran:
+    /// `([(src, dst), ...], retained)`. Always empty: copies only arise from fine-grained
+    /// partial hash hits, which hybrid-kv does not implement (it refuses such layouts).
+    fn take_kv_cache_block_copies<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> (Vec<(i32, i32)>, Bound<'py, numpy::PyArray1<i32>>) {
+        (Vec::new(), ids_to_numpy(py, Vec::new()))
+    }
+
+    /// Producer partial tails safe to offload when the request finishes: always empty (they
+    /// arise only from fine-grained partial hash hits).
+    fn finalize_partial_tail_offloads(&self, request: &PyRequest) -> Vec<(u32, i32, usize)> {
+        let _ = request;
+        Vec::new()
+    }
+
+    /// The request's tables with attention groups clipped to `num_computed_tokens`.
+    fn get_block_ids_for_computed_tokens<'py>(
+        &self,
+        py: Python<'py>,
+        request_id: &str,
+        num_computed_tokens: Count,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let tables = self
+            .inner()
+            .manager
+            .get_block_ids_for_computed_tokens(request_id, num_computed_tokens.get())?;
+        PyTuple::new(py, tables.into_iter().map(|ids| ids_to_numpy(py, ids)))
+    }
+
+    /// Tokens of the request's own blocks that are in the prefix cache (least over groups).
+    fn estimate_cached_tokens(&self, py: Python<'_>, request: &PyRequest) -> PyResult<usize> {
+        self.with_request(py, request, false, |inner, r| {
+            Ok(inner.manager.estimate_cached_tokens(r.handle)?)
+        })
+    }
+
+    /// A hit cut to its first `num_computed_tokens` tokens.
+    fn truncate_computed_blocks(
+        &self,
+        py: Python<'_>,
+        blocks: &PyKVCacheBlocks,
+        num_computed_tokens: Count,
+    ) -> PyResult<Py<PyKVCacheBlocks>> {
+        if blocks.manager_id != self.shared.id {
+            return Err(InvalidArgumentError::new_err(
+                "blocks come from another KVCacheManager",
+            ));
+        }
+        let cut = self
+            .inner()
+            .manager
+            .truncate_computed_blocks(&blocks.computed, num_computed_tokens.get())?;
+        self.blocks(py, cut)
+    }
+
+    /// vLLM's deprecated cascade-attention query: 0 per group.
+    fn get_num_common_prefix_blocks(&self, request_id: &str) -> Vec<usize> {
+        let _ = request_id;
+        vec![0; self.num_groups]
+    }
+
+    /// Frees the blocks that left the window after `processed_computed_tokens`
+    /// (`allocate_slots` already does); with `num_prompt_tokens`, reference-sliding-window
+    /// groups free the gap after the prompt.
+    #[pyo3(signature = (request_id, processed_computed_tokens, num_prompt_tokens = None))]
+    fn remove_skipped_blocks(
+        &self,
+        request_id: &str,
+        processed_computed_tokens: Count,
+        num_prompt_tokens: Option<Count>,
+    ) -> PyResult<()> {
+        Ok(self.inner().manager.remove_skipped_blocks(
+            request_id,
+            processed_computed_tokens.get(),
+            num_prompt_tokens.map(Count::get),
+        )?)
     }
 
     /// Free blocks the admission check (`allocate_slots(..., full_sequence_must_fit=True)`)

@@ -125,6 +125,39 @@ impl PyRequest {
         Ok(lock(&self.record).set_num_computed_tokens(value.get())?)
     }
 
+    /// Tokens scheduled but not yet processed (async scheduling): blocks out of the window are
+    /// only freed once processed.
+    #[getter]
+    fn num_in_flight_tokens(&self) -> usize {
+        lock(&self.record).num_in_flight_tokens
+    }
+
+    #[setter]
+    fn set_num_in_flight_tokens(&self, value: Count) -> PyResult<()> {
+        let mut r = lock(&self.record);
+        if value.get() > r.num_tokens() {
+            return Err(super::errors::OutOfRangeError::new_err(format!(
+                "num_in_flight_tokens {} exceeds the request's {} tokens",
+                value.get(),
+                r.num_tokens()
+            )));
+        }
+        r.num_in_flight_tokens = value.get();
+        Ok(())
+    }
+
+    /// The request reads no prefix-cache hit (vLLM sets this for prompt-logprobs requests); its
+    /// blocks are still cached.
+    #[getter]
+    fn skip_reading_prefix_cache(&self) -> bool {
+        lock(&self.record).skip_reading_prefix_cache
+    }
+
+    #[setter]
+    fn set_skip_reading_prefix_cache(&self, value: bool) {
+        lock(&self.record).skip_reading_prefix_cache = value;
+    }
+
     #[getter]
     fn prompt_token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<u32>>> {
         Ok(PyArray1::from_vec(py, self.read_prompt(py)?))

@@ -9,11 +9,17 @@ use serde_json::Value;
 use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;
 
-/// The three fixtures of `conformance/README.md`.
-pub const FIXTURES: [&str; 3] = [
+/// The fixtures of `conformance/README.md`.
+pub const FIXTURES: [&str; 9] = [
     "gpt-oss.shared-prefix",
     "full-attn.eviction",
     "gemma3-27b.eviction",
+    "gpt-oss.long-context",
+    "jamba.eviction",
+    "jamba.shared-prefix.default",
+    "gpt-oss.eviction.default",
+    "gemma3-27b.shared-prefix.default",
+    "llama4.long-context.default",
 ];
 
 pub fn fixture_dir() -> PathBuf {
@@ -122,14 +128,14 @@ pub fn manager_config(trace: &Trace, workload: &Workload) -> ManagerConfig {
                     bs,
                     as_usize(&g["attention_chunk_size"], "attention_chunk_size"),
                 ),
+                "mamba" => {
+                    assert_eq!(g["mamba_cache_mode"].as_str(), Some("align"));
+                    GroupSpec::mamba(bs)
+                }
                 other => panic!("unsupported group kind {other:?} in the conformance test"),
             }
         })
         .collect();
-    assert!(
-        kv["prefix_cache_retention_interval"].is_null(),
-        "the fixtures must be dense-retention traces"
-    );
     let num_blocks = as_usize(&kv["num_blocks"], "num_blocks");
     assert_eq!(num_blocks, workload.num_blocks);
     let mut config = ManagerConfig::new(groups, num_blocks, workload.sched.max_model_len);
@@ -140,5 +146,8 @@ pub fn manager_config(trace: &Trace, workload: &Workload) -> ManagerConfig {
     config.hash_block_size = Some(as_usize(&kv["hash_block_size"], "hash_block_size"));
     // vLLM: max_concurrent_batches (1, synchronous scheduling) × max_num_batched_tokens.
     config.max_in_flight_tokens = Some(workload.sched.max_num_batched_tokens);
+    config.retention_interval = kv["prefix_cache_retention_interval"]
+        .as_u64()
+        .map(|v| v as usize);
     config
 }
