@@ -423,14 +423,15 @@ def record() -> dict[str, Any]:
     }
 
 
+def load_recorded() -> dict[str, Any]:
+    """The numbers recorded from vLLM by `record()`."""
+    with gzip.open(RECORDED, "rt") as f:
+        return json.load(f)
+
+
 if __name__ == "__main__":
     RECORDED.parent.mkdir(exist_ok=True)
     with gzip.open(RECORDED, "wt") as out:
         json.dump(record(), out, indent=1)
         out.write("\n")
     print(f"wrote {RECORDED}", file=sys.stderr)
-
-
-def load_recorded() -> dict[str, Any]:
-    with gzip.open(RECORDED, "rt") as f:
-        return json.load(f)

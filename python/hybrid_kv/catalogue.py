@@ -364,14 +364,17 @@ def _name(index: int) -> str:
 def _attention(
     ctx: _Context, kind: str, kv_heads: int, head_dim: int, window: int | None, chunk: int | None
 ) -> LayerSpec:
-    common = {"num_kv_heads": kv_heads, "head_size": head_dim, "dtype": ctx.dtype}
     if kind == "full":
-        return FullAttentionSpec(**common)
+        return FullAttentionSpec(num_kv_heads=kv_heads, head_size=head_dim, dtype=ctx.dtype)
     if kind == "sliding_window":
         assert window is not None
-        return SlidingWindowSpec(**common, sliding_window=window)
+        return SlidingWindowSpec(
+            num_kv_heads=kv_heads, head_size=head_dim, dtype=ctx.dtype, sliding_window=window
+        )
     assert kind == "chunked_local" and chunk is not None
-    return ChunkedLocalAttentionSpec(**common, attention_chunk_size=chunk)
+    return ChunkedLocalAttentionSpec(
+        num_kv_heads=kv_heads, head_size=head_dim, dtype=ctx.dtype, attention_chunk_size=chunk
+    )
 
 
 def _build(

@@ -378,7 +378,7 @@ def format_plan_report(
         ),
         ("hash block size", lambda p: str(p.hash_block_size)),
         ("page size (block)", lambda p: format_bytes(p.block_bytes)),
-        ("padding", lambda p: f"{p.num_padding_slots} slots" if p.num_padding_slots else "none"),
+        ("padding", _padding),
         ("num_blocks", lambda p: f"{p.num_blocks:,} (incl. null block)"),
         ("blocks per request", lambda p: f"{p.blocks_per_request:,} (vLLM's reservation)"),
         ("max concurrency", lambda p: f"{p.max_concurrency or 0:.2f}x at {p.max_model_len:,}"),
@@ -423,6 +423,17 @@ def format_plan_report(
         lines.append("warnings:")
         lines.extend(f"  - {warning}" for warning in plan.warnings)
     return "\n".join(lines)
+
+
+def _padding(plan: KVCachePlan) -> str:
+    slots = plan.num_padding_slots
+    if slots:
+        return f"{slots} slot{'s' if slots != 1 else ''}"
+    return (
+        format_bytes(sum(g.padding_bytes for g in plan.groups))
+        if plan.groups and any(g.padding_bytes for g in plan.groups)
+        else "none"
+    )
 
 
 def _group_summary(plan: KVCachePlan) -> str:

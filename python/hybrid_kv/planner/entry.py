@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from hybrid_kv.planner.errors import InsufficientMemoryError, PlanError
 from hybrid_kv.planner.layout import (
@@ -204,28 +204,19 @@ def plan_kv_cache(
     return _build_plan(settings, layers, buckets, chosen, distribution, reasons, alternatives)
 
 
+@dataclass(frozen=True)
 class _Settings:
-    def __init__(
-        self,
-        strategy: str,
-        memory_bytes: int,
-        max_model_len: int,
-        block_size: int,
-        max_in_flight_tokens: int,
-        mamba_mode: str,
-        layout: str,
-        prefix_match_unit: int | None,
-        prefix_caching: bool,
-    ) -> None:
-        self.strategy = strategy
-        self.memory_bytes = memory_bytes
-        self.max_model_len = max_model_len
-        self.block_size = block_size
-        self.max_in_flight_tokens = max_in_flight_tokens
-        self.mamba_mode = mamba_mode
-        self.layout = layout
-        self.prefix_match_unit = prefix_match_unit
-        self.prefix_caching = prefix_caching
+    """The validated arguments every step of planning reads."""
+
+    strategy: str
+    memory_bytes: int
+    max_model_len: int
+    block_size: int
+    max_in_flight_tokens: int
+    mamba_mode: str
+    layout: str
+    prefix_match_unit: int | None
+    prefix_caching: bool
 
 
 # --------------------------------------------------------------------------- choosing

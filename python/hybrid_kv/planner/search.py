@@ -110,14 +110,6 @@ class Sizing:
     def mixed_pages(self) -> bool:
         return len(set(self.page_bytes)) > 1
 
-    @property
-    def padded_attention(self) -> bool:
-        """Some attention page is padded (its block does not fill the unified page)."""
-        return any(
-            not mamba and page != used
-            for mamba, page, used in zip(self.mamba, self.page_bytes, self.used_bytes, strict=True)
-        )
-
 
 Group = tuple[tuple[int, str], ...]
 """A group's members in slot order: `(bucket index, layer name)`."""
