@@ -22,7 +22,7 @@ from hybrid_kv._core import BlockRemoved, HybridKvError
 from hybrid_kv.catalogue import ModelSpec, load_model
 from hybrid_kv.manager import manager_from_plan
 from hybrid_kv.planner import KVCachePlan, format_bytes, plan_kv_cache
-from hybrid_kv.replay import ReplayResult, replay
+from hybrid_kv.replay import ReplayResult, ReplayStalledError, replay
 
 __all__ = [
     "DEFAULT_MAX_MODEL_LEN",
@@ -48,7 +48,8 @@ otherwise."""
 
 
 class SimulationError(RuntimeError):
-    """The replay stopped (e.g. a request that can never be admitted); the message says why."""
+    """The replay stopped (`ReplayStalledError`: a request that can never be admitted, or a
+    manager error); the message says why."""
 
 
 def make_workload(
@@ -255,7 +256,7 @@ def simulate(
 
     try:
         report.result = replay(wl, manager, on_step=on_step)
-    except (RuntimeError, ValueError, HybridKvError) as error:
+    except (ReplayStalledError, HybridKvError) as error:
         raise SimulationError(f"the replay stopped: {error}") from error
     return report
 
