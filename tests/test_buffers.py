@@ -1,9 +1,12 @@
-"""Torch buffers: view shapes, meta allocation, and byte-level checks that every (layer, block)
-slice lies in its buffer, live slices never overlap and padding is where the plan says."""
+"""Torch buffers: view shapes as vLLM gives them, meta allocation, Mamba state unpacking, and
+byte-level checks that every (layer, block) page lies in its block, live pages never overlap
+and padding is where the plan says, in every layout."""
 
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 
 import pytest
 
@@ -11,7 +14,7 @@ torch = pytest.importorskip("torch")
 
 from hybrid_kv.buffers import allocate_kv_cache  # noqa: E402
 from hybrid_kv.catalogue import load_model  # noqa: E402
-from hybrid_kv.planner import KVCachePlan, plan_kv_cache  # noqa: E402
+from hybrid_kv.planner import KV_CACHE_LAYOUTS, KVCachePlan, PlanError, plan_kv_cache  # noqa: E402
 from hybrid_kv.specs import (  # noqa: E402
     FullAttentionSpec,
     KVSharingSpec,
@@ -39,9 +42,9 @@ MIXES: dict[str, dict[str, LayerSpec]] = {
     "mamba-option-a": {
         "a0": _full(),
         "a1": _full(),
-        "m0": MambaSpec(shapes=((4, 3), (20,)), dtypes=("fp16", "fp32")),
-        "m1": MambaSpec(shapes=((4, 3), (20,)), dtypes=("fp16", "fp32")),
-        "m2": MambaSpec(shapes=((4, 3), (20,)), dtypes=("fp16", "fp32")),
+        "m0": MambaSpec(shapes=((3, 4), (20,)), dtypes=("fp16", "fp32")),
+        "m1": MambaSpec(shapes=((3, 4), (20,)), dtypes=("fp16", "fp32")),
+        "m2": MambaSpec(shapes=((3, 4), (20,)), dtypes=("fp16", "fp32")),
     },
     "mamba-option-b": {
         **{
@@ -50,54 +53,70 @@ MIXES: dict[str, dict[str, LayerSpec]] = {
         "m": MambaSpec(shapes=((1024,),), dtypes=("fp32",)),
     },
     "mla": {"mla0": MLAAttentionSpec(head_size=24), "mla1": MLAAttentionSpec(head_size=24)},
+    "uniform-type": {
+        "u0": FullAttentionSpec(num_kv_heads=2, head_size=8, dtype="fp16"),
+        "u1": FullAttentionSpec(num_kv_heads=1, head_size=16, head_size_v=8, dtype="fp32"),
+    },
 }
 
 
-def _plan(layers: dict[str, LayerSpec], length: int = 40, extra_blocks: int = 3) -> KVCachePlan:
-    probe = plan_kv_cache(layers, 2**40, length)
-    return plan_kv_cache(
-        layers, (probe.blocks_per_request + extra_blocks) * probe.block_bytes, length
-    )
+def _plan(
+    layers: dict[str, LayerSpec], length: int = 40, extra_blocks: int = 3, layout: str = "LBNHC"
+) -> KVCachePlan:
+    probe = plan_kv_cache(layers, 2**40, length, kv_cache_layout=layout)
+    memory = (probe.blocks_per_request + extra_blocks) * probe.block_bytes
+    return plan_kv_cache(layers, memory, length, kv_cache_layout=layout)
 
 
-def _tensors(view: object) -> list[torch.Tensor]:
-    return list(view) if isinstance(view, tuple) else [view]  # type: ignore[list-item]
+def _tensors(buffers: object, layer: str) -> list[torch.Tensor]:
+    states = buffers.mamba_states.get(layer)  # type: ignore[attr-defined]
+    return list(states) if states else [buffers.layer_view(layer)]  # type: ignore[attr-defined]
 
 
 def _touched(buffers: object, layer: str, block: int) -> set[int]:
-    """Pool byte offsets written when filling `layer`'s slice of `block` through its view."""
+    """Pool byte offsets written when filling `layer`'s page of `block` through its view."""
     pool = buffers.pool  # type: ignore[attr-defined]
     pool.zero_()
-    for tensor in _tensors(buffers.layer_view(layer)):  # type: ignore[attr-defined]
+    for tensor in _tensors(buffers, layer):
         tensor[block].view(torch.uint8).fill_(0xFF)
     return set(torch.nonzero(pool).flatten().tolist())
 
 
-def test_attention_view_shape_and_dtype() -> None:
+def test_attention_view_is_blocks_heads_tokens_and_k_beside_v() -> None:
     plan = _plan(MIXES["sw+full+sharing"])
     buffers = allocate_kv_cache(plan, "cpu")
     view = buffers.layer_view("f0")
-    assert view.shape == (plan.num_blocks, 2, 16, 2, 8)
+    assert view.shape == (plan.num_blocks, 2, 16, 16)  # [B, H, N, K+V]
     assert view.dtype == torch.float16
     assert buffers.layer_view("x0") is view
-    assert all(b.shape == (plan.num_blocks, plan.slice_bytes) for b in buffers.buffers)
+    # LBNHC: within a page tokens are outside heads, K and V side by side per head.
+    assert view.stride() == (16 * 2 * 16, 16, 2 * 16, 1)
+    assert buffers.pool.dtype == torch.int8
 
 
 def test_mla_and_mamba_view_shapes() -> None:
     plan = _plan(MIXES["mla"])
-    assert allocate_kv_cache(plan, "cpu").layer_view("mla0").shape == (plan.num_blocks, 16, 24)
+    assert allocate_kv_cache(plan, "cpu").layer_view("mla0").shape == (plan.num_blocks, 1, 16, 24)
     plan = _plan(MIXES["mamba-option-a"])
-    conv, ssm = allocate_kv_cache(plan, "cpu").layer_view("m0")
-    assert (conv.shape, conv.dtype) == ((plan.num_blocks, 4, 3), torch.float16)
+    buffers = allocate_kv_cache(plan, "cpu")
+    state_bytes = 3 * 4 * 2 + 20 * 4
+    assert buffers.layer_view("m0").shape == (plan.num_blocks, 1, 1, state_bytes)
+    conv, ssm = buffers.mamba_states["m0"]
+    assert (conv.shape, conv.dtype) == ((plan.num_blocks, 3, 4), torch.float16)
     assert (ssm.shape, ssm.dtype) == ((plan.num_blocks, 20), torch.float32)
 
 
+def test_jamba_conv_state_is_kernel_by_channels_as_in_vllm() -> None:
+    plan = plan_kv_cache(load_model("jamba-mini-1.5").layers, 8 * 2**30, 4096)
+    conv, ssm = allocate_kv_cache(plan, "meta").mamba_states["model.layers.0"]
+    assert conv.shape[1:] == (3, 8192) and ssm.shape[1:] == (8192, 16)
+
+
 def test_meta_device_plans_a_27b_model_without_memory() -> None:
-    model = load_model("gemma-3-27b")
-    plan = plan_kv_cache(model.layers, 60 * 2**30, 131072)
+    plan = plan_kv_cache(load_model("gemma-3-27b").layers, 60 * 2**30, 131072)
     buffers = allocate_kv_cache(plan, "meta")
     assert buffers.pool.numel() == plan.pool_bytes > 50 * 2**30
-    assert buffers.layer_view("model.layers.5").shape == (plan.num_blocks, 2, 16, 16, 128)
+    assert buffers.layer_view("model.layers.5").shape == (plan.num_blocks, 16, 16, 256)
 
 
 def test_default_device_is_cpu_without_cuda() -> None:
@@ -106,21 +125,34 @@ def test_default_device_is_cpu_without_cuda() -> None:
     assert allocate_kv_cache(plan).device.type == expected
 
 
-@pytest.mark.parametrize("mix", sorted(MIXES))
-def test_slices_stay_in_their_buffers_and_live_slices_never_overlap(mix: str) -> None:
-    plan = _plan(MIXES[mix])
+def test_allocate_refuses_what_is_not_a_plan() -> None:
+    with pytest.raises(TypeError, match="KVCachePlan"):
+        allocate_kv_cache({"num_blocks": 3}, "meta")  # type: ignore[arg-type]
+
+
+def _layout_plans() -> list[tuple[str, str]]:
+    cases = []
+    for mix, layout in itertools.product(sorted(MIXES), KV_CACHE_LAYOUTS):
+        try:
+            _plan(MIXES[mix], layout=layout)
+        except PlanError:
+            continue
+        cases.append((mix, layout))
+    return cases
+
+
+@pytest.mark.parametrize(("mix", "layout"), _layout_plans())
+def test_pages_stay_in_their_blocks_and_live_pages_never_overlap(mix: str, layout: str) -> None:
+    plan = _plan(MIXES[mix], layout=layout)
     buffers = allocate_kv_cache(plan, "cpu")
     owners = [p for p in plan.placements if p.shared_from is None]
     touched = {}
     for placement, block in itertools.product(owners, range(plan.num_blocks)):
         region = _touched(buffers, placement.layer_name, block)
-        allowed = set()
-        for index in placement.buffers:
-            buffer = plan.buffers[index]
-            start = buffer.offset_bytes + block * buffer.block_stride_bytes
-            allowed |= set(range(start, start + buffer.slice_bytes))
-        assert region and region <= allowed, f"{placement.layer_name} block {block}"
-        assert len(region) == placement.used_bytes
+        if placement.page_is_contiguous:
+            start = placement.offset_bytes + block * placement.block_stride_bytes
+            assert region <= set(range(start, start + placement.page_bytes))
+        assert len(region) == placement.used_bytes, f"{placement.layer_name} block {block}"
         touched[placement.layer_name, block] = (placement.group_id, region)
     for (key_a, (group_a, a)), (key_b, (group_b, b)) in itertools.combinations(touched.items(), 2):
         # Different groups never hold the same block id at once; everything else is live.
@@ -137,30 +169,40 @@ def test_padding_is_where_the_plan_says(mix: str) -> None:
     pool = buffers.pool
     next_block = 1
     held = torch.zeros_like(pool, dtype=torch.bool)
+    widest = max(
+        plan.groups, key=lambda g: sum(plan.placement(n).page_bytes for n in g.layer_names)
+    )
     for group in plan.groups:
         count = group.blocks_held(length)
         block_ids = list(range(next_block, next_block + count))
         next_block += count
-        for block, buffer in itertools.product(block_ids, plan.buffers):
-            start = buffer.offset_bytes + block * buffer.block_stride_bytes
-            held[start : start + buffer.slice_bytes] = True
+        for block, name in itertools.product(block_ids, widest.layer_names):
+            start, end = plan.placement(name).block_range(block)
+            held[start:end] = True
         first = -(-length // group.block_size) - count  # first block index still held
         for name in group.layer_names:
-            for tensor in _tensors(buffers.layer_view(name)):
-                as_bytes = tensor.view(torch.uint8)
-                if plan.placement(name).spec.kind == "mamba":
-                    as_bytes[block_ids[0]].fill_(0xFF)
-                    continue
-                # Fill token positions [first * bs, length) of the held blocks.
-                flat = [as_bytes[b] for b in block_ids]
-                for token in range(first * group.block_size, length):
-                    block_tensor = flat[token // group.block_size - first]
-                    index = token % group.block_size
-                    if tensor.dim() == 5:  # [blocks, 2, bs, heads, head]
-                        block_tensor[:, index].fill_(0xFF)
-                    else:
-                        block_tensor[index].fill_(0xFF)
+            if plan.placement(name).spec.kind == "mamba":
+                for state in buffers.mamba_states[name]:
+                    state[block_ids[0]].view(torch.uint8).fill_(0xFF)
+                continue
+            view = buffers.layer_view(name).view(torch.uint8)  # [B, H, N, C bytes]
+            for token in range(first * group.block_size, length):
+                block = block_ids[token // group.block_size - first]
+                view[block, :, token % group.block_size, :].fill_(0xFF)
     unwritten = int((held & (pool == 0)).sum())
-    assert int(held.sum()) == plan.waste.held_bytes
-    assert unwritten == plan.waste.waste_bytes
+    report = plan.waste_at(length)
+    assert int(held.sum()) == report.held_bytes
+    assert unwritten == report.waste_bytes
     assert int(((pool != 0) & ~held).sum()) == 0
+
+
+def test_importing_buffers_without_torch_names_the_extra() -> None:
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "try:\n    import hybrid_kv.buffers\n"
+        "except ModuleNotFoundError as e:\n    print(e.name, '|', e)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    name, message = result.stdout.strip().split(" | ")
+    assert name == "torch" and "pip install 'hybrid-kv[torch]'" in message

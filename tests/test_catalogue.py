@@ -9,13 +9,15 @@ from pathlib import Path
 import pytest
 from hybrid_kv.catalogue import (
     CatalogueError,
+    estimate_parameters,
+    estimate_weight_bytes,
     layer_specs_from_config,
     list_presets,
     load_config,
     load_model,
     max_model_len_from_config,
 )
-from hybrid_kv.specs import KVSharingSpec, MambaSpec, validate_layers
+from hybrid_kv.specs import KVSharingSpec, MambaSpec, MLAAttentionSpec, validate_layers
 
 
 def _kinds(name: str) -> Counter[str]:
@@ -109,7 +111,7 @@ def test_jamba_puts_attention_at_offset_4_of_every_8_and_mamba1_elsewhere() -> N
     attention = [n for n, s in layers.items() if s.kind == "full"]
     assert attention == [f"model.layers.{i}" for i in (4, 12, 20, 28)]
     mamba = layers["model.layers.0"]
-    assert isinstance(mamba, MambaSpec) and mamba.shapes == ((8192, 3), (8192, 16))
+    assert isinstance(mamba, MambaSpec) and mamba.shapes == ((3, 8192), (8192, 16))
 
 
 def test_bamba_puts_attention_at_the_listed_indices_and_mamba2_elsewhere() -> None:
@@ -143,6 +145,65 @@ def test_unknown_model_lists_the_presets() -> None:
         load_model("gemma-9")
 
 
+def test_preset_names_are_case_insensitive() -> None:
+    assert load_model("Gemma-3-27B").layers == load_model("gemma-3-27b").layers
+    assert load_model("Gemma-3-27B").name == "gemma-3-27b"
+
+
+def test_a_near_miss_suggests_the_preset() -> None:
+    with pytest.raises(CatalogueError, match="did you mean gemma-3-27b"):
+        load_model("gema-3-27b")
+
+
+@pytest.mark.parametrize("path", ["./nope/config.json", "missing.json", "/tmp/no/such/dir"])
+def test_a_missing_path_says_no_such_file(path: str) -> None:
+    with pytest.raises(CatalogueError, match="no such file or directory"):
+        load_model(path)
+
+
+def test_a_directory_without_a_config_says_so(tmp_path: Path) -> None:
+    with pytest.raises(CatalogueError, match="no config.json in directory"):
+        load_model(str(tmp_path))
+
+
+def _cache_model(hub: Path, model_id: str, config: dict[str, object], ref: bool = True) -> Path:
+    repo = hub / ("models--" + model_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(config))
+    if ref:
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text("0123abcd")
+    return snapshot
+
+
+def test_hub_ids_resolve_from_the_local_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.delenv("HF_HOME", raising=False)
+    _cache_model(tmp_path / "hub", "google/gemma-2-9b", load_config("gemma-2-9b"))
+    model = load_model("google/gemma-2-9b")
+    assert model.name == "google/gemma-2-9b"
+    assert model.layers == load_model("gemma-2-9b").layers
+
+
+def test_hf_home_holds_the_hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    # No refs/main: the snapshot holding a config is used.
+    _cache_model(tmp_path / "hub", "org/tiny", load_config("llama-3.1-8b"), ref=False)
+    assert load_model("org/tiny").model_type == "llama"
+
+
+def test_an_uncached_hub_id_says_where_it_looked_and_never_downloads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(CatalogueError, match=r"not in the local Hugging Face cache.*download"):
+        load_model("someone/never-seen")
+
+
 def test_bad_json_is_a_clear_error(tmp_path: Path) -> None:
     path = tmp_path / "config.json"
     path.write_text("{not json")
@@ -172,7 +233,7 @@ def test_bad_json_is_a_clear_error(tmp_path: Path) -> None:
             },
             "sliding_window",
         ),
-        ({"model_type": "rwkv"}, "unsupported model_type"),
+        ({"model_type": "rwkv"}, "unsupported model_type 'rwkv'"),
         ({"num_hidden_layers": 2}, "model_type"),
     ],
 )
@@ -184,3 +245,316 @@ def test_configs_missing_fields_raise(config: dict[str, object], message: str) -
 def test_max_model_len_requires_max_position_embeddings() -> None:
     with pytest.raises(CatalogueError, match="max_position_embeddings"):
         max_model_len_from_config({"model_type": "llama"})
+
+
+# ----------------------------------------------------------------------------- architectures
+
+
+def test_an_unknown_model_type_names_the_layer_kinds_its_config_mentions() -> None:
+    config = {
+        "model_type": "zamba9",
+        "num_attention_heads": 8,
+        "sliding_window": 4096,
+        "mamba_d_state": 64,
+        "layer_types": ["hybrid", "attention"],
+    }
+    with pytest.raises(CatalogueError) as caught:
+        layer_specs_from_config(config)
+    message = str(caught.value)
+    for fragment in ("zamba9", "sliding-window", "Mamba", "hybrid", "supported model types"):
+        assert fragment in message
+
+
+def _kinds_of(layers: dict[str, object]) -> list[str]:
+    return [spec.kind for spec in layers.values()]  # type: ignore[attr-defined]
+
+
+QWEN25_7B = {
+    "model_type": "qwen2",
+    "hidden_size": 3584,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 28,
+    "intermediate_size": 18944,
+    "vocab_size": 152064,
+    "max_position_embeddings": 32768,
+    "sliding_window": 131072,
+    "use_sliding_window": False,
+    "max_window_layers": 28,
+    "tie_word_embeddings": False,
+}
+QWEN3_8B = {
+    "model_type": "qwen3",
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "num_hidden_layers": 36,
+    "intermediate_size": 12288,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": False,
+}
+QWEN3_30B_A3B = {
+    **QWEN3_8B,
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 48,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+}
+PHI3_MINI = {
+    "model_type": "phi3",
+    "hidden_size": 3072,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "num_hidden_layers": 32,
+    "intermediate_size": 8192,
+    "vocab_size": 32064,
+    "sliding_window": 2047,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+PHI4 = {
+    **PHI3_MINI,
+    "hidden_size": 5120,
+    "num_attention_heads": 40,
+    "num_key_value_heads": 10,
+    "num_hidden_layers": 40,
+    "intermediate_size": 17920,
+    "vocab_size": 100352,
+    "sliding_window": None,
+    "max_position_embeddings": 16384,
+}
+DEEPSEEK_V2_LITE = {
+    "model_type": "deepseek_v2",
+    "hidden_size": 2048,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "moe_intermediate_size": 1408,
+    "intermediate_size": 10944,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "vocab_size": 102400,
+    "max_position_embeddings": 163840,
+    "tie_word_embeddings": False,
+}
+KIMI_K2 = {**load_config("deepseek-v3"), "model_type": "kimi_k2", "n_routed_experts": 384}
+GRANITE_4_H = {
+    "model_type": "granitemoehybrid",
+    "hidden_size": 1536,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 4,
+    "layer_types": ["mamba", "mamba", "attention", "mamba"],
+    "mamba_n_heads": 48,
+    "mamba_d_head": 64,
+    "mamba_d_state": 128,
+    "mamba_n_groups": 1,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+    "max_position_embeddings": 131072,
+}
+FALCON_H1 = {
+    "model_type": "falcon_h1",
+    "hidden_size": 1024,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_hidden_layers": 2,
+    "mamba_d_ssm": 1536,
+    "mamba_n_heads": 24,
+    "mamba_d_head": 64,
+    "mamba_n_groups": 1,
+    "mamba_d_state": 256,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+    "max_position_embeddings": 131072,
+}
+NEMOTRON_H = {
+    "model_type": "nemotron_h",
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hybrid_override_pattern": "M-M*-M-",
+    "mamba_num_heads": 128,
+    "mamba_head_dim": 64,
+    "ssm_state_size": 128,
+    "n_groups": 8,
+    "conv_kernel": 4,
+    "max_position_embeddings": 8192,
+}
+GEMMA3N_E2B = {
+    "model_type": "gemma3n_text",
+    "head_dim": 256,
+    "hidden_size": 2048,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 30,
+    "num_kv_shared_layers": 10,
+    "sliding_window": 512,
+    "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 6,
+    "max_position_embeddings": 32768,
+}
+LLAMA4_MAVERICK = {
+    "model_type": "llama4",
+    "text_config": {
+        "model_type": "llama4_text",
+        "attention_chunk_size": 8192,
+        "head_dim": 128,
+        "hidden_size": 5120,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 48,
+        "no_rope_layers": [],
+        "interleave_moe_layer_step": 2,
+        "max_position_embeddings": 1048576,
+    },
+}
+
+
+def test_qwen2_and_qwen3_are_full_attention() -> None:
+    for config in (QWEN25_7B, QWEN3_8B, QWEN3_30B_A3B):
+        layers = layer_specs_from_config(config)
+        assert set(_kinds_of(layers)) == {"full"}
+    assert layer_specs_from_config(QWEN3_8B)["model.layers.0"].bytes_per_token == 8 * 256 * 2
+
+
+def test_qwen2_slides_from_max_window_layers_when_enabled() -> None:
+    config = {**QWEN25_7B, "num_hidden_layers": 4, "use_sliding_window": True}
+    config["max_window_layers"] = 2
+    assert _kinds_of(layer_specs_from_config(config)) == ["full"] * 2 + ["sliding_window"] * 2
+
+
+def test_qwen3_next_alternates_gated_deltanet_and_full_attention() -> None:
+    layers = load_model("qwen3-next-80b-a3b").layers
+    assert _kinds_of(layers)[:4] == ["mamba", "mamba", "mamba", "full"]
+    gdn = layers["model.layers.0"]
+    assert isinstance(gdn, MambaSpec) and gdn.shapes == ((3, 8192), (32, 128, 128))
+
+
+def test_phi3_slides_on_every_layer_and_phi4_attends_fully() -> None:
+    phi3 = layer_specs_from_config(PHI3_MINI)
+    assert set(_kinds_of(phi3)) == {"sliding_window"}
+    assert phi3["model.layers.0"].sliding_window == 2047  # type: ignore[union-attr]
+    assert set(_kinds_of(layer_specs_from_config(PHI4))) == {"full"}
+
+
+@pytest.mark.parametrize("config", [DEEPSEEK_V2_LITE, load_config("deepseek-v3"), KIMI_K2])
+def test_deepseek_and_kimi_use_mla_with_one_latent_vector(config: dict[str, object]) -> None:
+    layers = layer_specs_from_config(config)
+    assert {type(s) for s in layers.values()} == {MLAAttentionSpec}
+    assert layers["model.layers.0"].head_size == 512 + 64  # type: ignore[union-attr]
+
+
+def test_granite_4_hybrid_follows_its_layer_types() -> None:
+    layers = layer_specs_from_config(GRANITE_4_H)
+    assert _kinds_of(layers) == ["mamba", "mamba", "full", "mamba"]
+    assert layers["model.layers.0"].shapes == ((3, 3072 + 2 * 128), (48, 64, 128))  # type: ignore[union-attr]
+
+
+def test_falcon_h1_layers_hold_attention_and_mamba_side_by_side() -> None:
+    layers = layer_specs_from_config(FALCON_H1)
+    assert list(layers) == [
+        "model.layers.0.self_attn",
+        "model.layers.0.mamba",
+        "model.layers.1.self_attn",
+        "model.layers.1.mamba",
+    ]
+    assert layers["model.layers.0.mamba"].shapes == ((3, 1536 + 512), (24, 64, 256))  # type: ignore[union-attr]
+
+
+def test_nemotron_h_reads_its_hybrid_pattern() -> None:
+    layers = layer_specs_from_config(NEMOTRON_H)
+    # M-M*-M- : MLP layers ("-") have no cache.
+    assert list(layers) == [f"model.layers.{i}" for i in (0, 2, 3, 5)]
+    assert _kinds_of(layers) == ["mamba", "mamba", "full", "mamba"]
+    assert layers["model.layers.0"].shapes == ((3, 8192 + 2 * 8 * 128), (128, 64, 128))  # type: ignore[union-attr]
+
+
+def test_gemma3n_e2b_shares_the_last_ten_layers() -> None:
+    layers = layer_specs_from_config(GEMMA3N_E2B)
+    shared = {n: s.target for n, s in layers.items() if isinstance(s, KVSharingSpec)}
+    assert len(shared) == 10
+    assert set(shared.values()) == {"model.layers.18", "model.layers.19"}
+
+
+def test_llama4_maverick_uses_chunked_attention_with_every_fourth_layer_global() -> None:
+    layers = layer_specs_from_config(LLAMA4_MAVERICK)
+    assert Counter(_kinds_of(layers)) == {"chunked_local": 36, "full": 12}
+
+
+@pytest.mark.parametrize(
+    ("config", "published"),
+    [
+        (load_config("llama-3.1-8b"), 8.03e9),
+        (load_config("mistral-7b-v0.1"), 7.24e9),
+        (load_config("gemma-2-9b"), 9.24e9),
+        (load_config("gpt-oss-20b"), 20.91e9),
+        (load_config("gpt-oss-120b"), 116.83e9),
+        (load_config("jamba-mini-1.5"), 51.57e9),
+        (load_config("bamba-9b"), 9.78e9),
+        (load_config("deepseek-v3"), 671e9),
+        (QWEN25_7B, 7.62e9),
+        (QWEN3_8B, 8.19e9),
+        (QWEN3_30B_A3B, 30.53e9),
+        (PHI3_MINI, 3.82e9),
+        (PHI4, 14.66e9),
+        (DEEPSEEK_V2_LITE, 15.71e9),
+    ],
+)
+def test_parameter_estimates_are_within_one_percent_of_published_counts(
+    config: dict[str, object], published: float
+) -> None:
+    dense, experts = estimate_parameters(config)
+    assert abs(dense + experts - published) / published < 0.01
+
+
+def test_weight_bytes_follow_the_checkpoint_precision_and_split_over_ranks() -> None:
+    llama = load_config("llama-3.1-8b")
+    dense, experts = estimate_parameters(llama)
+    assert estimate_weight_bytes(llama) == 2 * (dense + experts)
+    assert estimate_weight_bytes(llama, 4) == -(-2 * (dense + experts) // 4)
+    # gpt-oss stores its experts in MXFP4 (4.25 bits), the rest in bf16.
+    gpt = load_config("gpt-oss-20b")
+    dense, experts = estimate_parameters(gpt)
+    assert estimate_weight_bytes(gpt) == int(2 * dense + experts * 4.25 / 8)
+
+
+def test_weights_that_cannot_be_estimated_name_the_missing_field() -> None:
+    with pytest.raises(CatalogueError, match="intermediate_size"):
+        estimate_weight_bytes(load_config("gemma-3n-e4b"))
+
+
+# ----------------------------------------------------------------------------- tensor parallel
+
+
+def test_tensor_parallel_ranks_hold_a_share_of_the_kv_heads() -> None:
+    one = load_model("gpt-oss-20b").layers["model.layers.0"]
+    two = load_model("gpt-oss-20b", tensor_parallel_size=2).layers["model.layers.0"]
+    sixteen = load_model("gpt-oss-20b", tensor_parallel_size=16).layers["model.layers.0"]
+    assert (one.num_kv_heads, two.num_kv_heads, sixteen.num_kv_heads) == (8, 4, 1)  # type: ignore[union-attr]
+
+
+def test_tensor_parallel_splits_mamba_but_not_mla() -> None:
+    jamba = load_model("jamba-mini-1.5", tensor_parallel_size=2).layers["model.layers.0"]
+    assert jamba.shapes == ((3, 4096), (4096, 16))  # type: ignore[union-attr]
+    mla = load_model("deepseek-v3", tensor_parallel_size=8).layers["model.layers.0"]
+    assert mla.head_size == 576  # type: ignore[union-attr]
+    with pytest.raises(CatalogueError, match="tensor_parallel_size must be >= 1"):
+        load_model("gpt-oss-20b", tensor_parallel_size=0)
+    with pytest.raises(CatalogueError, match="does not split"):
+        load_model("jamba-mini-1.5", tensor_parallel_size=3)

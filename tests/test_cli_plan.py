@@ -1,7 +1,10 @@
-"""`hybrid-kv plan`: table, JSON, plot, and one-line errors with exit code 2."""
+"""`hybrid-kv plan` and the command line as a user meets it: the table, JSON, plot, budgets
+from a GPU size, and one-line errors (exit 2), Ctrl-C (130) and closed pipes (141) without a
+traceback."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -9,34 +12,92 @@ import sys
 from pathlib import Path
 
 import pytest
+from hybrid_kv import __version__
+from hybrid_kv import cli as cli_module
 from hybrid_kv.cli import main
 
 
 def test_plan_prints_our_plan_beside_vllms(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["plan", "gemma-3-27b", "--memory", "40GiB", "--reference-len", "1024"])
+    code = main(["plan", "gemma-3-27b", "--memory", "40GiB", "--max-model-len", "1024"])
     out = capsys.readouterr().out
     assert code == 0
     assert "min-waste (chosen)" in out and "vllm 0.33" in out
-    waste_row = next(line for line in out.splitlines() if line.startswith("waste"))
+    lines = out.splitlines()
+    waste_row = next(line for line in lines if line.startswith("expected waste"))
     assert "4.62%" in waste_row and "11.43%" in waste_row
-    for label in ("groups", "block sizes", "page size", "num_blocks", "max concurrency"):
-        assert any(line.startswith(label) for line in out.splitlines()), label
+    for label in (
+        "groups",
+        "attention block size",
+        "page size",
+        "num_blocks",
+        "blocks per request",
+        "max concurrency",
+        "KV cache tokens",
+    ):
+        assert any(line.startswith(label) for line in lines), label
+    assert any(line.startswith("KV cache: ") and "max concurrency" in line for line in lines)
 
 
-def test_plan_json_holds_both_plans(capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_json_holds_both_plans_and_a_schema_version(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     code = main(["plan", "bamba-9b", "--memory", "16GiB", "--max-model-len", "8192", "--json"])
     document = json.loads(capsys.readouterr().out)
     assert code == 0
+    assert document["schema_version"] == cli_module.JSON_SCHEMA_VERSION
+    assert document["plan"]["schema_version"] >= 2
     assert document["plan"]["strategy"] == "min-waste"
     assert document["vllm"]["strategy"] == "vllm"
     assert {g["block_size"] for g in document["vllm"]["groups"]} == {528}
     assert document["plan"]["max_model_len"] == 8192
+    assert document["vllm"]["blocks_per_request"] == 8192 // 528 + 1 + 2 * 10
 
 
 def test_plan_with_vllm_strategy_prints_one_column(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "gpt-oss-20b", "--memory", "8GiB", "--strategy", "vllm"]) == 0
     out = capsys.readouterr().out
     assert "vllm (chosen)" in out and "vllm 0.33" not in out
+
+
+def test_plan_options_reach_the_planner(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "bamba-9b", "--memory", "16GiB", "--max-model-len", "8192", "--json"]
+    argv += ["--kv-cache-layout", "blnhc", "--async-scheduling", "--prefix-match-unit", "16"]
+    argv += ["--max-num-batched-tokens", "4096", "--no-prefix-caching"]
+    assert main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert plan["kv_cache_layout"] == "BLNHC"
+    assert plan["max_in_flight_tokens"] == 8192
+    assert plan["mamba_cache_mode"] == "none"
+
+
+def test_plan_sizes_the_budget_from_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "llama-3.1-8b", "--gpu-memory", "80GiB", "--max-model-len", "8192"]) == 0
+    out = capsys.readouterr().out
+    assert "0.9 x 80.00 GiB - 14.96 GiB of weights per GPU (estimated from the config" in out
+    argv = ["plan", "llama-3.1-8b", "--gpu-memory", "80GiB", "--weights-memory", "16GiB"]
+    argv += ["--gpu-memory-utilization", "0.5", "--tensor-parallel-size", "2", "--json"]
+    assert main(argv) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["plan"]["memory_bytes"] == 24 * 2**30
+    assert document["tensor_parallel_size"] == 2
+    assert "(given;" in document["budget"]
+
+
+def test_plan_lengths_from_a_histogram_and_a_workload(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["plan", "gemma-3-27b", "--memory", "40GiB", "--max-model-len", "8192", "--json"]
+    assert main([*argv, "--lengths", "1024:3,8192:1"]) == 0
+    waste = json.loads(capsys.readouterr().out)["plan"]["waste"]
+    assert [r["reference_len"] for r in waste["per_length"]] == [1024, 8192]
+    workload = {"requests": [{"prompt": [1] * 100, "output": [2] * 28}] * 3}
+    path = tmp_path / "workload.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(workload, f)
+    assert main([*argv, "--lengths", str(path)]) == 0
+    waste = json.loads(capsys.readouterr().out)["plan"]["waste"]
+    assert [r["reference_len"] for r in waste["per_length"]] == [128]
+    assert "3 requests" in waste["distribution"]
 
 
 def test_plan_draws_the_layout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -47,14 +108,46 @@ def test_plan_draws_the_layout(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert str(path) in capsys.readouterr().out
 
 
+def test_plan_figure_labels_axes_and_lists_only_present_kinds() -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from hybrid_kv import load_model, plan_kv_cache
+    from hybrid_kv.plot import plan_figure
+
+    layers = load_model("gemma-3-27b").layers
+    plan = plan_kv_cache(layers, 40 * 2**30, 4096)
+    vllm = plan_kv_cache(layers, 40 * 2**30, 4096, strategy="vllm")
+    figure = plan_figure(plan, baseline=vllm, title="gemma-3-27b")
+    try:
+        (legend,) = figure.legends
+        labels = [text.get_text() for text in legend.get_texts()]
+        assert labels == ["full attention", "sliding window", "padding"]
+        assert "40.00 GiB budget" in figure._suptitle.get_text()
+        for axis in figure.axes:
+            assert axis.get_ylabel() == "KV cache group"
+            assert "page within a block" in axis.get_xlabel()
+            assert all(float(t).is_integer() for t in axis.get_xticks())
+    finally:
+        plt.close(figure)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["plan", "nope-7b", "--memory", "40GiB"], "unknown model 'nope-7b'"),
+        (["plan", "gema-3-27b", "--memory", "40GiB"], "did you mean gemma-3-27b"),
+        (["plan", "./nope/config.json", "--memory", "40GiB"], "no such file or directory"),
         (["plan", "gemma-3-27b", "--memory", "forty"], "bad memory size 'forty'"),
-        (["plan", "llama-3.1-8b", "--memory", "1GiB"], "needs"),
+        (["plan", "gemma-3-27b", "--memory", "40"], "has no unit: write 40GiB"),
+        (["plan", "gemma-3-27b", "--memory", "-1GiB"], "memory size must be positive"),
+        (["plan", "gemma-3-27b"], "give --memory"),
+        (["plan", "gemma-3-27b", "--memory", "4GiB", "--gpu-memory", "8GiB"], "not both"),
+        (["plan", "gemma-3n-e4b", "--gpu-memory", "24GiB"], "pass --weights-memory"),
+        (["plan", "llama-3.1-8b", "--gpu-memory", "16GiB"], "do not fit"),
+        (["plan", "llama-3.1-8b", "--memory", "1GiB"], "a max_model_len of"),
         (["plan", "llama-3.1-8b", "--memory", "1GiB", "--block-size", "24"], "multiple"),
         (["plan", "llama-3.1-8b", "--memory", "1GiB", "--dtype", "int2"], "unknown dtype"),
+        (["plan", "llama-3.1-8b", "--memory", "1GiB", "--lengths", "1k:2"], "bad --lengths"),
     ],
 )
 def test_errors_are_one_line_with_exit_code_2(
@@ -72,6 +165,51 @@ def test_config_missing_fields_exits_2(tmp_path: Path, capsys: pytest.CaptureFix
     path.write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 128}))
     assert main(["plan", str(path), "--memory", "1GiB"]) == 2
     assert "missing 'num_hidden_layers'" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_fails_before_planning(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setattr(cli_module, "plan_kv_cache", lambda *a, **k: pytest.fail("planned"))
+    assert main(["plan", "gemma-3-27b", "--memory", "40GiB", "--plot", "x.png"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "pip install 'hybrid-kv[plot]'" in err
+
+
+def test_ctrl_c_exits_130_without_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted(args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_module, "_cmd_plan", interrupted)
+    assert main(["plan", "gemma-3-27b", "--memory", "40GiB"]) == 130
+    assert capsys.readouterr().err == "hybrid-kv: interrupted\n"
+
+
+def test_a_closed_pipe_ends_quietly() -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "hybrid_kv", "plan", "gemma-3-27b", "--memory", "40GiB", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=os.environ.copy(),
+    )
+    assert process.stdout is not None and process.stderr is not None
+    assert process.stdout.readline() == b"{\n"
+    process.stdout.close()  # as `| head -1` does
+    stderr = process.stderr.read().decode()
+    assert process.wait() == 141
+    assert stderr == ""
+
+
+def test_version_names_the_vllm_semantics(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(["--version"])
+    assert caught.value.code == 0
+    assert capsys.readouterr().out.strip() == (
+        f"hybrid-kv {__version__} (vLLM 0.33 KV-cache semantics)"
+    )
 
 
 def test_python_dash_m_runs_the_cli() -> None:

@@ -1,4 +1,5 @@
-"""Planner: DESIGN.md worked examples, vLLM 0.33 grouping, min-waste choices, pool sizing."""
+"""Planner: DESIGN.md worked examples, vLLM 0.33 grouping and admission, min-waste choices
+under the capacity rule, Mamba options, uniform-type groups, layouts, pool sizing."""
 
 from __future__ import annotations
 
@@ -8,10 +9,15 @@ import sys
 from fractions import Fraction
 
 import pytest
+from hybrid_kv.catalogue import list_presets, load_model
 from hybrid_kv.planner import (
+    PLAN_SCHEMA_VERSION,
     InsufficientMemoryError,
+    LengthDistribution,
     PlanError,
+    admission_blocks,
     blocks_held,
+    kv_cache_budget,
     parse_memory,
     plan_kv_cache,
 )
@@ -21,11 +27,13 @@ from hybrid_kv.specs import (
     KVSharingSpec,
     LayerSpec,
     MambaSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
     SpecError,
 )
 
 HUGE = 2**50
+GIB = 2**30
 
 
 def full(heads: int = 8, head: int = 128, dtype: str = "bf16") -> FullAttentionSpec:
@@ -46,6 +54,23 @@ def gemma3_27b() -> dict[str, LayerSpec]:
     return {f"l{i}": full(16) if i % 6 == 5 else sw(1024, 16) for i in range(62)}
 
 
+def jamba() -> dict[str, LayerSpec]:
+    mamba = MambaSpec.mamba1(intermediate_size=8192, state_size=16, conv_kernel=4)
+    return {f"l{i}": full() if i % 8 == 4 else mamba for i in range(32)}
+
+
+def bamba() -> dict[str, LayerSpec]:
+    mamba = MambaSpec.mamba2(
+        intermediate_size=8192,
+        n_groups=1,
+        num_heads=128,
+        head_dim=64,
+        state_size=128,
+        conv_kernel=4,
+    )
+    return {f"l{i}": full() if i in (9, 18, 27) else mamba for i in range(32)}
+
+
 def kinds(plan: object) -> list[tuple[str, int]]:
     return [(g.kind, len(g.layer_names)) for g in plan.groups]  # type: ignore[attr-defined]
 
@@ -60,18 +85,23 @@ def test_design_worked_example_112_tokens_hold_11_blocks() -> None:
     plan = plan_kv_cache(layers, HUGE, 112, strategy="vllm")
     assert sorted(kinds(plan)) == [("full", 10), ("sliding_window", 10), ("sliding_window", 10)]
     assert [g.blocks_held(112) for g in plan.groups] == [7, 2, 2]
-    assert plan.blocks_per_request == 11
-    assert plan.num_buffers == 10
+    assert plan.blocks_held(112) == 11
+    # vLLM reserves more to admit it: the window plus the tokens in flight, + 1 per sw group.
+    assert plan.blocks_per_request == 7 + 2 * (-(-min(31 + 2048, 112) // 16) + 1)
     assert plan.num_padding_slots == 0
 
 
-def test_design_memory_layout_buffer_zero_is_shared_by_the_first_layer_of_each_group() -> None:
+def test_design_memory_layout_layer_k_of_every_group_shares_region_k() -> None:
     layers = model(("full", full(), 10), ("sw", sw(32), 20))
     plan = plan_kv_cache(layers, HUGE, 112, strategy="vllm")
-    assert len(plan.buffers) == 10
-    # vLLM assigns strided: sw groups are sw[0::2] and sw[1::2].
-    assert set(plan.buffers[0].layer_names) == {"full.0", "sw.0", "sw.1"}
-    assert plan.block_bytes == 10 * 16 * full().bytes_per_token
+    # vLLM assigns strided: sw groups are sw[0::2] and sw[1::2]; in a layer-compact layout the
+    # first layer of every group lives in the first region.
+    firsts = {name for g in plan.groups for name in g.layer_names[:1]}
+    assert firsts == {"full.0", "sw.0", "sw.1"}
+    assert {plan.placement(n).offset_bytes for n in firsts} == {0}
+    page = 16 * full().bytes_per_token
+    assert plan.block_bytes == 10 * page
+    assert plan.placement("full.1").offset_bytes == plan.num_blocks * page
 
 
 def test_uniform_model_is_one_group_without_padding() -> None:
@@ -105,35 +135,23 @@ def test_vllm_uses_the_largest_count_below_1_5_times_the_smallest() -> None:
     layers = model(("sw", sw(128), 12), ("full", full(), 13))
     plan = plan_kv_cache(layers, HUGE, 4096, strategy="vllm")
     assert kinds(plan) == [("sliding_window", 12), ("full", 13)]
-    assert plan.num_buffers == 13
+    assert plan.block_bytes == 13 * 16 * full().bytes_per_token
 
 
 def test_vllm_jamba_block_size_is_80() -> None:
-    # Mamba-1 state (8192*3 + 8192*16) * 2 B = 311296 B; attention 4096 B/token:
+    # Mamba-1 state (3*8192 + 8192*16) * 2 B = 311296 B; attention 4096 B/token:
     # 16 * ceil(311296 / (16 * 4096)) = 80.
-    mamba = MambaSpec.mamba1(intermediate_size=8192, state_size=16, conv_kernel=4)
-    layers = {f"l{i}": full() if i % 8 == 4 else mamba for i in range(32)}
-    plan = plan_kv_cache(layers, HUGE, 4096, strategy="vllm")
+    plan = plan_kv_cache(jamba(), HUGE, 4096, strategy="vllm")
     assert {g.block_size for g in plan.groups} == {80}
-    assert plan.slice_bytes == 80 * 4096
+    assert plan.block_bytes == 4 * 80 * 4096
     assert kinds(plan) == [("mamba", 4)] * 7 + [("full", 4)]
 
 
-def test_vllm_bamba_block_size_is_528() -> None:
-    mamba = MambaSpec.mamba2(
-        intermediate_size=8192,
-        n_groups=1,
-        num_heads=128,
-        head_dim=64,
-        state_size=128,
-        conv_kernel=4,
-    )
-    layers = {f"l{i}": full() if i in (9, 18, 27) else mamba for i in range(32)}
-    plan = plan_kv_cache(layers, HUGE, 4096, strategy="vllm")
+def test_vllm_bamba_block_size_is_528_and_the_state_is_padded_to_a_page() -> None:
+    plan = plan_kv_cache(bamba(), HUGE, 4096, strategy="vllm")
     assert {g.block_size for g in plan.groups} == {528}
-    # The Mamba state is padded up to one attention page.
     mamba_layer = plan.placement("l0")
-    assert (mamba_layer.slice_bytes, mamba_layer.used_bytes) == (528 * 4096, 2147840)
+    assert (mamba_layer.page_bytes, mamba_layer.used_bytes) == (528 * 4096, 2147840)
 
 
 def test_unify_grows_block_size_when_pages_divide() -> None:
@@ -141,7 +159,7 @@ def test_unify_grows_block_size_when_pages_divide() -> None:
     layers = {"a": full(2, 64, "fp32"), "b": sw(64, 2, 32, "fp32")}
     plan = plan_kv_cache(layers, HUGE, 256, strategy="vllm")
     assert {g.kind: g.block_size for g in plan.groups} == {"full": 16, "sliding_window": 32}
-    assert plan.slice_bytes == 16384
+    assert plan.block_bytes == 16384
     assert any("block size 32" in reason for reason in plan.reasons)
 
 
@@ -149,10 +167,84 @@ def test_unify_pads_when_pages_do_not_divide() -> None:
     # full hs64 (16384 B) + SWA hs96 (24576 B): full padded to 24576.
     layers = {"a": full(2, 64, "fp32"), "b": sw(64, 2, 96, "fp32")}
     plan = plan_kv_cache(layers, 64 * 24576, 256, strategy="vllm")
-    assert plan.slice_bytes == 24576
-    assert plan.placement("a").used_bytes == 16384
+    assert plan.block_bytes == 24576
+    assert (plan.placement("a").page_bytes, plan.placement("a").used_bytes) == (24576, 16384)
     assert plan.num_blocks == 64
     assert any("padded from 16384 B to 24576 B" in reason for reason in plan.reasons)
+
+
+# ----------------------------------------------------------------------------- admission
+
+
+@pytest.mark.parametrize(
+    ("preset", "blocks"),
+    [("gemma-3-27b", 1414), ("gpt-oss-20b", 393), ("jamba-mini-1.5", 66), ("bamba-9b", 28)],
+)
+def test_per_request_reservation_is_vllms_at_4k_with_2048_in_flight(
+    preset: str, blocks: int
+) -> None:
+    plan = plan_kv_cache(load_model(preset).layers, 40 * GIB, 4096, strategy="vllm")
+    assert plan.blocks_per_request == blocks
+    assert plan.max_concurrency == plan.num_blocks / blocks
+    assert plan.kv_cache_tokens == int(plan.num_blocks / blocks * 4096)
+
+
+def test_reservation_formulas_per_kind() -> None:
+    # Sliding window: window - 1 + in flight tokens, capped at L, + 1 for the unaligned start.
+    assert admission_blocks("sliding_window", 16, 4096, 2048, sliding_window=1024) == 193
+    assert admission_blocks("sliding_window", 16, 512, 2048, sliding_window=1024) == 33
+    assert admission_blocks("chunked_local", 16, 65536, 2048, attention_chunk_size=8192) == 640
+    assert admission_blocks("full", 16, 4097, 2048) == 257
+    assert admission_blocks("mamba", 528, 10**6, 2048) == 2
+    assert admission_blocks("mamba", 528, 10**6, 2048, mamba_cache_mode="none") == 1
+
+
+def test_budget_vllm_refuses_is_refused_with_the_length_that_fits() -> None:
+    # Gemma-3-27B at 1 GiB and 4096 tokens: vLLM needs 1.73 GiB and estimates 1856 tokens.
+    with pytest.raises(InsufficientMemoryError) as caught:
+        plan_kv_cache(load_model("gemma-3-27b").layers, GIB, 4096, strategy="vllm")
+    error = caught.value
+    assert error.fitting_max_model_len == 1856
+    assert f"{round(error.reserved_bytes / GIB, 2)}" == "1.73"
+    assert "max_model_len of 1856 fits" in str(error) and "1.73 GiB" in str(error)
+    assert error.needed_bytes == error.reserved_bytes + 1310720  # plus the null block
+    # ... and the length it names does fit.
+    plan_kv_cache(load_model("gemma-3-27b").layers, GIB, 1856, strategy="vllm")
+    with pytest.raises(InsufficientMemoryError):
+        plan_kv_cache(load_model("gemma-3-27b").layers, GIB, 1857, strategy="vllm")
+
+
+def test_pool_reserves_the_null_block() -> None:
+    # vllm-semantics §2.4: 512-token max len, block 16 -> 32 blocks; 32 blocks of memory
+    # fail, 33 fit.
+    layers = {"l0": full()}
+    page = 16 * full().bytes_per_token
+    with pytest.raises(InsufficientMemoryError, match=rf"needs 32 blocks.*= {33 * page} bytes"):
+        plan_kv_cache(layers, 32 * page, 512)
+    plan = plan_kv_cache(layers, 33 * page, 512)
+    assert plan.num_blocks == 33
+    assert plan.max_concurrency == 33 / 32  # vLLM counts the null block in num_blocks
+
+
+def test_not_even_one_token_fits_says_so() -> None:
+    with pytest.raises(InsufficientMemoryError, match="not even a 1-token request fits") as caught:
+        plan_kv_cache({"l0": full()}, 65536, 512)
+    assert caught.value.fitting_max_model_len == 0
+
+
+def test_more_tokens_in_flight_reserve_more_sliding_window_blocks() -> None:
+    layers = model(("full", full(), 4), ("sw", sw(1024), 4))
+    sync = plan_kv_cache(layers, HUGE, 32768, strategy="vllm", max_in_flight_tokens=2048)
+    two = plan_kv_cache(layers, HUGE, 32768, strategy="vllm", max_in_flight_tokens=4096)
+    assert two.blocks_per_request - sync.blocks_per_request == 2048 // 16
+    assert two.max_concurrency < sync.max_concurrency
+
+
+def test_low_concurrency_is_warned_about() -> None:
+    layers = {"l0": full()}
+    page = 16 * full().bytes_per_token
+    plan = plan_kv_cache(layers, 40 * page, 512)
+    assert any("only 1.25 requests" in warning for warning in plan.warnings)
 
 
 # ----------------------------------------------------------------------------- waste metric
@@ -163,20 +255,34 @@ def test_waste_counts_the_unfilled_tail_of_every_groups_last_block() -> None:
     # 3 blocks (48 slots) for 40 tokens -> 8 of 48 slots unused in each layer.
     layers = {"f": full(), "s0": sw(32), "s1": sw(32), "s2": sw(32)}
     plan = plan_kv_cache(layers, HUGE, 40, strategy="vllm")
-    assert plan.waste.waste_fraction == Fraction(8, 48)
-    assert plan.waste.tail_bytes == plan.waste.waste_bytes
+    assert plan.waste_at(40).waste_fraction == Fraction(8, 48)
+    assert plan.waste_at(40).tail_bytes == plan.waste_at(40).waste_bytes
+
+
+def test_expected_waste_weights_lengths_by_the_memory_they_hold() -> None:
+    layers = {"f": full()}
+    lengths = LengthDistribution.parse("17:3,64:1")
+    plan = plan_kv_cache(layers, HUGE, 64, lengths=lengths)
+    short, long = plan.waste_at(17), plan.waste_at(64)
+    assert plan.waste.waste_fraction == Fraction(
+        3 * short.waste_bytes + long.waste_bytes, 3 * short.held_bytes + long.held_bytes
+    )
 
 
 def test_padding_a_full_group_costs_more_than_padding_a_sliding_group() -> None:
     # 3 full + 4 sw (window 32): vLLM's width 4 (4 < 1.5 * 3) pads the full group; width 3
     # pads two sw slots instead, which hold 2-3 blocks at 4096 tokens instead of 256.
     layers = model(("full", full(), 3), ("sw", sw(32), 4))
-    vllm = plan_kv_cache(layers, HUGE, 4096, strategy="vllm")
+    options = {"reference_len": 4096, "max_in_flight_tokens": 16}
+    vllm = plan_kv_cache(layers, HUGE, 4096, strategy="vllm", **options)
     assert vllm.groups[0].num_padding_slots == 1 and vllm.groups[0].kind == "full"
-    ours = plan_kv_cache(layers, HUGE, 4096)
+    ours = plan_kv_cache(layers, HUGE, 4096, **options)
     assert all(g.num_padding_slots == 0 for g in ours.groups if g.kind == "full")
-    assert ours.num_buffers == 3
     assert ours.waste.waste_fraction < vllm.waste.waste_fraction
+    # With 2048 tokens in flight vLLM reserves 131 blocks per sliding group: a second one
+    # would admit fewer 4096-token requests, so the capacity rule keeps vLLM's grouping.
+    ours = plan_kv_cache(layers, HUGE, 4096, reference_len=4096)
+    assert [g.layer_names for g in ours.groups] == [g.layer_names for g in vllm.groups]
 
 
 # ----------------------------------------------------------------------------- min-waste
@@ -186,25 +292,47 @@ def test_min_waste_20_full_30_sw_has_no_padding() -> None:
     layers = model(("full", full(), 20), ("sw", sw(128), 30))
     plan = plan_kv_cache(layers, HUGE, 4096)
     assert plan.num_padding_slots == 0
-    assert plan.num_buffers == 10
-    assert plan.waste.waste_bytes == 0
+    assert plan.block_bytes == 10 * 16 * full().bytes_per_token
+    assert (
+        plan.waste.waste_fraction
+        < plan_kv_cache(layers, HUGE, 4096, strategy="vllm").waste.waste_fraction
+    )
 
 
 def test_min_waste_gemma3_at_1024_tokens_pads_3_slots_instead_of_8() -> None:
-    ours = plan_kv_cache(gemma3_27b(), HUGE, 131072, reference_len=1024)
-    vllm = plan_kv_cache(gemma3_27b(), HUGE, 131072, strategy="vllm", reference_len=1024)
+    ours = plan_kv_cache(gemma3_27b(), HUGE, 1024)
+    vllm = plan_kv_cache(gemma3_27b(), HUGE, 1024, strategy="vllm", reference_len=1024)
     # At 1024 tokens every group holds 64 blocks, so waste = padding slots / all slots.
     assert vllm.waste.waste_fraction == Fraction(8, 70)
-    assert ours.waste.waste_fraction == Fraction(3, 65)
-    assert ours.num_buffers == 13 and ours.num_padding_slots == 3
+    assert ours.waste_at(1024).waste_fraction == Fraction(3, 65)
+    assert ours.num_padding_slots == 3
+    assert ours.max_concurrency > vllm.max_concurrency
 
 
-def test_min_waste_gemma3_at_128k_keeps_padding_out_of_the_full_group() -> None:
-    ours = plan_kv_cache(gemma3_27b(), HUGE, 131072)
-    full_groups = [g for g in ours.groups if g.kind == "full"]
-    assert full_groups and all(g.num_padding_slots == 0 for g in full_groups)
-    vllm = plan_kv_cache(gemma3_27b(), HUGE, 131072, strategy="vllm")
-    assert ours.waste.waste_fraction <= vllm.waste.waste_fraction
+def test_a_short_reference_length_never_costs_long_requests_capacity() -> None:
+    # The README's old example: tuned for 1k-token requests, the plan held 22% fewer 128k
+    # ones. Under the capacity rule it keeps vLLM's grouping instead.
+    ours = plan_kv_cache(gemma3_27b(), 40 * GIB, 131072, reference_len=1024)
+    vllm = plan_kv_cache(gemma3_27b(), 40 * GIB, 131072, strategy="vllm")
+    assert ours.max_concurrency >= vllm.max_concurrency
+    assert any("would admit fewer 131072-token requests" in r for r in ours.reasons)
+
+
+@pytest.mark.parametrize("preset", list_presets())
+@pytest.mark.parametrize("reference_len", [None, 16, 1024, 4096, 100_000])
+def test_min_waste_admits_at_least_as_many_requests_as_vllm_and_wastes_no_more(
+    preset: str, reference_len: int | None
+) -> None:
+    layers = load_model(preset).layers
+    for max_model_len in (4096, 131072):
+        for layout in ("LBNHC", "BLNHC"):
+            options = {"reference_len": reference_len, "kv_cache_layout": layout}
+            ours = plan_kv_cache(layers, 40 * GIB, max_model_len, **options)
+            vllm = plan_kv_cache(layers, 40 * GIB, max_model_len, strategy="vllm", **options)
+            assert ours.num_blocks * vllm.blocks_per_request >= (
+                vllm.num_blocks * ours.blocks_per_request
+            )
+            assert ours.waste.waste_fraction <= vllm.waste.waste_fraction
 
 
 def test_min_waste_respects_the_group_cap() -> None:
@@ -215,40 +343,119 @@ def test_min_waste_respects_the_group_cap() -> None:
         plan_kv_cache(layers, HUGE, 4096, max_groups=1)
 
 
+def test_attention_groups_are_capped_at_vllms_count_plus_four() -> None:
+    # Every layer its own group would pad nothing, but costs a block table per layer.
+    plan = plan_kv_cache(gemma3_27b(), HUGE, 1024, reference_len=1024)
+    vllm = plan_kv_cache(gemma3_27b(), HUGE, 1024, strategy="vllm")
+    assert plan.num_groups <= vllm.num_groups + 4
+
+
+# ----------------------------------------------------------------------------- Mamba
+
+
+def test_bamba_past_the_group_cap_gets_176_token_blocks_in_a_block_outer_layout() -> None:
+    ours = plan_kv_cache(bamba(), HUGE, 4096, reference_len=4096, kv_cache_layout="BLNHC")
+    vllm = plan_kv_cache(bamba(), HUGE, 4096, reference_len=4096, strategy="vllm")
+    assert (ours.attention_block_size, vllm.attention_block_size) == (176, 528)
+    assert ours.num_groups > vllm.num_groups + 4
+    assert round(ours.waste.waste_percent, 2) == 1.75
+    assert round(vllm.waste.waste_percent, 2) == 3.57
+    # A state spans three 176-token attention pages, in one contiguous page of its own.
+    state = ours.placement("l0")
+    assert state.page_bytes == 3 * 176 * 4096 and state.page_is_contiguous
+
+
+def test_option_b_is_only_described_in_a_layer_compact_layout() -> None:
+    plan = plan_kv_cache(bamba(), HUGE, 4096, reference_len=4096)
+    assert len({p.page_bytes for p in plan.placements}) == 1
+    option_b = next(a for a in plan.alternatives if a.label == "mamba-option-B")
+    assert option_b.attention_block_size == 176
+    assert "BLNHC" in option_b.note
+    assert any("option B" in r and "BLNHC" in r for r in plan.reasons)
+
+
+def test_mamba_tie_at_short_lengths_keeps_vllms_plan() -> None:
+    vllm = plan_kv_cache(jamba(), HUGE, 4096, strategy="vllm")
+    for length in (1, 8, 16):
+        ours = plan_kv_cache(jamba(), HUGE, 4096, reference_len=length, kv_cache_layout="BLNHC")
+        assert ours.attention_block_size == 80
+        assert [g.layer_names for g in ours.groups] == [g.layer_names for g in vllm.groups]
+
+
 def test_min_waste_reports_both_mamba_options() -> None:
-    mamba = MambaSpec.mamba1(intermediate_size=8192, state_size=16, conv_kernel=4)
-    layers = {f"l{i}": full() if i % 8 == 4 else mamba for i in range(32)}
-    plan = plan_kv_cache(layers, HUGE, 4096)
+    plan = plan_kv_cache(bamba(), HUGE, 4096, kv_cache_layout="BLNHC")
     labels = {a.label for a in plan.alternatives}
     assert {"mamba-option-A", "mamba-option-B", "vllm"} <= labels
-    option_b = next(a for a in plan.alternatives if a.label == "mamba-option-B")
-    assert option_b.attention_block_size < 80
-    assert any("option A" in r for r in plan.reasons) and any("option B" in r for r in plan.reasons)
-    best = min(a.waste.waste_fraction for a in plan.alternatives)
-    assert plan.waste.waste_fraction == best
-
-
-def test_mamba_option_b_spreads_a_state_over_several_slices() -> None:
-    # 8 attention layers of 64 B/token and one 4096 B state: option A needs block 64 (a
-    # 64-token tail risk); option B with block 16 puts the state over 4 slices of 1024 B.
-    mamba = MambaSpec(shapes=((1024,),), dtypes=("fp32",))
-    layers = {f"a{i}": full(1, 16, "fp16") for i in range(8)} | {"m": mamba}
-    plan = plan_kv_cache(layers, HUGE, 16)
-    assert plan.attention_block_size == 16
-    assert plan.layout == "block_outer"
-    assert plan.placement("m").buffers == (0, 1, 2, 3)
-    assert (
-        plan.waste.waste_fraction
-        < plan_kv_cache(layers, HUGE, 16, strategy="vllm").waste.waste_fraction
-    )
+    assert plan.waste.waste_fraction == min(a.waste_fraction for a in plan.alternatives)
 
 
 def test_mamba_block_sizes_stay_multiples_of_the_alignment() -> None:
     mamba = MambaSpec(shapes=((1000,),), dtypes=("fp32",))
     layers = {"a0": full(1, 16, "fp16"), "a1": full(1, 16, "fp16"), "m": mamba}
     for alignment in (16, 32):
-        plan = plan_kv_cache(layers, HUGE, 256, block_size=32, alignment=alignment)
-        assert all(g.block_size % alignment == 0 for g in plan.groups)
+        for layout in ("LBNHC", "BLNHC"):
+            plan = plan_kv_cache(
+                layers, HUGE, 256, block_size=32, alignment=alignment, kv_cache_layout=layout
+            )
+            assert all(g.block_size % alignment == 0 for g in plan.groups)
+
+
+def test_without_prefix_caching_mamba_groups_hold_one_block_of_max_model_len() -> None:
+    plan = plan_kv_cache(jamba(), HUGE, 4096, strategy="vllm", enable_prefix_caching=False)
+    mamba_groups = [g for g in plan.groups if g.kind == "mamba"]
+    assert {g.block_size for g in mamba_groups} == {4096}
+    assert plan.blocks_per_request == -(-4096 // 80) + len(mamba_groups)
+    assert plan.hash_block_size == plan.scheduler_block_size
+
+
+def test_prefix_match_unit_hashes_finer_than_the_blocks() -> None:
+    plan = plan_kv_cache(bamba(), HUGE, 4096, strategy="vllm", prefix_match_unit=16)
+    assert (plan.scheduler_block_size, plan.hash_block_size) == (528, 16)
+    assert plan_kv_cache(bamba(), HUGE, 4096, strategy="vllm").hash_block_size == 528
+    with pytest.raises(PlanError, match="must divide"):
+        plan_kv_cache(bamba(), HUGE, 4096, strategy="vllm", prefix_match_unit=100)
+    with pytest.raises(PlanError, match="one group"):
+        plan_kv_cache({"l0": full()}, HUGE, 4096, prefix_match_unit=32)
+
+
+def test_hash_block_size_is_the_gcd_of_group_block_sizes() -> None:
+    layers = {"a": full(2, 64, "fp32"), "b": sw(64, 2, 32, "fp32")}
+    plan = plan_kv_cache(layers, HUGE, 256, strategy="vllm")
+    assert (plan.scheduler_block_size, plan.hash_block_size) == (32, 16)
+
+
+# ----------------------------------------------------------------------------- uniform type
+
+
+def test_same_type_layers_with_different_head_sizes_share_one_group() -> None:
+    layers = {
+        "a": full(8, 128),
+        "b": full(8, 64),
+        "c": full(8, 128),
+        "m": MLAAttentionSpec(head_size=576),
+    }
+    for strategy in ("vllm", "min-waste"):
+        plan = plan_kv_cache(layers, HUGE, 4096, strategy=strategy)
+        assert kinds(plan) == [("full", 4)]
+        pages = {n: plan.placement(n).page_bytes for n in layers}
+        assert pages == {"a": 65536, "b": 32768, "c": 65536, "m": 16 * 576 * 2}
+        assert plan.block_bytes == sum(pages.values())
+        assert plan.groups[0].padding_bytes == 0
+        # vLLM splits the group into one tensor per spec, in order of first appearance.
+        assert [b.layer_names for b in plan.buffers] == [("a", "c"), ("b",), ("m",)]
+
+
+def test_sliding_layers_with_different_windows_are_not_one_type() -> None:
+    layers = {"a": sw(128), "b": sw(256)}
+    assert plan_kv_cache(layers, HUGE, 4096, strategy="vllm").num_groups == 2
+
+
+def test_attention_free_model_gets_one_block_and_no_groups() -> None:
+    plan = plan_kv_cache({}, GIB, 4096)
+    assert (plan.num_groups, plan.num_blocks, plan.block_bytes) == (0, 1, 0)
+    assert plan.max_concurrency is None and plan.kv_cache_tokens == 0
+    assert "attention-free" in plan.summary_line()
+    assert json.loads(plan.to_json())["groups"] == []
 
 
 # ----------------------------------------------------------------------------- sharing
@@ -267,9 +474,9 @@ def test_kv_sharing_layers_get_no_memory_and_map_onto_their_target() -> None:
     assert with_sharing.num_blocks == without.num_blocks
     assert with_sharing.kv_sharing == {"l2": "l0", "l3": "l1"}
     shared, target = with_sharing.placement("l2"), with_sharing.placement("l0")
-    assert (shared.offset_bytes, shared.buffers, shared.group_id) == (
+    assert (shared.offset_bytes, shared.view_strides, shared.group_id) == (
         target.offset_bytes,
-        target.buffers,
+        target.view_strides,
         target.group_id,
     )
     assert with_sharing.group_of("l3").shared_layer_names == ("l3",)
@@ -278,6 +485,13 @@ def test_kv_sharing_layers_get_no_memory_and_map_onto_their_target() -> None:
 def test_spec_errors_name_the_layer() -> None:
     with pytest.raises(SpecError, match="'l1'"):
         plan_kv_cache({"l0": full(), "l1": KVSharingSpec("ghost")}, HUGE, 16)
+
+
+def test_layers_that_are_not_a_mapping_raise_spec_error() -> None:
+    with pytest.raises(SpecError, match="mapping"):
+        plan_kv_cache([full()], HUGE, 16)  # type: ignore[arg-type]
+    with pytest.raises(SpecError, match="expected a layer spec"):
+        plan_kv_cache({"l0": object()}, HUGE, 16)  # type: ignore[dict-item]
 
 
 # ----------------------------------------------------------------------------- chunked local
@@ -299,27 +513,50 @@ def test_llama4_style_chunked_plus_full_groups_3_to_1() -> None:
     assert plan.groups[0].attention_chunk_size == 8192
 
 
-# ----------------------------------------------------------------------------- pool sizing
+# ----------------------------------------------------------------------------- layouts
 
 
-def test_pool_reserves_the_null_block() -> None:
-    # vllm-semantics §2.4: 512-token max len, block 16 -> 32 blocks; 32 blocks of memory
-    # fail, 33 fit.
-    layers = {"l0": full()}
+def test_layouts_are_case_insensitive_and_checked() -> None:
+    plan = plan_kv_cache({"l0": full()}, HUGE, 256, kv_cache_layout="blnhc")
+    assert plan.kv_cache_layout == "BLNHC"
+    with pytest.raises(PlanError, match="unknown KV cache layout 'LNBHC'"):
+        plan_kv_cache({"l0": full()}, HUGE, 256, kv_cache_layout="LNBHC")
+
+
+def test_layer_compact_layouts_refuse_mixed_pages_over_several_groups() -> None:
+    # Option B puts Mamba pages of several attention pages beside attention pages: only a
+    # block-outermost, block-compact layout holds them; min-waste falls back in the others.
+    for layout in ("LBNHC", "LBHNC", "BHLNC"):
+        plan = plan_kv_cache(bamba(), HUGE, 4096, reference_len=4096, kv_cache_layout=layout)
+        assert len({p.page_bytes for p in plan.placements}) == 1, layout
+
+
+def test_lhbnc_refuses_layers_of_different_shapes() -> None:
+    # Heads outside the blocks: an attention page is spread head by head over the layer's
+    # region while a Mamba page is one run, so their blocks would overlap.
+    for strategy in ("vllm", "min-waste"):
+        with pytest.raises(PlanError, match="overlap each other's blocks"):
+            plan_kv_cache(bamba(), HUGE, 4096, strategy=strategy, kv_cache_layout="LHBNC")
+    plan_kv_cache(gemma3_27b(), HUGE, 4096, strategy="vllm", kv_cache_layout="LHBNC")
+
+
+def test_strategy_vllm_refuses_layouts_where_vllm_packs_pages() -> None:
+    layers = {"a": full(2, 64, "fp32"), "b": sw(64, 2, 32, "fp32")}
+    with pytest.raises(PlanError, match="packs"):
+        plan_kv_cache(layers, HUGE, 256, strategy="vllm", kv_cache_layout="BLNHC")
+
+
+def test_block_outer_layout_strides_blocks_by_the_block_size() -> None:
+    layers = model(("full", full(), 2), ("sw", sw(128), 4))
+    plan = plan_kv_cache(layers, HUGE, 4096, strategy="vllm", kv_cache_layout="BLNHC")
     page = 16 * full().bytes_per_token
-    with pytest.raises(InsufficientMemoryError, match=rf"needs 32 blocks.*= {33 * page} bytes"):
-        plan_kv_cache(layers, 32 * page, 512)
-    plan = plan_kv_cache(layers, 33 * page, 512)
-    assert plan.num_blocks == 33
-    assert plan.max_concurrency == 1.0
+    assert plan.block_bytes == 2 * page
+    for placement in plan.placements:
+        assert placement.block_stride_bytes == plan.block_bytes
+        assert placement.offset_bytes in (0, page)
 
 
-def test_num_blocks_is_budget_divided_by_page_and_concurrency_counts_windows() -> None:
-    layers = model(("full", full(), 10), ("sw", sw(32), 20))
-    page = 10 * 16 * full().bytes_per_token
-    plan = plan_kv_cache(layers, 1000 * page + page // 2, 112, strategy="vllm")
-    assert plan.num_blocks == 1000
-    assert plan.max_concurrency == pytest.approx(999 / 11)
+# ----------------------------------------------------------------------------- arguments
 
 
 @pytest.mark.parametrize(
@@ -330,6 +567,11 @@ def test_num_blocks_is_budget_divided_by_page_and_concurrency_counts_windows() -
         ({"block_size": 0}, "block_size must be >= 1"),
         ({"reference_len": 0}, "reference_len must be >= 1"),
         ({"max_groups": 0}, "max_groups must be >= 1"),
+        ({"max_in_flight_tokens": 0}, "max_in_flight_tokens must be >= 1"),
+        ({"prefix_match_unit": -16}, "prefix_match_unit must be >= 1"),
+        ({"enable_prefix_caching": "yes"}, "must be a bool"),
+        ({"lengths": [1024]}, "must be a LengthDistribution"),
+        ({"reference_len": 4, "lengths": LengthDistribution.point(4)}, "not both"),
     ],
 )
 def test_bad_arguments_raise_plan_error(kwargs: dict[str, object], message: str) -> None:
@@ -337,19 +579,15 @@ def test_bad_arguments_raise_plan_error(kwargs: dict[str, object], message: str)
         plan_kv_cache({"l0": full()}, HUGE, 128, **kwargs)  # type: ignore[arg-type]
 
 
-# ----------------------------------------------------------------------------- misc
-
-
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("40GiB", 40 * 2**30),
-        ("40 gib", 40 * 2**30),
+        ("40GiB", 40 * GIB),
+        ("40 gib", 40 * GIB),
         ("512MiB", 512 * 2**20),
         ("80GB", 80 * 10**9),
         ("1.5TiB", 3 * 2**39),
-        ("2G", 2 * 2**30),
-        ("4096", 4096),
+        ("2G", 2 * GIB),
         ("4096B", 4096),
         (123, 123),
     ],
@@ -358,20 +596,36 @@ def test_parse_memory(text: str | int, expected: int) -> None:
     assert parse_memory(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "lots", "40XB", "-1GiB", "0", "GiB", "1iB", "0.1B"])
+@pytest.mark.parametrize("text", ["", "lots", "40XB", "-1GiB", "0GiB", "GiB", "1iB", "0.1B"])
 def test_parse_memory_rejects_bad_strings(text: str) -> None:
     with pytest.raises(PlanError):
         parse_memory(text)
 
 
-def test_plan_round_trips_through_json() -> None:
+def test_a_size_without_a_unit_is_refused_with_a_suggestion() -> None:
+    with pytest.raises(PlanError, match="no unit: write 40GiB"):
+        parse_memory("40")
+
+
+def test_gpu_budget_takes_the_weights_off_the_utilised_memory() -> None:
+    assert kv_cache_budget(80 * GIB, 0.9, 16 * GIB) == -(-80 * GIB * 9 // 10) - 16 * GIB
+    with pytest.raises(PlanError, match="do not fit"):
+        kv_cache_budget(24 * GIB, 0.5, 16 * GIB)
+    with pytest.raises(PlanError, match="in \\(0, 1\\]"):
+        kv_cache_budget(24 * GIB, 1.5, GIB)
+
+
+def test_plan_round_trips_through_json_with_a_schema_version() -> None:
     plan = plan_kv_cache(gemma3_27b(), HUGE, 4096)
     document = json.loads(plan.to_json())
+    assert document["schema_version"] == PLAN_SCHEMA_VERSION
     assert document["num_blocks"] == plan.num_blocks
     assert [g["kind"] for g in document["groups"]] == [g.kind for g in plan.groups]
     assert document["groups"][0]["sliding_window"] == 1024
     assert "sliding_window" not in document["groups"][-1]
-    assert document["waste"]["waste_bytes"] == plan.waste.waste_bytes
+    assert document["blocks_per_request"] == plan.blocks_per_request
+    assert document["kv_cache_tokens"] == plan.kv_cache_tokens
+    assert document["placements"][0]["view_strides"] == list(plan.placements[0].view_strides)
 
 
 def test_importing_the_planner_does_not_import_torch_or_matplotlib() -> None:

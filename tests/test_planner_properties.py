@@ -1,5 +1,6 @@
-"""Property tests over random layer mixes: partition, one page size, measured waste, and
-min-waste never worse than vLLM.
+"""Property tests over random layer mixes: partition, one block size for every group, measured
+waste, views that never overlap in any layout, and min-waste never worse than vLLM in waste or
+in requests admitted.
 
 The waste check is independent of the planner's formula: it replays one resident request
 byte by byte through the plan's placements (numpy bitmap) and counts what was written.
@@ -8,7 +9,13 @@ byte by byte through the plan's placements (numpy bitmap) and counts what was wr
 from __future__ import annotations
 
 import numpy as np
-from hybrid_kv.planner import KVCachePlan, plan_kv_cache
+from hybrid_kv.planner import (
+    KV_CACHE_LAYOUTS,
+    KVCachePlan,
+    LayerPlacement,
+    PlanError,
+    plan_kv_cache,
+)
 from hybrid_kv.specs import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -17,7 +24,7 @@ from hybrid_kv.specs import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 HEADS = st.sampled_from([1, 2])
@@ -37,7 +44,7 @@ def attention_specs(draw: st.DrawFn) -> LayerSpec:
 
 
 MAMBA_SPECS = st.builds(
-    lambda a, b, dtype: MambaSpec(shapes=((a, 3), (b,)), dtypes=(dtype, "fp32")),
+    lambda a, b, dtype: MambaSpec(shapes=((3, a), (b,)), dtypes=(dtype, "fp32")),
     st.integers(1, 40),
     st.integers(1, 300),
     st.sampled_from(["fp16", "fp32"]),
@@ -69,6 +76,36 @@ def _first_block(spec: LayerSpec, block_size: int, length: int) -> int:
     return 0
 
 
+def _page_bytes(placement: LayerPlacement, block: int) -> np.ndarray:
+    """Pool offsets of `placement`'s page of `block` that its view can address."""
+    _, heads, tokens, content = placement.view_shape
+    _, head_stride, token_stride, _ = placement.view_strides
+    start = placement.offset_bytes + block * placement.block_stride_bytes
+    grid = (
+        np.arange(heads)[:, None, None] * head_stride
+        + np.arange(tokens)[None, :, None] * token_stride
+        + np.arange(content)[None, None, :]
+    )
+    return start + grid.ravel()
+
+
+def _block_region(plan: KVCachePlan, block: int) -> np.ndarray:
+    """Pool offsets of block `block`: the pages of the widest group's layers (every group's
+    block spans the same bytes, padding included)."""
+    widest = max(
+        plan.groups, key=lambda g: sum(plan.placement(n).page_bytes for n in g.layer_names)
+    )
+    parts = []
+    for name in widest.layer_names:
+        p = plan.placement(name)
+        if p.page_is_contiguous:
+            start = p.offset_bytes + block * p.block_stride_bytes
+            parts.append(np.arange(start, start + p.page_bytes))
+        else:  # heads outside the page (LHBNC, BHLNC): pages are never padded there
+            parts.append(_page_bytes(p, block))
+    return np.concatenate(parts)
+
+
 def _replay_request(plan: KVCachePlan, length: int) -> tuple[int, int, int]:
     """Give every group the blocks one request of `length` tokens holds, write every token
     (and Mamba state) through the placements; return (held, written, overlapping) bytes."""
@@ -87,9 +124,7 @@ def _replay_request(plan: KVCachePlan, length: int) -> tuple[int, int, int]:
         block_ids = list(range(next_block, next_block + count))
         next_block += count
         for block in block_ids:
-            for buffer in plan.buffers:
-                start = buffer.offset_bytes + block * buffer.block_stride_bytes
-                held[start : start + buffer.slice_bytes] = True
+            held[_block_region(plan, block)] = True
         for placement in owners:
             spec = placement.spec
             if isinstance(spec, MambaSpec):
@@ -120,8 +155,9 @@ def test_reported_waste_equals_bytes_left_unwritten(
     plan = plan_kv_cache(layers, memory, length, strategy=strategy)
     held, written, overlapping = _replay_request(plan, length)
     assert overlapping == 0, "two layers wrote the same byte"
-    assert held == plan.waste.held_bytes
-    assert held - written == plan.waste.waste_bytes
+    report = plan.waste_at(length)
+    assert held == report.held_bytes
+    assert held - written == report.waste_bytes
 
 
 @settings(max_examples=200, deadline=None)
@@ -130,7 +166,7 @@ def test_reported_waste_equals_bytes_left_unwritten(
     length=st.integers(1, 5000),
     strategy=st.sampled_from(["vllm", "min-waste"]),
 )
-def test_every_layer_is_in_exactly_one_group_and_all_groups_share_one_page_size(
+def test_every_layer_is_in_exactly_one_group_and_all_groups_share_one_block_size(
     layers: dict[str, LayerSpec], length: int, strategy: str
 ) -> None:
     plan = plan_kv_cache(layers, 2**50, length, strategy=strategy)
@@ -143,21 +179,62 @@ def test_every_layer_is_in_exactly_one_group_and_all_groups_share_one_page_size(
         target = layers[name].target  # type: ignore[union-attr]
         assert plan.group_of(name) is plan.group_of(target)
         assert plan.placement(name).offset_bytes == plan.placement(target).offset_bytes
-    assert plan.block_bytes == plan.num_buffers * plan.slice_bytes
     for group in plan.groups:
         members = [plan.placement(n) for n in group.layer_names]
-        assert len({type(p.spec) for p in members}) == 1
-        assert len({p.spec for p in members}) == 1, "a group mixes specs"
-        slots = sum(len(p.buffers) for p in members) + group.num_padding_slots
-        assert slots == plan.num_buffers, "every group spans the same page"
-        assert all(p.used_bytes <= p.slice_bytes for p in members)
+        assert len({type(p.spec).__name__ for p in members}) == 1 or group.kind == "full"
+        pages = sum(p.page_bytes for p in members)
+        assert pages + group.padding_bytes == plan.block_bytes, "every block has one size"
+        assert all(p.used_bytes <= p.page_bytes for p in members)
         assert group.block_size % 16 == 0
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    layers=layer_mixes(),
+    length=st.integers(1, 300),
+    strategy=st.sampled_from(["vllm", "min-waste"]),
+    layout=st.sampled_from(KV_CACHE_LAYOUTS),
+)
+def test_views_stay_in_their_blocks_and_never_overlap_within_a_group(
+    layers: dict[str, LayerSpec], length: int, strategy: str, layout: str
+) -> None:
+    try:
+        probe = plan_kv_cache(layers, 2**40, length, strategy=strategy, kv_cache_layout=layout)
+    except PlanError as error:
+        assert "layout" in str(error) or "packs" in str(error)
+        return
+    memory = (probe.blocks_per_request + 2) * probe.block_bytes
+    plan = plan_kv_cache(layers, memory, length, strategy=strategy, kv_cache_layout=layout)
+    for block in range(plan.num_blocks):
+        region = set(_block_region(plan, block).tolist())
+        assert len(region) == plan.block_bytes
+        for group in plan.groups:
+            seen = np.zeros(plan.pool_bytes, dtype=np.int32)
+            for name in group.layer_names:
+                placement = plan.placement(name)
+                page = _page_bytes(placement, block)
+                assert page.min() >= 0 and page.max() < plan.pool_bytes
+                assert set(page.tolist()) <= region, f"{name} leaves block {block}"
+                np.add.at(seen, page, 1)
+            assert seen.max() <= 1, f"layers of group {group.group_id} overlap"
+
+
 @settings(max_examples=200, deadline=None)
-@given(layers=layer_mixes(), length=st.integers(1, 200_000))
-def test_min_waste_never_wastes_more_than_vllm(layers: dict[str, LayerSpec], length: int) -> None:
-    ours = plan_kv_cache(layers, 2**60, length)
-    vllm = plan_kv_cache(layers, 2**60, length, strategy="vllm")
+@given(
+    layers=layer_mixes(), length=st.integers(1, 200_000), layout=st.sampled_from(["LBNHC", "BLNHC"])
+)
+def test_min_waste_never_wastes_more_than_vllm_nor_admits_fewer_requests(
+    layers: dict[str, LayerSpec], length: int, layout: str
+) -> None:
+    options = {"reference_len": length, "kv_cache_layout": layout}
+    try:
+        vllm = plan_kv_cache(layers, 2**60, length, strategy="vllm", **options)
+    except PlanError as error:
+        assert "packs" in str(error)  # vLLM packs these pages side by side: not reproduced
+        assume(False)
+        return
+    ours = plan_kv_cache(layers, 2**60, length, **options)
     assert ours.waste.waste_fraction <= vllm.waste.waste_fraction
-    assert ours.num_groups <= vllm.num_groups + 4
+    assert ours.num_blocks * vllm.blocks_per_request >= vllm.num_blocks * ours.blocks_per_request
+    attention = [g for g in ours.groups if g.kind != "mamba"]
+    assert len(attention) <= len([g for g in vllm.groups if g.kind != "mamba"]) + 4

@@ -1,16 +1,25 @@
 """`hybrid-kv simulate`: the built-in serving simulation (the README's first command)."""
 
+from __future__ import annotations
+
+import io
+import json
 from pathlib import Path
 
 import pytest
-from hybrid_kv import manager_from_plan
+from hybrid_kv import load_model, manager_from_plan, plan_kv_cache
+from hybrid_kv import simulate as simulate_module
 from hybrid_kv.cli import main
-from hybrid_kv.simulate import make_workload, simulate
+from hybrid_kv.planner import InsufficientMemoryError
+from hybrid_kv.replay import ReplayStalledError
+from hybrid_kv.simulate import ProgressBar, SimulationError, make_workload, simulate
+
+GIB = 2**30
 
 
 @pytest.mark.parametrize("workload", ["chat", "long-context", "eviction"])
 def test_simulation_finishes_every_request(workload: str) -> None:
-    report = simulate("gemma-3-27b", workload, 8 * 2**30, num_requests=12, max_model_len=16384)
+    report = simulate("gemma-3-27b", workload, 12 * GIB, num_requests=12, max_model_len=16384)
     assert report.result.num_finished == 12
     assert len(report.usage) == report.result.num_steps
     assert all(0.0 <= u <= 1.0 for u in report.usage)
@@ -18,11 +27,17 @@ def test_simulation_finishes_every_request(workload: str) -> None:
 
 
 def test_chat_workload_hits_shared_prefixes_and_eviction_workload_evicts() -> None:
-    chat = simulate("gpt-oss-20b", "chat", 2 * 2**30, num_requests=40, max_model_len=8192)
+    chat = simulate("gpt-oss-20b", "chat", 2 * GIB, num_requests=40, max_model_len=8192)
     assert chat.result.prefix_cache["hit_rate"] > 0.3
-    evict = simulate("llama-3.1-8b", "eviction", 2 * 2**30, num_requests=40, max_model_len=8192)
+    evict = simulate("llama-3.1-8b", "eviction", 2 * GIB, num_requests=40, max_model_len=8192)
     assert evict.evictions > 0
     assert evict.result.prefix_cache["hit_rate"] < 0.05
+
+
+def test_mamba_hybrids_run() -> None:
+    report = simulate("jamba-mini-1.5", "chat", 4 * GIB, num_requests=10, max_model_len=8192)
+    assert report.result.num_finished == 10
+    assert any(g.kind == "mamba" for g in report.plan.groups)
 
 
 def test_workloads_are_deterministic_for_a_seed() -> None:
@@ -30,48 +45,188 @@ def test_workloads_are_deterministic_for_a_seed() -> None:
     assert make_workload("chat", 5, 4096, seed=3) != make_workload("chat", 5, 4096, seed=4)
     with pytest.raises(ValueError, match="unknown workload"):
         make_workload("batch", 5, 4096)
+    with pytest.raises(ValueError, match="max_num_seqs must be positive"):
+        make_workload("chat", 5, 4096, max_num_seqs=0)
+
+
+def test_scheduler_limits_are_options_and_change_the_run() -> None:
+    sched = make_workload("chat", 5, 4096, max_num_seqs=4, max_num_batched_tokens=1024)["sched"]
+    assert (sched["max_num_seqs"], sched["max_num_batched_tokens"]) == (4, 1024)
+    wide = simulate("gpt-oss-20b", "chat", 8 * GIB, num_requests=30, max_model_len=8192)
+    narrow = simulate(
+        "gpt-oss-20b", "chat", 8 * GIB, num_requests=30, max_model_len=8192, max_num_seqs=2
+    )
+    assert narrow.sched["max_num_seqs"] == 2
+    assert narrow.result.num_steps > wide.result.num_steps
+
+
+def test_the_plan_reserves_for_the_tokens_the_scheduler_puts_in_flight() -> None:
+    report = simulate(
+        "gemma-3-27b",
+        "chat",
+        8 * GIB,
+        num_requests=2,
+        max_model_len=8192,
+        max_num_batched_tokens=4096,
+    )
+    assert report.plan.max_in_flight_tokens == 4096
+
+
+def test_a_budget_that_admits_no_request_is_refused_before_running() -> None:
+    # Used to loop forever: 8 GiB cannot admit one 32k-token request of Gemma-3-27B with
+    # 16k tokens in flight.
+    with pytest.raises(InsufficientMemoryError, match="a max_model_len of"):
+        simulate("gemma-3-27b", "long-context", 8 * GIB, num_requests=1)
 
 
 def test_manager_from_plan_uses_the_plan_groups() -> None:
-    from hybrid_kv import load_model, plan_kv_cache
-
-    plan = plan_kv_cache(load_model("gpt-oss-20b").layers, 2**30, 4096)
+    plan = plan_kv_cache(load_model("gpt-oss-20b").layers, GIB, 4096)
     manager = manager_from_plan(plan)
     assert manager.num_groups == len(plan.groups)
     assert manager.num_blocks == plan.num_blocks
 
 
 def test_simulate_command_prints_report_and_plots(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("matplotlib")
     plot = tmp_path / "sim.png"
-    code = main(
-        [
-            "simulate",
-            "gpt-oss-20b",
-            "--requests",
-            "10",
-            "--memory",
-            "2GiB",
-            "--no-progress",
-            "--plot",
-            str(plot),
-        ]
-    )
-    assert code == 0
+    argv = ["simulate", "gpt-oss-20b", "--requests", "10", "--memory", "2GiB", "--no-progress"]
+    assert main([*argv, "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
-    for field in ("hit rate", "blocks in use", "evictions", "preemptions", "manager time"):
-        assert field in out
+    for field in (
+        "budget 2.00 GiB",
+        "max_model_len 32,768",
+        "KV cache",
+        "max concurrency",
+        "max_num_seqs 64, max_num_batched_tokens 8,192",
+        "hit rate",
+        "blocks in use",
+        "evictions",
+        "preemptions",
+        "manager time",
+    ):
+        assert field in out, field
     assert plot.stat().st_size > 10_000
 
 
+def test_simulate_json(capsys) -> None:
+    argv = ["simulate", "gpt-oss-20b", "--requests", "6", "--memory", "2GiB", "--json"]
+    assert main([*argv, "--no-progress", "--max-num-seqs", "3"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["schema_version"] >= 1
+    assert document["num_requests_finished"] == 6
+    assert document["scheduler"] == {"max_num_seqs": 3, "max_num_batched_tokens": 8192}
+    assert document["kv_cache_tokens"] > 0 and document["max_concurrency"] > 1
+
+
+def test_report_figure_labels_axes_and_keeps_the_legend_off_the_data() -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    report = simulate("gpt-oss-20b", "eviction", 2 * GIB, num_requests=6, max_model_len=8192)
+    figure = simulate_module.report_figure(report)
+    try:
+        (axis,) = figure.axes
+        assert axis.get_ylabel() == "percent" and axis.get_xlabel() == "scheduler step"
+        assert "2.00 GiB budget" in axis.get_title()
+        assert axis.get_ylim()[0] < 0, "a 0% hit-rate line stays visible above the axis"
+        legend = axis.get_legend()
+        assert legend.get_bbox_to_anchor().y0 < axis.get_window_extent().y0
+    finally:
+        plt.close(figure)
+
+
 @pytest.mark.parametrize(
-    "argv",
+    ("argv", "message"),
     [
-        ["simulate", "no-such-model"],
-        ["simulate", "--memory", "lots"],
-        ["simulate", "--requests", "0"],
+        (["simulate", "no-such-model"], "unknown model"),
+        (["simulate", "--memory", "lots"], "bad memory size"),
+        (["simulate", "--memory", "40"], "has no unit"),
+        (["simulate", "--requests", "0"], "--requests must be positive"),
+        (["simulate", "--max-num-seqs", "-2"], "--max-num-seqs must be positive"),
+        (
+            ["simulate", "--memory", "8GiB", "--workload", "long-context", "--requests", "1"],
+            "fits in this budget, or raise the memory to",
+        ),
     ],
 )
-def test_simulate_command_errors_are_one_line_and_exit_2(argv: list[str], capsys) -> None:
-    assert main(argv) == 2
+def test_simulate_command_errors_are_one_line_and_exit_2(
+    argv: list[str], message: str, capsys
+) -> None:
+    assert main([*argv, "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("hybrid-kv simulate: error:") and "\n" not in err
+    assert message in err
+
+
+def test_a_replay_that_stops_exits_1_with_one_line(monkeypatch, capsys) -> None:
+    stalled = ReplayStalledError(7, "r3", 9000, 6500, 6553)
+
+    def stuck(*args: object, **kwargs: object) -> None:
+        raise stalled
+
+    monkeypatch.setattr(simulate_module, "replay", stuck)
+    with pytest.raises(SimulationError, match="'r3' needs 9000 free blocks"):
+        simulate("gpt-oss-20b", "chat", 2 * GIB, num_requests=4, max_model_len=8192)
+    assert main(["simulate", "gpt-oss-20b", "--memory", "2GiB", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err == f"hybrid-kv simulate: error: the replay stopped: {stalled}\n"
+    assert "\n" not in str(stalled)
+
+
+def test_help_describes_every_simulate_option(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    out = capsys.readouterr().out
+    assert "number of requests to simulate" in out
+    assert "random seed of the synthetic workload" in out
+    assert "--max-num-seqs" in out and "--max-num-batched-tokens" in out
+
+
+# ----------------------------------------------------------------------------- progress
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_on_a_pipe_prints_a_line_every_few_seconds_and_at_the_end() -> None:
+    stream, clock = io.StringIO(), _Clock()
+    bar = ProgressBar(200, stream, interval=5.0, clock=clock)
+    for step in range(1, 101):
+        clock.now = step * 0.1  # 10 s in all
+        bar(step, step // 2, 200)
+    bar.close()
+    lines = stream.getvalue().splitlines()
+    assert "\r" not in stream.getvalue()
+    assert lines == [
+        "step 50: 25/200 requests finished",
+        "step 100: 50/200 requests finished",
+        "step 100: 50/200 requests finished",
+    ]
+
+
+def test_progress_on_a_terminal_redraws_one_line_with_steps_and_requests() -> None:
+    stream, clock = _Tty(), _Clock()
+    bar = ProgressBar(4, stream, clock=clock)
+    for step in range(1, 9):
+        bar(step, step // 2, 4)
+    bar.close()
+    text = stream.getvalue()
+    assert text.count("\n") == 1 and text.endswith("\n")
+    assert text.count("\r") == 5  # drawn once, then when a request finishes, not every step
+    assert "4/4 requests, step 8" in text
+
+
+def test_progress_goes_quiet_when_nothing_ran() -> None:
+    stream = io.StringIO()
+    ProgressBar(3, stream).close()
+    assert stream.getvalue() == ""

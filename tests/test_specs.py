@@ -60,7 +60,7 @@ def test_spec_kinds_distinguish_attention_types() -> None:
 def test_mamba1_state_shapes_and_bytes() -> None:
     # Jamba-1.5-Mini: d_inner = 2 * 4096, d_state 16, d_conv 4, bf16.
     spec = MambaSpec.mamba1(intermediate_size=8192, state_size=16, conv_kernel=4)
-    assert spec.shapes == ((8192, 3), (8192, 16))
+    assert spec.shapes == ((3, 8192), (8192, 16))  # vLLM's default conv layout: (d_conv-1, dim)
     assert spec.state_bytes == (8192 * 3 + 8192 * 16) * 2
     assert spec.page_size_bytes(16) == spec.page_size_bytes(528) == spec.state_bytes
     assert spec.bytes_per_token == 0
@@ -149,11 +149,49 @@ def test_validate_layers_rejects_sharing_a_mamba_state() -> None:
         validate_layers({"a": mamba, "b": KVSharingSpec("a")})
 
 
-def test_validate_layers_rejects_non_specs_and_empty_models() -> None:
+def test_validate_layers_rejects_non_specs_and_non_mappings() -> None:
     with pytest.raises(SpecError, match=r"layer 'a': expected a layer spec"):
         validate_layers({"a": object()})  # type: ignore[dict-item]
-    with pytest.raises(SpecError, match="no layers"):
-        validate_layers({})
+    with pytest.raises(SpecError, match="must be a mapping"):
+        validate_layers([FULL])  # type: ignore[arg-type]
+
+
+def test_an_attention_free_model_has_no_layers() -> None:
+    validate_layers({})
+
+
+def test_mamba2_over_tensor_parallel_ranks_splits_width_and_heads() -> None:
+    # Bamba over 4 ranks: 1 group replicated to 4, conv width (8192 + 2*4*128) / 4.
+    spec = MambaSpec.mamba2(
+        intermediate_size=8192,
+        n_groups=1,
+        num_heads=128,
+        head_dim=64,
+        state_size=128,
+        conv_kernel=4,
+        tensor_parallel_size=4,
+    )
+    assert spec.shapes == ((3, (8192 + 2 * 4 * 128) // 4), (32, 64, 128))
+    with pytest.raises(SpecError, match="does not split over 3 TP ranks"):
+        MambaSpec.mamba2(
+            intermediate_size=8192,
+            n_groups=1,
+            num_heads=128,
+            head_dim=64,
+            state_size=128,
+            conv_kernel=4,
+            tensor_parallel_size=3,
+        )
+
+
+def test_gated_delta_net_state_shapes() -> None:
+    # Qwen3-Next: 16 key heads, 32 value heads of 128, kernel 4.
+    spec = MambaSpec.gated_delta_net(
+        num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128, conv_kernel=4
+    )
+    assert spec.shapes == ((3, 2 * 16 * 128 + 32 * 128), (32, 128, 128))
+    assert spec.mamba_type == "gdn"
+    assert spec.state_bytes == (3 * 8192 + 32 * 128 * 128) * 2
 
 
 def test_validate_layers_accepts_sharing_onto_an_attention_layer() -> None:

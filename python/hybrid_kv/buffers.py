@@ -1,31 +1,36 @@
 """Torch buffers for a `KVCachePlan` and per-layer views. The only module that imports torch.
 
-One byte pool of `plan.num_blocks * plan.block_bytes` bytes backs every buffer; each layer's
-view is a strided view of it (`LayerPlacement.offset_bytes`, `block_stride_bytes`), so views
-of groups that alias the same block ids share memory exactly as the plan says.
+One `int8` backing allocation of `plan.num_blocks * plan.block_bytes` bytes holds every
+layer; each layer's view is a strided view of it with exactly the shape, strides and storage
+offset vLLM 0.33 gives the same plan in the same layout (`plan.kv_cache_layout`), so the
+views can be handed to vLLM's attention backends:
 
-Views (first dimension = block id):
-* attention: `[num_blocks, 2, block_size, num_kv_heads, head_size]` (K then V); when
-  `head_size_v != head_size` a `(K, V)` pair of `[num_blocks, block_size, heads, size]` views;
-* MLA: `[num_blocks, block_size, head_size]`;
-* Mamba: a tuple with one `[num_blocks, *shape]` view per state (conv, SSM);
+* attention: `[num_blocks, num_kv_heads, block_size, head_size + head_size_v]` in the KV
+  dtype, K and V side by side in the last axis (strides from the layout);
+* MLA: `[num_blocks, 1, block_size, head_size]`;
+* Mamba: the raw `int8` page `[num_blocks, 1, 1, state_bytes]`, and in `mamba_states` one
+  `[num_blocks, *shape]` view per state (conv, SSM), unpacked as vLLM's Mamba layers do;
 * KV-sharing layers: their target's view (the same object).
+
+Views of groups that share block ids alias the same memory exactly as the plan says.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import torch
+try:
+    import torch
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ModuleNotFoundError(
+        "hybrid_kv.buffers needs torch: pip install 'hybrid-kv[torch]'", name="torch"
+    ) from error
 
 from hybrid_kv.planner import KVCachePlan, LayerPlacement
-from hybrid_kv.specs import DTYPE_SIZES, MambaSpec, MLAAttentionSpec
+from hybrid_kv.specs import DTYPE_SIZES, MambaSpec
 
-__all__ = ["KVCacheBuffers", "LayerView", "allocate_kv_cache", "default_device", "torch_dtype"]
-
-LayerView = torch.Tensor | tuple[torch.Tensor, ...]
+__all__ = ["KVCacheBuffers", "allocate_kv_cache", "default_device", "torch_dtype"]
 
 _TORCH_DTYPES = {
     "fp32": torch.float32,
@@ -48,19 +53,18 @@ def default_device() -> torch.device:
 
 @dataclass(frozen=True)
 class KVCacheBuffers:
-    """The allocated pool, one `[num_blocks, slice_bytes]` uint8 view per plan buffer, and
-    the per-layer views."""
+    """The allocated pool (`int8`), every layer's cache view, and the Mamba layers' states."""
 
     plan: KVCachePlan
     pool: torch.Tensor
-    buffers: tuple[torch.Tensor, ...]
-    views: Mapping[str, LayerView]
+    views: Mapping[str, torch.Tensor]
+    mamba_states: Mapping[str, tuple[torch.Tensor, ...]]
 
     @property
     def device(self) -> torch.device:
         return self.pool.device
 
-    def layer_view(self, layer_name: str) -> LayerView:
+    def layer_view(self, layer_name: str) -> torch.Tensor:
         return self.views[layer_name]
 
 
@@ -73,77 +77,52 @@ def allocate_kv_cache(
     """Allocate the plan's memory on `device` (default `default_device()`; `"meta"` allocates
     nothing) and build the per-layer views. `zero` fills the pool with zeros (Mamba states
     must start from zero)."""
+    if not isinstance(plan, KVCachePlan):
+        raise TypeError(f"allocate_kv_cache needs a KVCachePlan, got {type(plan).__name__}")
     device = default_device() if device is None else torch.device(device)
-    pool = torch.empty(plan.pool_bytes, dtype=torch.uint8, device=device)
+    pool = torch.empty(plan.pool_bytes, dtype=torch.int8, device=device)
     if zero and device.type != "meta":
         pool.zero_()
-    buffers = tuple(
-        pool.as_strided(
-            (plan.num_blocks, buffer.slice_bytes),
-            (buffer.block_stride_bytes, 1),
-            buffer.offset_bytes,
-        )
-        for buffer in plan.buffers
-    )
-    views: dict[str, LayerView] = {}
+    views: dict[str, torch.Tensor] = {}
+    states: dict[str, tuple[torch.Tensor, ...]] = {}
     for placement in plan.placements:
-        if placement.shared_from is None:
-            views[placement.layer_name] = _layer_view(pool, plan, placement)
+        if placement.shared_from is not None:
+            continue
+        view = _layer_view(pool, placement)
+        views[placement.layer_name] = view
+        if isinstance(placement.spec, MambaSpec):
+            states[placement.layer_name] = _mamba_states(view, placement.spec)
     for placement in plan.placements:
         if placement.shared_from is not None:
             views[placement.layer_name] = views[placement.shared_from]
-    return KVCacheBuffers(plan, pool, buffers, views)
+    return KVCacheBuffers(plan, pool, views, states)
 
 
-def _typed(
-    pool: torch.Tensor,
-    dtype_name: str,
-    num_blocks: int,
-    shape: tuple[int, ...],
-    offset_bytes: int,
-    block_stride_bytes: int,
-) -> torch.Tensor:
-    """A `[num_blocks, *shape]` view of `dtype_name`, contiguous within each block."""
-    size = DTYPE_SIZES[dtype_name]
-    if offset_bytes % size or block_stride_bytes % size:
-        raise ValueError(
-            f"misaligned view: offset {offset_bytes} / stride {block_stride_bytes} "
-            f"not a multiple of {size}"
-        )
-    typed = pool.view(torch_dtype(dtype_name))
-    strides = [block_stride_bytes // size]
-    inner = 1
-    inner_strides = []
-    for dim in reversed(shape):
-        inner_strides.append(inner)
-        inner *= dim
-    strides.extend(reversed(inner_strides))
-    return typed.as_strided((num_blocks, *shape), tuple(strides), offset_bytes // size)
-
-
-def _layer_view(pool: torch.Tensor, plan: KVCachePlan, placement: LayerPlacement) -> LayerView:
+def _layer_view(pool: torch.Tensor, placement: LayerPlacement) -> torch.Tensor:
+    """vLLM's per-layer view: the `[B, H, N, C]` byte view, reinterpreted in the KV dtype."""
+    raw = pool.as_strided(placement.view_shape, placement.view_strides, placement.offset_bytes)
     spec = placement.spec
-    num_blocks = plan.num_blocks
-    offset = placement.offset_bytes
-    stride = placement.block_stride_bytes
     if isinstance(spec, MambaSpec):
-        return tuple(
-            _typed(pool, dtype, num_blocks, shape, offset + state_offset, stride)
-            for shape, dtype, state_offset in zip(
-                spec.shapes, spec.dtypes, spec.state_offsets, strict=True
-            )
-        )
-    block_size = plan.groups[placement.group_id].block_size
-    if isinstance(spec, MLAAttentionSpec):
-        return _typed(pool, spec.dtype, num_blocks, (block_size, spec.head_size), offset, stride)
-    heads = spec.num_kv_heads  # type: ignore[union-attr]
-    head_k = spec.head_size  # type: ignore[union-attr]
-    head_v = spec.head_size_v or head_k  # type: ignore[union-attr]
+        return raw
     dtype = spec.dtype  # type: ignore[union-attr]
-    if head_v == head_k:
-        return _typed(pool, dtype, num_blocks, (2, block_size, heads, head_k), offset, stride)
-    k_bytes = math.prod((block_size, heads, head_k)) * DTYPE_SIZES[dtype]
-    return (
-        _typed(pool, dtype, num_blocks, (block_size, heads, head_k), offset, stride),
-        _typed(pool, dtype, num_blocks, (block_size, heads, head_v), offset + k_bytes, stride),
-    )
+    size = DTYPE_SIZES[dtype]
+    if placement.offset_bytes % size or any(s % size for s in placement.view_strides[:3]):
+        raise ValueError(
+            f"{placement.layer_name}: offset {placement.offset_bytes} or strides "
+            f"{placement.view_strides} are not multiples of the {dtype} element size {size}"
+        )
+    return raw.view(torch_dtype(dtype))
+
+
+def _mamba_states(page: torch.Tensor, spec: MambaSpec) -> tuple[torch.Tensor, ...]:
+    """Unpack a `[B, 1, 1, C]` page view into one `[B, *shape]` view per state."""
+    rows = page.squeeze(2).squeeze(1)
+    result = []
+    for shape, dtype, offset in zip(spec.shapes, spec.dtypes, spec.state_offsets, strict=True):
+        count = 1
+        for dim in shape:
+            count *= dim
+        nbytes = count * DTYPE_SIZES[dtype]
+        state = rows[:, offset : offset + nbytes].view(torch_dtype(dtype))
+        result.append(state.view(-1, *shape))
+    return tuple(result)

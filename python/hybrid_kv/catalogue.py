@@ -1,15 +1,30 @@
 """Layer specs from Hugging Face `config.json` contents (no network), and shipped presets.
 
-Supported `model_type`s: gemma2, gemma3 (+ gemma3_text), gemma3n (+ gemma3n_text), gpt_oss,
-llama4 (+ llama4_text), mistral / ministral, cohere2, jamba, bamba, llama. Multimodal configs
-are read through their `text_config`. Layers are named `model.layers.{i}`.
+A model is named by a preset (case-insensitive; `list_presets()`), a path to a `config.json`
+or to a directory holding one, or a Hugging Face hub id (`org/name`) already in the local
+cache (`HF_HUB_CACHE`, else `HF_HOME/hub`, else `~/.cache/huggingface/hub`); nothing is ever
+downloaded. Multimodal configs are read through their `text_config`.
+
+Supported `model_type`s (`SUPPORTED_MODEL_TYPES`): Llama, Mistral/Ministral, Qwen2/2.5/3 (and
+their MoE variants; sliding window where the config enables it), Phi-3/Phi-4 (sliding
+window), Gemma-2/3 (sliding + full), Gemma-3n (KV sharing), Cohere2, gpt-oss, Llama-4 (chunked
+local + full), DeepSeek-V2/V3 and Kimi-K2 (MLA), Jamba (Mamba-1), Bamba, Granite-4.0-H,
+Falcon-H1 and Nemotron-H (Mamba-2), Qwen3-Next (gated DeltaNet + full). Layers are named
+`model.layers.{i}`; Falcon-H1, whose layers hold both attention and Mamba, names them
+`model.layers.{i}.self_attn` and `model.layers.{i}.mamba`.
+
+With `tensor_parallel_size`, specs are those of one rank, as vLLM shards them: KV heads
+`max(1, heads // tp)`, MLA's latent vector whole, Mamba widths and heads split.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
+import os
+import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +34,7 @@ from hybrid_kv.specs import (
     KVSharingSpec,
     LayerSpec,
     MambaSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
     SpecError,
     canonical_dtype,
@@ -27,13 +43,18 @@ from hybrid_kv.specs import (
 
 __all__ = [
     "PRESETS_DIR",
+    "SUPPORTED_MODEL_TYPES",
     "CatalogueError",
     "ModelSpec",
+    "estimate_parameters",
+    "estimate_weight_bytes",
+    "hub_cache_dir",
     "layer_specs_from_config",
     "list_presets",
     "load_config",
     "load_model",
     "max_model_len_from_config",
+    "resolve_model",
 ]
 
 PRESETS_DIR = Path(__file__).with_name("presets")
@@ -47,12 +68,15 @@ class CatalogueError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model's layers (in model order) and its longest supported context."""
+    """A model's layers (in model order, for one tensor-parallel rank), its longest
+    supported context, and the config they were read from."""
 
     name: str
     layers: Mapping[str, LayerSpec]
     max_model_len: int
     model_type: str
+    config: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    tensor_parallel_size: int = 1
 
 
 def list_presets() -> list[str]:
@@ -60,19 +84,81 @@ def list_presets() -> list[str]:
     return sorted(path.stem for path in PRESETS_DIR.glob("*.json"))
 
 
-def load_config(model: str) -> dict[str, Any]:
-    """A preset name (see `list_presets`) or a path to a `config.json` (or its directory)."""
-    path = Path(model)
+# --------------------------------------------------------------------------- resolving names
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache: `HF_HUB_CACHE`, else `HF_HOME/hub`, else
+    `~/.cache/huggingface/hub` (as `huggingface_hub` resolves it)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    return Path("~/.cache/huggingface/hub").expanduser()
+
+
+def _from_hub_cache(model_id: str) -> Path | None:
+    """`config.json` of `model_id` in the local hub cache: the snapshot `refs/main` points
+    at, else the most recent snapshot holding one."""
+    repo = hub_cache_dir() / ("models--" + model_id.replace("/", "--"))
+    snapshots = repo / "snapshots"
+    if not snapshots.is_dir():
+        return None
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        candidate = snapshots / ref.read_text().strip() / "config.json"
+        if candidate.is_file():
+            return candidate
+    found = [p / "config.json" for p in snapshots.iterdir() if (p / "config.json").is_file()]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def _looks_like_path(model: str) -> bool:
+    return (
+        os.sep in model or "/" in model or model.startswith((".", "~")) or model.endswith(".json")
+    )
+
+
+def resolve_model(model: str) -> Path:
+    """The `config.json` a model name refers to (see the module docstring)."""
+    if not isinstance(model, str) or not model.strip():
+        raise CatalogueError(f"a model name must be a non-empty string, got {model!r}")
+    path = Path(model).expanduser()
     if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        preset = PRESETS_DIR / f"{model}.json"
-        if not preset.is_file():
-            raise CatalogueError(
-                f"unknown model {model!r}: not a preset ({', '.join(list_presets())}) "
-                "and not a path to a config.json"
-            )
-        path = preset
+        config = path / "config.json"
+        if not config.is_file():
+            raise CatalogueError(f"no config.json in directory {path}")
+        return config
+    if path.is_file():
+        return path
+    if _HUB_ID.match(model) and not model.endswith(".json"):
+        cached = _from_hub_cache(model)
+        if cached is not None:
+            return cached
+        raise CatalogueError(
+            f"no such file {model!r}, and {model} is not in the local Hugging Face cache "
+            f"({hub_cache_dir()}); hybrid-kv does not download: fetch it with "
+            f"`huggingface-cli download {model} config.json` or give a path to its config.json"
+        )
+    if _looks_like_path(model):
+        raise CatalogueError(f"no such file or directory: {model}")
+    presets = {name.lower(): name for name in list_presets()}
+    key = model.strip().lower()
+    if key in presets:
+        return PRESETS_DIR / f"{presets[key]}.json"
+    close = difflib.get_close_matches(key, list(presets), n=3, cutoff=0.6)
+    suggestion = f"did you mean {' or '.join(presets[c] for c in close)}? " if close else ""
+    raise CatalogueError(
+        f"unknown model {model!r}: {suggestion}not a preset ({', '.join(list_presets())}), "
+        "a config.json path, or a Hugging Face id in the local cache"
+    )
+
+
+def load_config(model: str) -> dict[str, Any]:
+    """The config a model name refers to (preset, path or cached hub id)."""
+    path = resolve_model(model)
     try:
         config = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError) as error:
@@ -84,16 +170,33 @@ def load_config(model: str) -> dict[str, Any]:
     return config
 
 
-def load_model(model: str, *, dtype: str | None = None) -> ModelSpec:
-    """Load a preset or config file and build its layer specs."""
-    config = load_config(model)
-    name = Path(model).stem if model.endswith(".json") else Path(model).name
-    layers = layer_specs_from_config(config, dtype=dtype)
+def _display_name(model: str, path: Path) -> str:
+    if path.parent == PRESETS_DIR:
+        return path.stem
+    if _HUB_ID.match(model) and not Path(model).exists():
+        return model
+    if path.name == "config.json":
+        return path.parent.name
+    return path.stem
+
+
+def load_model(model: str, *, dtype: str | None = None, tensor_parallel_size: int = 1) -> ModelSpec:
+    """Load a preset, config file or cached hub model and build its layer specs (of one rank
+    of `tensor_parallel_size`)."""
+    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int):
+        raise CatalogueError(f"tensor_parallel_size must be an int, got {tensor_parallel_size!r}")
+    if tensor_parallel_size < 1:
+        raise CatalogueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    path = resolve_model(model)
+    config = load_config(str(path))
+    layers = layer_specs_from_config(config, dtype=dtype, tensor_parallel_size=tensor_parallel_size)
     return ModelSpec(
-        name=name,
+        name=_display_name(model, path),
         layers=layers,
         max_model_len=max_model_len_from_config(config),
         model_type=_text_config(config)[1],
+        config=config,
+        tensor_parallel_size=tensor_parallel_size,
     )
 
 
@@ -107,26 +210,32 @@ def max_model_len_from_config(config: Config) -> int:
     return _int(text, "max_position_embeddings", model_type, value)
 
 
-def layer_specs_from_config(config: Config, *, dtype: str | None = None) -> dict[str, LayerSpec]:
+def layer_specs_from_config(
+    config: Config, *, dtype: str | None = None, tensor_parallel_size: int = 1
+) -> dict[str, LayerSpec]:
     """`{layer_name: spec}` for a Hugging Face config.
 
     `dtype` is the attention KV-cache dtype; by default the checkpoint's dtype when it is 16-bit,
     else bf16 (fp32 checkpoints are served in bf16). Mamba states use the checkpoint dtype
     rule too, independently of `dtype` (like vLLM's separate Mamba cache dtype).
     """
+    if not isinstance(config, Mapping):
+        raise CatalogueError(f"a config must be a JSON object, got {type(config).__name__}")
     text, model_type = _text_config(config)
     builder = _BUILDERS.get(model_type)
     if builder is None:
-        raise CatalogueError(
-            f"unsupported model_type {model_type!r} (supported: {', '.join(sorted(_BUILDERS))})"
-        )
+        raise CatalogueError(_unsupported(text, model_type))
     model_dtype = _model_dtype(config, text)
     kv_dtype = model_dtype if dtype is None else dtype
     try:
         canonical_dtype(kv_dtype)
     except SpecError as error:
         raise CatalogueError(str(error)) from None
-    return builder(text, model_type, kv_dtype, model_dtype)
+    context = _Context(text, model_type, kv_dtype, model_dtype, tensor_parallel_size)
+    try:
+        return builder(context)
+    except SpecError as error:
+        raise CatalogueError(f"{model_type} config: {error}") from None
 
 
 # --------------------------------------------------------------------------- helpers
@@ -137,7 +246,28 @@ _MODEL_TYPE_ALIASES = {
     "gemma3n_text": "gemma3n",
     "llama4_text": "llama4",
     "ministral": "mistral",
+    "qwen2_moe": "qwen2",
+    "qwen3": "qwen2",
+    "qwen3_moe": "qwen2",
+    "phi4": "phi3",
+    "deepseek_v3": "deepseek_v2",
+    "kimi_k2": "deepseek_v2",
+    "granite": "llama",
+    "mixtral": "mistral",
 }
+
+
+@dataclass(frozen=True)
+class _Context:
+    text: Config
+    model_type: str
+    dtype: str
+    model_dtype: str
+    tp: int
+
+    def kv_heads(self, heads: int) -> int:
+        """KV heads on one rank (vLLM replicates heads when there are fewer than ranks)."""
+        return max(1, heads // self.tp)
 
 
 def _text_config(config: Config) -> tuple[Config, str]:
@@ -148,6 +278,43 @@ def _text_config(config: Config) -> tuple[Config, str]:
     if not isinstance(model_type, str):
         raise CatalogueError("config is missing 'model_type'")
     return text, _MODEL_TYPE_ALIASES.get(model_type, model_type)
+
+
+_KIND_HINTS = (
+    ("layer_types", "the layer types listed in 'layer_types'"),
+    ("sliding_window", "sliding-window attention ('sliding_window')"),
+    ("attention_chunk_size", "chunked local attention ('attention_chunk_size')"),
+    ("kv_lora_rank", "MLA ('kv_lora_rank')"),
+    ("mamba_d_state", "Mamba ('mamba_d_state')"),
+    ("ssm_state_size", "Mamba ('ssm_state_size')"),
+    ("state_size", "a recurrent state ('state_size')"),
+    ("linear_num_value_heads", "linear attention ('linear_num_value_heads')"),
+    ("num_kv_shared_layers", "KV sharing ('num_kv_shared_layers')"),
+    ("num_attention_heads", "attention ('num_attention_heads')"),
+)
+
+
+def _unsupported(text: Config, model_type: str) -> str:
+    """Say which layer kinds an unknown model would need, from what its config mentions."""
+    mentioned = []
+    for key, description in _KIND_HINTS:
+        if text.get(key) is None:
+            continue
+        if key == "layer_types" and isinstance(text[key], list):
+            kinds = sorted({str(v) for v in text[key]})
+            description = f"layer types {', '.join(kinds)} ('layer_types')"
+        mentioned.append(description)
+    needs = (
+        f"its config mentions {'; '.join(mentioned)}"
+        if mentioned
+        else "its config names no attention or state layers hybrid-kv recognises"
+    )
+    return (
+        f"unsupported model_type {model_type!r}: {needs}. A builder must map each layer to "
+        "full, sliding-window, chunked-local, MLA, Mamba or KV-sharing specs "
+        f"(supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}); or build the "
+        "{layer: spec} mapping yourself and call plan_kv_cache"
+    )
 
 
 def _model_dtype(config: Config, text: Config) -> str:
@@ -172,25 +339,49 @@ def _int(text: Config, key: str, model_type: str, value: Any = None) -> int:
     return value
 
 
-def _attention_shape(text: Config, model_type: str) -> tuple[int, int, int]:
+def _get_int(ctx: _Context, key: str, default: int | None = None) -> int:
+    value = ctx.text.get(key, default)
+    if value is None:
+        raise CatalogueError(f"{ctx.model_type} config is missing {key!r}")
+    return _int(ctx.text, key, ctx.model_type, value)
+
+
+def _attention_shape(ctx: _Context) -> tuple[int, int, int]:
+    text, model_type = ctx.text, ctx.model_type
     layers = _int(text, "num_hidden_layers", model_type)
     heads = _int(text, "num_attention_heads", model_type)
     kv_heads = _int(text, "num_key_value_heads", model_type, text.get("num_key_value_heads", heads))
     head_dim = text.get("head_dim")
     if head_dim is None:
         head_dim = _int(text, "hidden_size", model_type) // heads
-    return layers, kv_heads, _int(text, "head_dim", model_type, head_dim)
+    return layers, ctx.kv_heads(kv_heads), _int(text, "head_dim", model_type, head_dim)
 
 
 def _name(index: int) -> str:
     return f"model.layers.{index}"
 
 
+def _attention(
+    ctx: _Context, kind: str, kv_heads: int, head_dim: int, window: int | None, chunk: int | None
+) -> LayerSpec:
+    if kind == "full":
+        return FullAttentionSpec(num_kv_heads=kv_heads, head_size=head_dim, dtype=ctx.dtype)
+    if kind == "sliding_window":
+        assert window is not None
+        return SlidingWindowSpec(
+            num_kv_heads=kv_heads, head_size=head_dim, dtype=ctx.dtype, sliding_window=window
+        )
+    assert kind == "chunked_local" and chunk is not None
+    return ChunkedLocalAttentionSpec(
+        num_kv_heads=kv_heads, head_size=head_dim, dtype=ctx.dtype, attention_chunk_size=chunk
+    )
+
+
 def _build(
+    ctx: _Context,
     kinds: list[str],
     kv_heads: int,
     head_dim: int,
-    dtype: str,
     *,
     window: int | None = None,
     chunk: int | None = None,
@@ -200,200 +391,504 @@ def _build(
     for index, kind in enumerate(kinds):
         name = _name(index)
         with layer_context(name):
-            spec: LayerSpec
-            if kind == "full":
-                spec = FullAttentionSpec(num_kv_heads=kv_heads, head_size=head_dim, dtype=dtype)
-            elif kind == "sliding_window":
-                assert window is not None
-                spec = SlidingWindowSpec(
-                    num_kv_heads=kv_heads, head_size=head_dim, dtype=dtype, sliding_window=window
-                )
-            elif kind == "chunked_local":
-                assert chunk is not None
-                spec = ChunkedLocalAttentionSpec(
-                    num_kv_heads=kv_heads,
-                    head_size=head_dim,
-                    dtype=dtype,
-                    attention_chunk_size=chunk,
-                )
-            else:
+            if kind == "mamba":
                 assert mamba is not None
-                spec = mamba
-        layers[name] = spec
+                layers[name] = mamba
+            elif kind != "none":
+                layers[name] = _attention(ctx, kind, kv_heads, head_dim, window, chunk)
     return layers
 
 
-def _kinds_from_layer_types(text: Config, num_layers: int, model_type: str) -> list[str] | None:
-    layer_types = text.get("layer_types")
+_LAYER_TYPES = {
+    "full_attention": "full",
+    "attention": "full",
+    "sliding_attention": "sliding_window",
+    "chunked_attention": "chunked_local",
+    "linear_attention": "mamba",
+    "mamba": "mamba",
+}
+
+
+def _kinds_from_layer_types(ctx: _Context, num_layers: int) -> list[str] | None:
+    layer_types = ctx.text.get("layer_types")
     if layer_types is None:
         return None
     if not isinstance(layer_types, list) or len(layer_types) != num_layers:
-        raise CatalogueError(f"{model_type} config: 'layer_types' must list {num_layers} entries")
-    mapping = {
-        "full_attention": "full",
-        "sliding_attention": "sliding_window",
-        "chunked_attention": "chunked_local",
-    }
+        raise CatalogueError(
+            f"{ctx.model_type} config: 'layer_types' must list {num_layers} entries"
+        )
     kinds = []
     for value in layer_types:
-        if value not in mapping:
-            raise CatalogueError(f"{model_type} config: unknown layer type {value!r}")
-        kinds.append(mapping[value])
+        if value not in _LAYER_TYPES:
+            raise CatalogueError(f"{ctx.model_type} config: unknown layer type {value!r}")
+        kinds.append(_LAYER_TYPES[value])
     return kinds
 
 
-def _window(text: Config, model_type: str, kinds: list[str]) -> int | None:
+def _window(ctx: _Context, kinds: list[str]) -> int | None:
     if "sliding_window" not in kinds:
         return None
-    return _int(text, "sliding_window", model_type)
+    return _int(ctx.text, "sliding_window", ctx.model_type)
 
 
 # --------------------------------------------------------------------------- builders
 
 
-def _sliding_pattern(pattern_default: int | None) -> Callable[..., dict[str, LayerSpec]]:
+def _sliding_pattern(pattern_default: int | None) -> Callable[[_Context], dict[str, LayerSpec]]:
     """Gemma-2/3, Cohere2, gpt-oss: `layer_types`, else every `pattern`-th layer is full."""
 
-    def build(text: Config, model_type: str, dtype: str, _model_dtype: str) -> dict[str, LayerSpec]:
-        num_layers, kv_heads, head_dim = _attention_shape(text, model_type)
-        kinds = _kinds_from_layer_types(text, num_layers, model_type)
+    def build(ctx: _Context) -> dict[str, LayerSpec]:
+        num_layers, kv_heads, head_dim = _attention_shape(ctx)
+        kinds = _kinds_from_layer_types(ctx, num_layers)
         if kinds is None:
-            pattern = text.get("sliding_window_pattern", pattern_default)
-            pattern = _int(text, "sliding_window_pattern", model_type, pattern)
+            pattern = _get_int(ctx, "sliding_window_pattern", pattern_default)
             kinds = [
                 "full" if (i + 1) % pattern == 0 else "sliding_window" for i in range(num_layers)
             ]
-        return _build(kinds, kv_heads, head_dim, dtype, window=_window(text, model_type, kinds))
+        return _build(ctx, kinds, kv_heads, head_dim, window=_window(ctx, kinds))
 
     return build
 
 
-def _gemma3n(text: Config, model_type: str, dtype: str, _model_dtype: str) -> dict[str, LayerSpec]:
-    num_layers, kv_heads, head_dim = _attention_shape(text, model_type)
-    kinds = _kinds_from_layer_types(text, num_layers, model_type)
+def _gemma3n(ctx: _Context) -> dict[str, LayerSpec]:
+    num_layers, kv_heads, head_dim = _attention_shape(ctx)
+    kinds = _kinds_from_layer_types(ctx, num_layers)
     if kinds is None:
         kinds = ["full" if (i + 1) % 5 == 0 else "sliding_window" for i in range(num_layers)]
-    layers = _build(kinds, kv_heads, head_dim, dtype, window=_window(text, model_type, kinds))
-    num_shared = text.get("num_kv_shared_layers", 0)
+    layers = _build(ctx, kinds, kv_heads, head_dim, window=_window(ctx, kinds))
+    num_shared = ctx.text.get("num_kv_shared_layers", 0)
     if num_shared:
-        num_shared = _int(text, "num_kv_shared_layers", model_type, num_shared)
+        num_shared = _get_int(ctx, "num_kv_shared_layers")
         first_shared = num_layers - num_shared
         if first_shared <= 0:
-            raise CatalogueError(f"{model_type} config: every layer is a KV-sharing layer")
+            raise CatalogueError(f"{ctx.model_type} config: every layer is a KV-sharing layer")
         for index in range(first_shared, num_layers):
             # The last non-shared layer of the same attention type owns the cache.
             owners = [i for i in range(first_shared) if kinds[i] == kinds[index]]
             if not owners:
                 raise CatalogueError(
-                    f"{model_type} config: layer {index} ({kinds[index]}) has no "
+                    f"{ctx.model_type} config: layer {index} ({kinds[index]}) has no "
                     "non-shared layer of its type to share KV with"
                 )
             layers[_name(index)] = KVSharingSpec(_name(owners[-1]))
     return layers
 
 
-def _mistral(text: Config, model_type: str, dtype: str, _model_dtype: str) -> dict[str, LayerSpec]:
-    num_layers, kv_heads, head_dim = _attention_shape(text, model_type)
-    kinds = _kinds_from_layer_types(text, num_layers, model_type)
-    window = text.get("sliding_window")
+def _mistral(ctx: _Context) -> dict[str, LayerSpec]:
+    """Mistral, Ministral, Mixtral, Phi-3/4: `layer_types`, a per-layer window pattern, or
+    one window on every layer (none: full attention)."""
+    num_layers, kv_heads, head_dim = _attention_shape(ctx)
+    kinds = _kinds_from_layer_types(ctx, num_layers)
+    window = ctx.text.get("sliding_window")
     if kinds is not None:
-        return _build(kinds, kv_heads, head_dim, dtype, window=_window(text, model_type, kinds))
+        return _build(ctx, kinds, kv_heads, head_dim, window=_window(ctx, kinds))
     if isinstance(window, list):  # params.json-style per-layer pattern, repeated
         if not window:
-            raise CatalogueError(f"{model_type} config: empty 'sliding_window' pattern")
+            raise CatalogueError(f"{ctx.model_type} config: empty 'sliding_window' pattern")
         layers: dict[str, LayerSpec] = {}
         for index in range(num_layers):
             size = window[index % len(window)]
-            if size is None:
-                spec = _build(["full"], kv_heads, head_dim, dtype)
-            else:
-                size = _int(text, "sliding_window", model_type, size)
-                spec = _build(["sliding_window"], kv_heads, head_dim, dtype, window=size)
-            layers[_name(index)] = spec[_name(0)]
+            with layer_context(_name(index)):
+                if size is None:
+                    layers[_name(index)] = _attention(ctx, "full", kv_heads, head_dim, None, None)
+                else:
+                    size = _int(ctx.text, "sliding_window", ctx.model_type, size)
+                    layers[_name(index)] = _attention(
+                        ctx, "sliding_window", kv_heads, head_dim, size, None
+                    )
         return layers
     kind = "full" if window is None else "sliding_window"
-    size = None if window is None else _int(text, "sliding_window", model_type)
-    return _build([kind] * num_layers, kv_heads, head_dim, dtype, window=size)
+    size = None if window is None else _int(ctx.text, "sliding_window", ctx.model_type)
+    return _build(ctx, [kind] * num_layers, kv_heads, head_dim, window=size)
 
 
-def _llama(text: Config, model_type: str, dtype: str, _model_dtype: str) -> dict[str, LayerSpec]:
-    num_layers, kv_heads, head_dim = _attention_shape(text, model_type)
-    return _build(["full"] * num_layers, kv_heads, head_dim, dtype)
+def _qwen2(ctx: _Context) -> dict[str, LayerSpec]:
+    """Qwen2/2.5/3 (dense and MoE): full attention; with `use_sliding_window`, layers from
+    `max_window_layers` on slide (transformers' rule), unless `layer_types` says otherwise."""
+    num_layers, kv_heads, head_dim = _attention_shape(ctx)
+    kinds = _kinds_from_layer_types(ctx, num_layers)
+    if kinds is None:
+        if ctx.text.get("use_sliding_window") and ctx.text.get("sliding_window") is not None:
+            first = ctx.text.get("max_window_layers", num_layers)
+            first = _int(ctx.text, "max_window_layers", ctx.model_type, first)
+            kinds = ["sliding_window" if i >= first else "full" for i in range(num_layers)]
+        else:
+            kinds = ["full"] * num_layers
+    return _build(ctx, kinds, kv_heads, head_dim, window=_window(ctx, kinds))
 
 
-def _llama4(text: Config, model_type: str, dtype: str, _model_dtype: str) -> dict[str, LayerSpec]:
-    num_layers, kv_heads, head_dim = _attention_shape(text, model_type)
-    chunk = text.get("attention_chunk_size")
-    no_rope = text.get("no_rope_layers") or None
+def _llama(ctx: _Context) -> dict[str, LayerSpec]:
+    num_layers, kv_heads, head_dim = _attention_shape(ctx)
+    return _build(ctx, ["full"] * num_layers, kv_heads, head_dim)
+
+
+def _llama4(ctx: _Context) -> dict[str, LayerSpec]:
+    num_layers, kv_heads, head_dim = _attention_shape(ctx)
+    chunk = ctx.text.get("attention_chunk_size")
+    no_rope = ctx.text.get("no_rope_layers") or None
     if no_rope is None:
-        interval = _int(
-            text, "no_rope_layer_interval", model_type, text.get("no_rope_layer_interval", 4)
-        )
+        interval = _get_int(ctx, "no_rope_layer_interval", 4)
         no_rope = [int((i + 1) % interval != 0) for i in range(num_layers)]
     if not isinstance(no_rope, list) or len(no_rope) != num_layers:
-        raise CatalogueError(f"{model_type} config: 'no_rope_layers' must list {num_layers} flags")
+        raise CatalogueError(
+            f"{ctx.model_type} config: 'no_rope_layers' must list {num_layers} flags"
+        )
     if chunk is None:
-        return _build(["full"] * num_layers, kv_heads, head_dim, dtype)
-    chunk = _int(text, "attention_chunk_size", model_type)
+        return _build(ctx, ["full"] * num_layers, kv_heads, head_dim)
+    chunk = _get_int(ctx, "attention_chunk_size")
     # RoPE layers (flag 1) use chunked local attention; NoPE layers attend globally.
     kinds = ["chunked_local" if flag else "full" for flag in no_rope]
-    return _build(kinds, kv_heads, head_dim, dtype, chunk=chunk)
+    return _build(ctx, kinds, kv_heads, head_dim, chunk=chunk)
 
 
-def _jamba(text: Config, model_type: str, dtype: str, model_dtype: str) -> dict[str, LayerSpec]:
-    num_layers, kv_heads, head_dim = _attention_shape(text, model_type)
-    period = _int(text, "attn_layer_period", model_type)
-    offset = text.get("attn_layer_offset")
+def _deepseek(ctx: _Context) -> dict[str, LayerSpec]:
+    """DeepSeek-V2/V3, Kimi-K2: MLA, one latent vector of `kv_lora_rank + qk_rope_head_dim`
+    per token (not split over TP ranks)."""
+    num_layers = _get_int(ctx, "num_hidden_layers")
+    latent = _get_int(ctx, "kv_lora_rank") + _get_int(ctx, "qk_rope_head_dim")
+    layers: dict[str, LayerSpec] = {}
+    for index in range(num_layers):
+        with layer_context(_name(index)):
+            layers[_name(index)] = MLAAttentionSpec(head_size=latent, dtype=ctx.dtype)
+    return layers
+
+
+def _jamba(ctx: _Context) -> dict[str, LayerSpec]:
+    num_layers, kv_heads, head_dim = _attention_shape(ctx)
+    period = _get_int(ctx, "attn_layer_period")
+    offset = ctx.text.get("attn_layer_offset")
     if not isinstance(offset, int) or offset < 0:
-        raise CatalogueError(f"{model_type} config is missing 'attn_layer_offset'")
-    hidden = _int(text, "hidden_size", model_type)
-    try:
-        mamba = MambaSpec.mamba1(
-            intermediate_size=_int(text, "mamba_expand", model_type) * hidden,
-            state_size=_int(text, "mamba_d_state", model_type),
-            conv_kernel=_int(text, "mamba_d_conv", model_type),
-            dtype=model_dtype,
-        )
-    except SpecError as error:
-        raise CatalogueError(f"{model_type} config: {error}") from None
+        raise CatalogueError(f"{ctx.model_type} config is missing 'attn_layer_offset'")
+    hidden = _get_int(ctx, "hidden_size")
+    mamba = MambaSpec.mamba1(
+        intermediate_size=_get_int(ctx, "mamba_expand") * hidden,
+        state_size=_get_int(ctx, "mamba_d_state"),
+        conv_kernel=_get_int(ctx, "mamba_d_conv"),
+        dtype=ctx.model_dtype,
+        tensor_parallel_size=ctx.tp,
+    )
     kinds = ["full" if i % period == offset else "mamba" for i in range(num_layers)]
-    return _build(kinds, kv_heads, head_dim, dtype, mamba=mamba)
+    return _build(ctx, kinds, kv_heads, head_dim, mamba=mamba)
 
 
-def _bamba(text: Config, model_type: str, dtype: str, model_dtype: str) -> dict[str, LayerSpec]:
-    num_layers, kv_heads, head_dim = _attention_shape(text, model_type)
-    indices = _require(text, "attn_layer_indices", model_type)
+def _mamba2(ctx: _Context, *, prefix: str = "mamba_") -> MambaSpec:
+    """A Mamba-2 state from `mamba_*` fields (Bamba, Granite-4.0-H, Falcon-H1)."""
+    hidden = _get_int(ctx, "hidden_size")
+    num_heads = _get_int(ctx, f"{prefix}n_heads")
+    intermediate = ctx.text.get(f"{prefix}d_ssm") or _get_int(ctx, f"{prefix}expand") * hidden
+    head = ctx.text.get(f"{prefix}d_head", intermediate // num_heads)
+    return MambaSpec.mamba2(
+        intermediate_size=_int(ctx.text, f"{prefix}d_ssm", ctx.model_type, intermediate),
+        n_groups=_get_int(ctx, f"{prefix}n_groups", 1),
+        num_heads=num_heads,
+        head_dim=_int(ctx.text, f"{prefix}d_head", ctx.model_type, head),
+        state_size=_get_int(ctx, f"{prefix}d_state"),
+        conv_kernel=_get_int(ctx, f"{prefix}d_conv"),
+        dtype=ctx.model_dtype,
+        tensor_parallel_size=ctx.tp,
+    )
+
+
+def _bamba(ctx: _Context) -> dict[str, LayerSpec]:
+    num_layers, kv_heads, head_dim = _attention_shape(ctx)
+    indices = _require(ctx.text, "attn_layer_indices", ctx.model_type)
     if not isinstance(indices, list) or not all(isinstance(i, int) for i in indices):
-        raise CatalogueError(f"{model_type} config: 'attn_layer_indices' must be a list of ints")
-    hidden = _int(text, "hidden_size", model_type)
-    num_heads = _int(text, "mamba_n_heads", model_type)
-    intermediate = _int(text, "mamba_expand", model_type) * hidden
-    head = text.get("mamba_d_head", intermediate // num_heads)
-    try:
-        mamba = MambaSpec.mamba2(
-            intermediate_size=intermediate,
-            n_groups=_int(text, "mamba_n_groups", model_type, text.get("mamba_n_groups", 1)),
-            num_heads=num_heads,
-            head_dim=_int(text, "mamba_d_head", model_type, head),
-            state_size=_int(text, "mamba_d_state", model_type),
-            conv_kernel=_int(text, "mamba_d_conv", model_type),
-            dtype=model_dtype,
+        raise CatalogueError(
+            f"{ctx.model_type} config: 'attn_layer_indices' must be a list of ints"
         )
-    except SpecError as error:
-        raise CatalogueError(f"{model_type} config: {error}") from None
     kinds = ["full" if i in indices else "mamba" for i in range(num_layers)]
-    return _build(kinds, kv_heads, head_dim, dtype, mamba=mamba)
+    return _build(ctx, kinds, kv_heads, head_dim, mamba=_mamba2(ctx))
 
 
-_BUILDERS: dict[str, Callable[[Config, str, str, str], dict[str, LayerSpec]]] = {
+def _granite_hybrid(ctx: _Context) -> dict[str, LayerSpec]:
+    """Granite-4.0-H: `layer_types` of "mamba" and "attention"."""
+    num_layers, kv_heads, head_dim = _attention_shape(ctx)
+    kinds = _kinds_from_layer_types(ctx, num_layers)
+    if kinds is None:
+        raise CatalogueError(f"{ctx.model_type} config is missing 'layer_types'")
+    return _build(ctx, kinds, kv_heads, head_dim, mamba=_mamba2(ctx))
+
+
+def _falcon_h1(ctx: _Context) -> dict[str, LayerSpec]:
+    """Falcon-H1: every layer runs attention and a Mamba-2 mixer side by side."""
+    num_layers, kv_heads, head_dim = _attention_shape(ctx)
+    mamba = _mamba2(ctx)
+    layers: dict[str, LayerSpec] = {}
+    for index in range(num_layers):
+        with layer_context(_name(index)):
+            layers[f"{_name(index)}.self_attn"] = _attention(
+                ctx, "full", kv_heads, head_dim, None, None
+            )
+            layers[f"{_name(index)}.mamba"] = mamba
+    return layers
+
+
+def _nemotron_h(ctx: _Context) -> dict[str, LayerSpec]:
+    """Nemotron-H: `hybrid_override_pattern`, one character per layer: `M` Mamba-2, `*`
+    attention, `-` MLP and `E` MoE (no cache)."""
+    pattern = _require(ctx.text, "hybrid_override_pattern", ctx.model_type)
+    if not isinstance(pattern, str) or not pattern or set(pattern) - set("M*-E"):
+        raise CatalogueError(
+            f"{ctx.model_type} config: 'hybrid_override_pattern' must use M, *, - and E"
+        )
+    heads = _get_int(ctx, "num_attention_heads")
+    kv_heads = ctx.kv_heads(_get_int(ctx, "num_key_value_heads", heads))
+    head_dim = ctx.text.get("head_dim") or ctx.text.get("attention_head_dim")
+    head_dim = _int(
+        ctx.text, "head_dim", ctx.model_type, head_dim or _get_int(ctx, "hidden_size") // heads
+    )
+    num_heads = _get_int(ctx, "mamba_num_heads")
+    mamba = MambaSpec.mamba2(
+        intermediate_size=num_heads * _get_int(ctx, "mamba_head_dim"),
+        n_groups=_get_int(ctx, "n_groups", 1),
+        num_heads=num_heads,
+        head_dim=_get_int(ctx, "mamba_head_dim"),
+        state_size=_get_int(ctx, "ssm_state_size"),
+        conv_kernel=_get_int(ctx, "conv_kernel"),
+        dtype=ctx.model_dtype,
+        tensor_parallel_size=ctx.tp,
+    )
+    kinds = {"M": "mamba", "*": "full", "-": "none", "E": "none"}
+    return _build(ctx, [kinds[c] for c in pattern], kv_heads, head_dim, mamba=mamba)
+
+
+def _qwen3_next(ctx: _Context) -> dict[str, LayerSpec]:
+    """Qwen3-Next: gated DeltaNet linear attention, full attention every
+    `full_attention_interval`-th layer (or as `layer_types` lists)."""
+    num_layers, kv_heads, head_dim = _attention_shape(ctx)
+    kinds = _kinds_from_layer_types(ctx, num_layers)
+    if kinds is None:
+        interval = _get_int(ctx, "full_attention_interval", 4)
+        kinds = ["full" if (i + 1) % interval == 0 else "mamba" for i in range(num_layers)]
+    gdn = MambaSpec.gated_delta_net(
+        num_k_heads=_get_int(ctx, "linear_num_key_heads"),
+        num_v_heads=_get_int(ctx, "linear_num_value_heads"),
+        head_k_dim=_get_int(ctx, "linear_key_head_dim"),
+        head_v_dim=_get_int(ctx, "linear_value_head_dim"),
+        conv_kernel=_get_int(ctx, "linear_conv_kernel_dim"),
+        dtype=ctx.model_dtype,
+        tensor_parallel_size=ctx.tp,
+    )
+    return _build(ctx, kinds, kv_heads, head_dim, mamba=gdn)
+
+
+_BUILDERS: dict[str, Callable[[_Context], dict[str, LayerSpec]]] = {
     "gemma2": _sliding_pattern(2),
     "gemma3": _sliding_pattern(6),
     "cohere2": _sliding_pattern(4),
     "gpt_oss": _sliding_pattern(2),
     "gemma3n": _gemma3n,
     "mistral": _mistral,
+    "phi3": _mistral,
+    "qwen2": _qwen2,
     "llama": _llama,
     "llama4": _llama4,
+    "deepseek_v2": _deepseek,
     "jamba": _jamba,
     "bamba": _bamba,
+    "granitemoehybrid": _granite_hybrid,
+    "falcon_h1": _falcon_h1,
+    "nemotron_h": _nemotron_h,
+    "qwen3_next": _qwen3_next,
 }
+
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(set(_BUILDERS) | set(_MODEL_TYPE_ALIASES)))
+
+
+# --------------------------------------------------------------------------- weights
+
+_TIED_BY_DEFAULT = {"gemma2", "gemma3", "gemma3n", "cohere2"}
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+_QUANTIZED_BITS = {"fp8": 8, "mxfp4": 4.25, "awq": 4, "gptq": 4, "compressed-tensors": 8}
+
+
+def estimate_parameters(config: Config) -> tuple[int, int]:
+    """`(parameters outside the routed experts, routed-expert parameters)` of a text model,
+    counted from its config: embeddings (and the LM head unless tied), each layer's mixer
+    (attention, MLA, Mamba-1/2, gated DeltaNet) and MLP (gated, or routed experts with their
+    shared experts and router). Norms and biases are left out (well under 0.1%).
+
+    Raises `CatalogueError` naming a field the count needs and the config lacks.
+    """
+    text, model_type = _text_config(config)
+    ctx = _Context(text, model_type, "bf16", "bf16", 1)
+    if model_type not in _BUILDERS:
+        raise CatalogueError(_unsupported(text, model_type))
+    hidden = _get_int(ctx, "hidden_size")
+    vocab = _get_int(ctx, "vocab_size")
+    tied = text.get("tie_word_embeddings", config.get("tie_word_embeddings"))
+    if tied is None:
+        tied = model_type in _TIED_BY_DEFAULT
+    dense = vocab * hidden * (1 if tied else 2)
+    experts = 0
+    mixers, mlps = _layer_plan(ctx)
+    for index, (mixer, mlp) in enumerate(zip(mixers, mlps, strict=True)):
+        for kind in mixer:
+            dense += _mixer_parameters(ctx, kind, hidden)
+        if mlp == "dense":
+            dense += _dense_mlp(ctx, hidden, index)
+        elif mlp == "moe":
+            routed, other = _moe_parameters(ctx, hidden)
+            experts += routed
+            dense += other
+    return dense, experts
+
+
+def estimate_weight_bytes(config: Config, tensor_parallel_size: int = 1) -> int:
+    """Bytes of weights one of `tensor_parallel_size` GPUs holds, estimated from the config:
+    `estimate_parameters` at the checkpoint's precision (16-bit; fp32 checkpoints are served
+    in bf16; `quantization_config` fp8 / mxfp4 (routed experts) / AWQ / GPTQ bits for layer
+    weights), split evenly over the ranks."""
+    text, model_type = _text_config(config)
+    dense, experts = estimate_parameters(config)
+    quant = config.get("quantization_config") or text.get("quantization_config") or {}
+    method = str(quant.get("quant_method", "")).lower() if isinstance(quant, Mapping) else ""
+    bits = quant.get("bits") if isinstance(quant, Mapping) else None
+    layer_bits: float = 16
+    expert_bits: float = 16
+    if method == "mxfp4":
+        expert_bits = _QUANTIZED_BITS["mxfp4"]
+    elif method in ("awq", "gptq") and isinstance(bits, int):
+        layer_bits = expert_bits = bits
+    elif method in _QUANTIZED_BITS:
+        layer_bits = expert_bits = _QUANTIZED_BITS[method]
+    tied = text.get("tie_word_embeddings", config.get("tie_word_embeddings"))
+    if tied is None:
+        tied = model_type in _TIED_BY_DEFAULT
+    embeddings = text["vocab_size"] * text["hidden_size"] * (1 if tied else 2)
+    total = embeddings * 2 + (dense - embeddings) * layer_bits / 8 + experts * expert_bits / 8
+    return -(-int(total) // tensor_parallel_size)
+
+
+def _layer_plan(ctx: _Context) -> tuple[list[tuple[str, ...]], list[str]]:
+    """Per layer: its mixers and its MLP kind (`dense`, `moe` or `none`)."""
+    text, model_type = ctx.text, ctx.model_type
+    if model_type == "nemotron_h":
+        pattern = str(_require(text, "hybrid_override_pattern", model_type))
+        mixer_of = {"M": ("mamba2",), "*": ("attention",), "-": (), "E": ()}
+        mlp_of = {"M": "none", "*": "none", "-": "dense", "E": "moe"}
+        return [mixer_of[c] for c in pattern], [mlp_of[c] for c in pattern]
+    num_layers = _get_int(ctx, "num_hidden_layers")
+    specs = layer_specs_from_config(dict(text))
+    mixers: list[tuple[str, ...]] = []
+    for index in range(num_layers):
+        name = _name(index)
+        if model_type == "falcon_h1":
+            mixers.append(("attention", "mamba2"))
+            continue
+        spec = specs.get(name)
+        if isinstance(spec, MambaSpec):
+            mixers.append(({"mamba1": "mamba1", "gdn": "gdn"}.get(spec.mamba_type, "mamba2"),))
+        elif isinstance(spec, MLAAttentionSpec):
+            mixers.append(("mla",))
+        else:
+            mixers.append(("attention",))
+    return mixers, [_mlp_kind(ctx, i) for i in range(num_layers)]
+
+
+def _mlp_kind(ctx: _Context, index: int) -> str:
+    text = ctx.text
+    if not any(text.get(key) for key in _EXPERT_KEYS):
+        return "dense"
+    if ctx.model_type == "deepseek_v2":
+        first_dense = text.get("first_k_dense_replace", 0)
+        frequency = text.get("moe_layer_freq", 1)
+        return "moe" if index >= first_dense and index % frequency == 0 else "dense"
+    if ctx.model_type == "jamba":
+        period, offset = text.get("expert_layer_period", 1), text.get("expert_layer_offset", 0)
+        return "moe" if index % period == offset else "dense"
+    if ctx.model_type == "llama4":
+        step = text.get("interleave_moe_layer_step", 1)
+        return "moe" if (index + 1) % step == 0 else "dense"
+    if ctx.model_type in ("qwen2", "qwen3_next"):
+        if index in (text.get("mlp_only_layers") or []):
+            return "dense"
+        step = text.get("decoder_sparse_step", 1)
+        return "moe" if (index + 1) % step == 0 else "dense"
+    return "moe"
+
+
+def _mixer_parameters(ctx: _Context, kind: str, hidden: int) -> int:
+    text = ctx.text
+    if kind == "attention":
+        heads = _get_int(ctx, "num_attention_heads")
+        kv_heads = _get_int(ctx, "num_key_value_heads", heads)
+        head_dim = text.get("head_dim") or text.get("attention_head_dim") or hidden // heads
+        return 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+    if kind == "mla":
+        heads = _get_int(ctx, "num_attention_heads")
+        rope, nope = _get_int(ctx, "qk_rope_head_dim"), _get_int(ctx, "qk_nope_head_dim")
+        value, rank = _get_int(ctx, "v_head_dim"), _get_int(ctx, "kv_lora_rank")
+        q_rank = text.get("q_lora_rank")
+        query = (
+            hidden * q_rank + q_rank * heads * (nope + rope)
+            if q_rank
+            else hidden * heads * (nope + rope)
+        )
+        return (
+            query + hidden * (rank + rope) + rank * heads * (nope + value) + heads * value * hidden
+        )
+    if kind == "mamba1":
+        inner = _get_int(ctx, "mamba_expand") * hidden
+        state, conv = _get_int(ctx, "mamba_d_state"), _get_int(ctx, "mamba_d_conv")
+        rank = _get_int(ctx, "mamba_dt_rank", -(-hidden // 16))
+        return (
+            hidden * 2 * inner
+            + inner * conv
+            + inner * (rank + 2 * state)
+            + rank * inner
+            + inner * state
+            + inner
+            + inner * hidden
+        )
+    if kind == "mamba2":
+        if ctx.model_type == "nemotron_h":
+            heads, head = _get_int(ctx, "mamba_num_heads"), _get_int(ctx, "mamba_head_dim")
+            inner, groups = heads * head, _get_int(ctx, "n_groups", 1)
+            state, conv = _get_int(ctx, "ssm_state_size"), _get_int(ctx, "conv_kernel")
+        else:
+            heads = _get_int(ctx, "mamba_n_heads")
+            inner = text.get("mamba_d_ssm") or _get_int(ctx, "mamba_expand") * hidden
+            groups = _get_int(ctx, "mamba_n_groups", 1)
+            state, conv = _get_int(ctx, "mamba_d_state"), _get_int(ctx, "mamba_d_conv")
+        width = inner + 2 * groups * state
+        return hidden * (inner + width + heads) + width * conv + inner * hidden + 3 * heads
+    assert kind == "gdn"
+    k_heads, v_heads = (
+        _get_int(ctx, "linear_num_key_heads"),
+        _get_int(ctx, "linear_num_value_heads"),
+    )
+    k_dim, v_dim = _get_int(ctx, "linear_key_head_dim"), _get_int(ctx, "linear_value_head_dim")
+    conv = _get_int(ctx, "linear_conv_kernel_dim")
+    width = 2 * k_heads * k_dim + v_heads * v_dim
+    return (
+        hidden * (2 * k_heads * k_dim + 2 * v_heads * v_dim)
+        + hidden * 2 * v_heads
+        + width * conv
+        + v_heads * v_dim * hidden
+    )
+
+
+def _dense_mlp(ctx: _Context, hidden: int, index: int) -> int:
+    size = ctx.text.get("intermediate_size_mlp") if ctx.model_type == "llama4" else None
+    size = size or _get_int(ctx, "intermediate_size")
+    matrices = 2 if ctx.model_type == "nemotron_h" else 3
+    return matrices * hidden * size
+
+
+def _moe_parameters(ctx: _Context, hidden: int) -> tuple[int, int]:
+    """`(routed experts, router + shared experts)` of one MoE layer."""
+    text = ctx.text
+    count = next(text[key] for key in _EXPERT_KEYS if text.get(key))
+    size = text.get("moe_intermediate_size") or _get_int(ctx, "intermediate_size")
+    routed = count * 3 * hidden * size
+    shared = 0
+    if text.get("n_shared_experts"):
+        shared = text["n_shared_experts"] * 3 * hidden * size
+    elif text.get("shared_expert_intermediate_size"):
+        shared = 3 * hidden * text["shared_expert_intermediate_size"]
+    elif text.get("shared_intermediate_size"):
+        shared = 3 * hidden * text["shared_intermediate_size"]
+    elif ctx.model_type == "llama4":
+        shared = 3 * hidden * size
+    return routed, shared + hidden * count

@@ -1,27 +1,53 @@
-"""`hybrid-kv` command line. One `_add_<name>_parser` + `_cmd_<name>` pair per subcommand."""
+"""`hybrid-kv` command line. One `_add_<name>_parser` + `_cmd_<name>` pair per subcommand.
+
+Errors a user can fix (bad sizes, unknown models, budgets that cannot admit one request) print
+one line on stderr and exit with status 2; a simulation that stops without finishing exits
+with 1; Ctrl-C exits with 130 and a closed output pipe (`... --json | head`) with 141, both
+without a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hybrid_kv.catalogue import ModelSpec, list_presets, load_model
+from hybrid_kv import __version__
+from hybrid_kv.catalogue import (
+    CatalogueError,
+    ModelSpec,
+    estimate_weight_bytes,
+    list_presets,
+    load_model,
+)
 from hybrid_kv.planner import (
+    DEFAULT_LAYOUT,
+    DEFAULT_MAX_IN_FLIGHT_TOKENS,
+    KV_CACHE_LAYOUTS,
     STRATEGIES,
-    InsufficientMemoryError,
     KVCachePlan,
+    LengthDistribution,
+    PlanError,
     format_bytes,
+    kv_cache_budget,
     parse_memory,
     plan_kv_cache,
 )
 
-__all__ = ["main"]
+__all__ = ["VLLM_SEMANTICS_VERSION", "format_plan_report", "main"]
+
+VLLM_SEMANTICS_VERSION = "0.33"
+"""The vLLM release whose KV-cache manager semantics hybrid-kv follows."""
+
+JSON_SCHEMA_VERSION = 2
+"""Version of the documents `plan --json` and `simulate --json` print."""
 
 Command = Callable[[argparse.Namespace], int]
+_VALUE_OPTIONS = {"--memory", "--gpu-memory", "--weights-memory"}
 
 
 class CommandError(Exception):
@@ -30,19 +56,177 @@ class CommandError(Exception):
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `hybrid-kv` and `python -m hybrid_kv`; returns the exit code."""
+    try:
+        return _run(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:
+        print("hybrid-kv: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # The reader went away (`| head`): say nothing more, and keep the interpreter's final
+        # flush of stdout from failing again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+
+
+def _run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="hybrid-kv", description="KV-cache manager for hybrid LLMs."
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"hybrid-kv {__version__} (vLLM {VLLM_SEMANTICS_VERSION} KV-cache semantics)",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add_parser in _SUBCOMMANDS:
         add_parser(subparsers)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_join_negative_values(argv))
     command: Command = args.handler
     try:
         return command(args)
     except (CommandError, ValueError) as error:
         print(f"hybrid-kv {args.command}: error: {error}", file=sys.stderr)
         return 2
+
+
+def _join_negative_values(argv: Sequence[str]) -> list[str]:
+    """`--memory -1GiB` -> `--memory=-1GiB`, so a negative size reaches the size parser (and
+    its clear message) instead of argparse taking it for an option."""
+    result: list[str] = []
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        following = argv[index + 1] if index + 1 < len(argv) else None
+        if (
+            token in _VALUE_OPTIONS
+            and following is not None
+            and following.startswith("-")
+            and following[1:2].replace(".", "0").isdigit()
+        ):
+            result.append(f"{token}={following}")
+            index += 2
+            continue
+        result.append(token)
+        index += 1
+    return result
+
+
+# --------------------------------------------------------------------------- shared options
+
+
+def _add_model_options(parser: argparse.ArgumentParser, *, default: str | None = None) -> None:
+    parser.add_argument(
+        "model",
+        metavar="MODEL_OR_CONFIG",
+        nargs="?" if default else None,
+        default=default,
+        help="preset name (case-insensitive), config.json path or directory, or a Hugging Face "
+        "id in the local cache" + (f" (default {default})" if default else ""),
+    )
+    parser.add_argument(
+        "--dtype", default=None, help="attention KV dtype: fp32, bf16, fp16, fp8_e4m3, fp8_e5m2"
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="plan one of N tensor-parallel GPUs (KV heads and Mamba states split as vLLM does)",
+    )
+
+
+def _add_budget_options(parser: argparse.ArgumentParser, *, default_memory: str | None) -> None:
+    parser.add_argument(
+        "--memory",
+        default=None,
+        help="KV cache budget, e.g. 40GiB, 512MiB, 80GB"
+        + (f" (default {default_memory})" if default_memory else ""),
+    )
+    parser.add_argument(
+        "--gpu-memory",
+        default=None,
+        metavar="SIZE",
+        help="size the budget as vLLM does from one GPU of SIZE: SIZE x utilization minus the "
+        "weights (instead of --memory)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        metavar="F",
+        help="share of --gpu-memory vLLM may use (default 0.9)",
+    )
+    parser.add_argument(
+        "--weights-memory",
+        default=None,
+        metavar="SIZE",
+        help="weights per GPU (default: estimated from the config)",
+    )
+    parser.set_defaults(default_memory=default_memory)
+
+
+def _add_plan_options(parser: argparse.ArgumentParser, *, batched_default: int | None) -> None:
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="longest request (default: the config's)"
+    )
+    parser.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default="min-waste",
+        help="min-waste (default) or vllm (vLLM 0.33's grouping)",
+    )
+    parser.add_argument(
+        "--kv-cache-layout",
+        type=str.upper,
+        choices=KV_CACHE_LAYOUTS,
+        default=DEFAULT_LAYOUT,
+        metavar="LAYOUT",
+        help=f"physical layout, one of {', '.join(KV_CACHE_LAYOUTS)} (default {DEFAULT_LAYOUT})",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=batched_default,
+        metavar="N",
+        help="tokens per scheduler step; sliding-window groups reserve blocks for them"
+        + (f" (default {batched_default})" if batched_default else ""),
+    )
+
+
+def _model(args: argparse.Namespace) -> ModelSpec:
+    return load_model(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
+
+
+def _budget(args: argparse.Namespace, model: ModelSpec) -> tuple[int, str]:
+    """The KV cache budget in bytes and a line saying where it came from."""
+    if args.memory is not None and args.gpu_memory is not None:
+        raise CommandError("give --memory (the KV cache budget) or --gpu-memory, not both")
+    if args.gpu_memory is None:
+        if args.weights_memory is not None:
+            raise CommandError("--weights-memory goes with --gpu-memory")
+        text = args.memory if args.memory is not None else args.default_memory
+        if text is None:
+            raise CommandError("give --memory (the KV cache budget) or --gpu-memory")
+        memory = parse_memory(text)
+        return memory, f"KV cache budget {format_bytes(memory)}"
+    gpu = parse_memory(args.gpu_memory)
+    if args.weights_memory is not None:
+        weights, source = parse_memory(args.weights_memory), "given"
+    else:
+        try:
+            weights = estimate_weight_bytes(model.config, model.tensor_parallel_size)
+        except CatalogueError as error:
+            raise CommandError(
+                f"cannot estimate the weights ({error}); pass --weights-memory"
+            ) from None
+        source = "estimated from the config"
+    memory = kv_cache_budget(gpu, args.gpu_memory_utilization, weights)
+    return memory, (
+        f"KV cache budget {format_bytes(memory)} = {args.gpu_memory_utilization:g} x "
+        f"{format_bytes(gpu)} - {format_bytes(weights)} of weights per GPU ({source}; "
+        "activations and CUDA graphs not counted)"
+    )
 
 
 # --------------------------------------------------------------------------- plan
@@ -57,24 +241,41 @@ def _add_plan_parser(subparsers: Any) -> None:
             f"0.33's plan. Presets: {', '.join(list_presets())}."
         ),
     )
-    parser.add_argument("model", metavar="MODEL_OR_CONFIG", help="preset name or config.json path")
+    _add_model_options(parser)
+    _add_budget_options(parser, default_memory=None)
+    _add_plan_options(parser, batched_default=DEFAULT_MAX_IN_FLIGHT_TOKENS)
     parser.add_argument(
-        "--memory", required=True, help="KV-cache memory budget, e.g. 40GiB, 512MiB, 80GB"
+        "--async-scheduling",
+        action="store_true",
+        help="two batches in flight (vLLM's async scheduling): reserve for twice the tokens",
     )
     parser.add_argument(
-        "--max-model-len", type=int, default=None, help="longest request (default: the config's)"
+        "--no-prefix-caching",
+        action="store_true",
+        help="Mamba layers in vLLM's 'none' mode (one state block per request)",
     )
     parser.add_argument("--block-size", type=int, default=16, help="base block size (tokens)")
     parser.add_argument("--alignment", type=int, default=16, help="kernel block-size alignment")
-    parser.add_argument("--strategy", choices=STRATEGIES, default="min-waste")
     parser.add_argument(
-        "--dtype", default=None, help="attention KV dtype: fp32, bf16, fp16, fp8_e4m3, fp8_e5m2"
+        "--prefix-match-unit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="hash prompts every N tokens (finer prefix hits than the block size)",
     )
-    parser.add_argument(
+    lengths = parser.add_mutually_exclusive_group()
+    lengths.add_argument(
+        "--lengths",
+        default=None,
+        metavar="SPEC",
+        help="request lengths to minimise waste over: LENGTH:COUNT,... or a workload / kvtrace "
+        "file (default: log-uniform up to max_model_len)",
+    )
+    lengths.add_argument(
         "--reference-len",
         type=int,
         default=None,
-        help="request length the waste is measured at (default: max model len)",
+        help="measure waste with every request this long",
     )
     parser.add_argument("--max-groups", type=int, default=None, help="cap on the group count")
     parser.add_argument("--json", action="store_true", help="print the plans as JSON")
@@ -83,30 +284,51 @@ def _add_plan_parser(subparsers: Any) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    model = load_model(args.model, dtype=args.dtype)
-    memory = parse_memory(args.memory)
+    if args.plot:
+        from hybrid_kv.plot import require_matplotlib
+
+        require_matplotlib()
+    model = _model(args)
+    memory, budget_line = _budget(args, model)
     max_model_len = model.max_model_len if args.max_model_len is None else args.max_model_len
+    lengths = LengthDistribution.parse(args.lengths) if args.lengths is not None else None
+    in_flight = args.max_num_batched_tokens
+    if isinstance(in_flight, int) and args.async_scheduling:
+        in_flight *= 2
     options: dict[str, Any] = {
         "block_size": args.block_size,
         "alignment": args.alignment,
         "reference_len": args.reference_len,
-        "max_groups": args.max_groups,
+        "lengths": lengths,
+        "max_in_flight_tokens": in_flight,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "kv_cache_layout": args.kv_cache_layout,
+        "prefix_match_unit": args.prefix_match_unit,
     }
-    plan = plan_kv_cache(model.layers, memory, max_model_len, strategy=args.strategy, **options)
+    plan = plan_kv_cache(
+        model.layers,
+        memory,
+        max_model_len,
+        strategy=args.strategy,
+        max_groups=args.max_groups,
+        **options,
+    )
     baseline: KVCachePlan | None = None
     baseline_error: str | None = None
     if args.strategy != "vllm":
         try:
-            options["max_groups"] = None
             baseline = plan_kv_cache(
                 model.layers, memory, max_model_len, strategy="vllm", **options
             )
-        except InsufficientMemoryError as error:
+        except PlanError as error:
             baseline_error = str(error)
     if args.json:
-        document = {
+        document: dict[str, Any] = {
+            "schema_version": JSON_SCHEMA_VERSION,
             "model": model.name,
             "model_type": model.model_type,
+            "tensor_parallel_size": model.tensor_parallel_size,
+            "budget": budget_line,
             "plan": plan.to_dict(),
             "vllm": baseline.to_dict() if baseline else None,
         }
@@ -114,7 +336,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             document["vllm_error"] = baseline_error
         print(json.dumps(document, indent=2))
     else:
-        print(format_plan_report(model, plan, baseline, baseline_error))
+        print(format_plan_report(model, plan, baseline, baseline_error, budget_line))
     if args.plot:
         from hybrid_kv.plot import plot_plan
 
@@ -129,31 +351,40 @@ def format_plan_report(
     plan: KVCachePlan,
     baseline: KVCachePlan | None = None,
     baseline_error: str | None = None,
+    budget_line: str | None = None,
 ) -> str:
     """The readable `hybrid-kv plan` report: a side-by-side table, the groups, the reasons."""
     kinds = Counter(spec.kind for spec in model.layers.values())
     layer_summary = ", ".join(f"{count} {kind}" for kind, count in kinds.items())
+    tp = f", 1 of {model.tensor_parallel_size} TP ranks" if model.tensor_parallel_size > 1 else ""
     lines = [
-        f"model: {model.name} ({model.model_type}; {len(model.layers)} layers: {layer_summary})",
-        f"memory: {format_bytes(plan.memory_bytes)}   max_model_len: {plan.max_model_len}   "
-        f"waste measured at {plan.waste.reference_len} tokens",
+        f"model: {model.name} ({model.model_type}; {len(model.layers)} layers: "
+        f"{layer_summary}{tp})",
+        (budget_line or f"KV cache budget {format_bytes(plan.memory_bytes)}")
+        + f"; max_model_len {plan.max_model_len:,}; {plan.max_in_flight_tokens:,} tokens in "
+        f"flight; layout {plan.kv_cache_layout}",
+        f"waste: expected over {plan.waste.distribution.source}",
         "",
     ]
     columns = [(f"{plan.strategy} (chosen)", plan)]
     if baseline is not None:
         columns.append(("vllm 0.33", baseline))
     rows: list[tuple[str, Callable[[KVCachePlan], str]]] = [
-        ("groups", lambda p: _group_summary(p)),
-        ("buffers (slots/group)", lambda p: str(p.num_buffers)),
-        ("padding slots", lambda p: str(p.num_padding_slots)),
+        ("groups", _group_summary),
+        ("attention block size", lambda p: str(p.attention_block_size or "-")),
         (
             "block sizes",
-            lambda p: ", ".join(str(s) for s in sorted({g.block_size for g in p.groups})),
+            lambda p: ", ".join(str(s) for s in sorted({g.block_size for g in p.groups})) or "-",
         ),
-        ("page size", lambda p: format_bytes(p.block_bytes)),
-        ("num_blocks", lambda p: f"{p.num_blocks} (incl. null block)"),
-        ("waste", lambda p: f"{p.waste.waste_percent:.2f}% ({format_bytes(p.waste.waste_bytes)})"),
-        ("max concurrency", lambda p: f"{p.max_concurrency:.2f}x at {p.max_model_len} tokens"),
+        ("hash block size", lambda p: str(p.hash_block_size)),
+        ("page size (block)", lambda p: format_bytes(p.block_bytes)),
+        ("padding", _padding),
+        ("num_blocks", lambda p: f"{p.num_blocks:,} (incl. null block)"),
+        ("blocks per request", lambda p: f"{p.blocks_per_request:,} (vLLM's reservation)"),
+        ("max concurrency", lambda p: f"{p.max_concurrency or 0:.2f}x at {p.max_model_len:,}"),
+        ("KV cache tokens", lambda p: f"{p.kv_cache_tokens:,}"),
+        ("expected waste", lambda p: f"{p.waste.waste_percent:.2f}%"),
+        ("waste at max_model_len", lambda p: f"{p.waste_at(p.max_model_len).waste_percent:.2f}%"),
     ]
     header = ["", *(name for name, _ in columns)]
     if baseline_error:
@@ -162,11 +393,13 @@ def format_plan_report(
     for label, cell in rows:
         row = [label, *(cell(p) for _, p in columns)]
         if baseline_error:
-            row.append("does not fit" if label == "groups" else "")
+            row.append("refused" if label == "groups" else "")
         table.append(row)
     lines.extend(_format_table(table))
     if baseline_error:
         lines.append(f"vllm 0.33: {baseline_error}")
+    lines.append("")
+    lines.append(plan.summary_line())
     lines.append("")
     lines.append(f"groups ({plan.strategy}):")
     group_table = [["id", "kind", "block", "layers", "padding", "shared", "layer names"]]
@@ -177,7 +410,7 @@ def format_plan_report(
                 _kind_label(group.kind, group.sliding_window, group.attention_chunk_size),
                 str(group.block_size),
                 str(len(group.layer_names)),
-                str(group.num_padding_slots),
+                format_bytes(group.padding_bytes) if group.padding_bytes else "-",
                 str(len(group.shared_layer_names)),
                 _abbreviate(group.layer_names),
             ]
@@ -186,7 +419,21 @@ def format_plan_report(
     lines.append("")
     lines.append("reasons:")
     lines.extend(f"  - {reason}" for reason in plan.reasons)
+    if plan.warnings:
+        lines.append("warnings:")
+        lines.extend(f"  - {warning}" for warning in plan.warnings)
     return "\n".join(lines)
+
+
+def _padding(plan: KVCachePlan) -> str:
+    slots = plan.num_padding_slots
+    if slots:
+        return f"{slots} slot{'s' if slots != 1 else ''}"
+    return (
+        format_bytes(sum(g.padding_bytes for g in plan.groups))
+        if plan.groups and any(g.padding_bytes for g in plan.groups)
+        else "none"
+    )
 
 
 def _group_summary(plan: KVCachePlan) -> str:
@@ -241,51 +488,91 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _add_simulate_parser(subparsers: Any) -> None:
-    from hybrid_kv.simulate import WORKLOADS
+    from hybrid_kv.simulate import DEFAULT_MAX_MODEL_LEN, SCHEDULER_DEFAULTS, WORKLOADS
 
+    defaults = "; ".join(
+        f"{name}: {limits['max_num_seqs']} seqs, {limits['max_num_batched_tokens']} tokens"
+        for name, limits in SCHEDULER_DEFAULTS.items()
+    )
     parser = subparsers.add_parser(
         "simulate",
         help="run a built-in serving simulation and report cache behaviour",
         description=(
             "Drive a synthetic workload through the KV cache manager planned for a model "
-            f"and memory budget. Presets: {', '.join(list_presets())}."
+            f"and memory budget. Presets: {', '.join(list_presets())}. Scheduler limits per "
+            f"workload unless given: {defaults}."
         ),
     )
-    parser.add_argument("model", nargs="?", default="gemma-3-27b", metavar="MODEL_OR_CONFIG")
-    parser.add_argument("--workload", choices=WORKLOADS, default="chat")
-    parser.add_argument("--memory", default="24GiB", help="KV cache budget (default 24GiB)")
-    parser.add_argument("--requests", type=int, default=200, help="number of requests")
-    parser.add_argument("--max-model-len", type=int, default=None, help="default min(model, 32768)")
-    parser.add_argument("--seed", type=int, default=0)
+    _add_model_options(parser, default="gemma-3-27b")
+    parser.add_argument(
+        "--workload", choices=WORKLOADS, default="chat", help="synthetic workload (default chat)"
+    )
+    _add_budget_options(parser, default_memory="24GiB")
+    _add_plan_options(parser, batched_default=None)
+    parser.set_defaults(max_model_len_default=DEFAULT_MAX_MODEL_LEN)
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests the scheduler runs at once (default: the workload's)",
+    )
+    parser.add_argument(
+        "--requests", type=int, default=200, help="number of requests to simulate (default 200)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="random seed of the synthetic workload (default 0)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="plot usage and hit rate over time")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", action="store_true", help="no progress display")
     parser.set_defaults(handler=_cmd_simulate)
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from hybrid_kv.simulate import plot_report, progress_bar, simulate
+    from hybrid_kv.simulate import ProgressBar, SimulationError, plot_report, simulate
 
-    if args.requests <= 0:
-        raise CommandError("--requests must be positive")
+    if args.plot:
+        from hybrid_kv.plot import require_matplotlib
+
+        require_matplotlib()
+    for name in ("requests", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise CommandError(f"--{name.replace('_', '-')} must be positive")
+    model = _model(args)
+    memory, _ = _budget(args, model)
+    progress = None if args.no_progress else ProgressBar(args.requests)
     try:
-        model = load_model(args.model)
-    except (OSError, KeyError) as error:
-        raise CommandError(str(error)) from error
-    report = simulate(
-        args.model,
-        args.workload,
-        parse_memory(args.memory),
-        args.requests,
-        args.max_model_len,
-        args.seed,
-        progress=None if args.no_progress else progress_bar,
-    )
-    del model
-    for line in report.lines():
-        print(line)
+        report = simulate(
+            model,
+            args.workload,
+            memory,
+            args.requests,
+            args.max_model_len,
+            args.seed,
+            progress=progress,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            strategy=args.strategy,
+            kv_cache_layout=args.kv_cache_layout,
+        )
+    except SimulationError as error:
+        if progress is not None:
+            progress.close()
+        print(f"hybrid-kv simulate: error: {error}", file=sys.stderr)
+        return 1
+    if progress is not None:
+        progress.close()
+    if args.json:
+        print(json.dumps({"schema_version": JSON_SCHEMA_VERSION, **report.to_dict()}, indent=2))
+    else:
+        for line in report.lines():
+            print(line)
     if args.plot:
         plot_report(report, args.plot)
-        print(f"plot written to {args.plot}")
+        if not args.json:
+            print(f"plot written to {args.plot}")
     return 0
 
 

@@ -1,13 +1,15 @@
-"""Draw a plan's memory layout (buffers x groups, padding shaded). Imports matplotlib lazily."""
+"""Draw a plan's memory layout: one row per group, one block wide, each layer's page coloured
+by attention type and padding hatched. Imports matplotlib lazily."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
-from hybrid_kv.planner import KVCachePlan, PlanError
+from hybrid_kv.planner import KVCachePlan, PlanError, format_bytes
 
-__all__ = ["plot_plan"]
+__all__ = ["plan_figure", "plot_plan", "require_matplotlib"]
 
 _COLOURS = {
     "full": "#4c72b0",
@@ -15,6 +17,21 @@ _COLOURS = {
     "chunked_local": "#8172b2",
     "mamba": "#dd8452",
 }
+_LABELS = {
+    "full": "full attention",
+    "sliding_window": "sliding window",
+    "chunked_local": "chunked local",
+    "mamba": "Mamba state",
+}
+
+
+def require_matplotlib() -> None:
+    """Raise `PlanError` naming the `plot` extra when matplotlib is missing (checked before
+    any work, so a missing extra fails at once)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise PlanError("--plot needs matplotlib: pip install 'hybrid-kv[plot]'") from None
 
 
 def plot_plan(
@@ -24,34 +41,10 @@ def plot_plan(
     baseline: KVCachePlan | None = None,
     title: str = "",
 ) -> None:
-    """Write a PNG: one row per group, one column per buffer; each layer's cell is coloured
-    by attention type, padding slots are hatched grey. With `baseline`, two panels."""
-    try:
-        import matplotlib
+    """Write `plan_figure` as a PNG."""
+    figure = plan_figure(plan, baseline=baseline, title=title)
+    import matplotlib.pyplot as plt
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch, Rectangle
-    except ImportError as error:  # pragma: no cover - depends on the environment
-        raise PlanError("--plot needs matplotlib (pip install 'hybrid-kv[plot]')") from error
-
-    plans = [plan] if baseline is None else [plan, baseline]
-    width = max(p.num_buffers for p in plans)
-    height = sum(p.num_groups for p in plans)
-    figure, axes = plt.subplots(
-        len(plans),
-        1,
-        figsize=(min(max(7.0, 2 + 0.35 * width), 24), 1.8 + 0.35 * height + 0.8 * len(plans)),
-        squeeze=False,
-    )
-    for axis, current in zip(axes[:, 0], plans, strict=True):
-        _draw(axis, current, Rectangle)
-    handles = [Patch(facecolor=c, label=k) for k, c in _COLOURS.items()]
-    handles.append(Patch(facecolor="#dddddd", hatch="///", label="padding"))
-    figure.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8)
-    if title:
-        figure.suptitle(title)
-    figure.tight_layout(rect=(0, 0.05, 1, 0.95))
     try:
         figure.savefig(path, dpi=120)
     except OSError as error:
@@ -60,32 +53,89 @@ def plot_plan(
         plt.close(figure)
 
 
-def _draw(axis: Any, plan: KVCachePlan, rectangle: Any) -> None:
-    slots: dict[int, dict[int, str]] = {g.group_id: {} for g in plan.groups}
-    for placement in plan.placements:
-        if placement.shared_from is None:
-            for buffer in placement.buffers:
-                slots[placement.group_id][buffer] = placement.layer_name
+def plan_figure(plan: KVCachePlan, *, baseline: KVCachePlan | None = None, title: str = "") -> Any:
+    """A figure of the plan's blocks (and `baseline`'s, in a second panel): one row per
+    group; along the row the pages of its layers, padding hatched grey. When every page has
+    one size the axis counts pages (integer ticks), else bytes. The legend (below the panels)
+    lists only the kinds present."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch, Rectangle
+
+    plans = [plan] if baseline is None else [plan, baseline]
+    height = sum(max(p.num_groups, 1) for p in plans)
+    figure, axes = plt.subplots(
+        len(plans),
+        1,
+        figsize=(10, 1.6 + 0.38 * height + 1.0 * len(plans)),
+        squeeze=False,
+    )
+    kinds: set[str] = set()
+    padded = False
+    for axis, current in zip(axes[:, 0], plans, strict=True):
+        used_kinds, has_padding = _draw(axis, current, Rectangle)
+        kinds |= used_kinds
+        padded |= has_padding
+    handles = [Patch(facecolor=_COLOURS[k], label=_LABELS[k]) for k in _COLOURS if k in kinds]
+    if padded:
+        handles.append(Patch(facecolor="#dddddd", hatch="///", label="padding"))
+    figure.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    heading = f"{title}: " if title else ""
+    figure.suptitle(
+        f"{heading}{format_bytes(plan.memory_bytes)} budget, max_model_len "
+        f"{plan.max_model_len:,}, layout {plan.kv_cache_layout}",
+        fontsize=10,
+    )
+    figure.tight_layout(rect=(0, 0.06, 1, 0.95))
+    return figure
+
+
+def _draw(axis: Any, plan: KVCachePlan, rectangle: Any) -> tuple[set[str], bool]:
+    pages = {p.page_bytes for p in plan.placements}
+    unit = pages.pop() if len(pages) == 1 else 1
+    width = plan.block_bytes / unit
+    kinds: set[str] = set()
+    padded = False
+    by_name = {p.layer_name: p for p in plan.placements}
     for row, group in enumerate(plan.groups):
-        for buffer in range(plan.num_buffers):
-            name = slots[group.group_id].get(buffer)
-            if name is None:
-                patch = rectangle(
-                    (buffer, row), 1, 1, facecolor="#dddddd", hatch="///", edgecolor="white"
+        x = 0.0
+        for name in group.layer_names:
+            page = by_name[name].page_bytes / unit
+            axis.add_patch(
+                rectangle((x, row), page, 1, facecolor=_COLOURS[group.kind], edgecolor="white")
+            )
+            x += page
+        kinds.add(group.kind)
+        if group.padding_bytes:
+            padded = True
+            axis.add_patch(
+                rectangle(
+                    (x, row),
+                    group.padding_bytes / unit,
+                    1,
+                    facecolor="#dddddd",
+                    hatch="///",
+                    edgecolor="white",
                 )
-            else:
-                patch = rectangle(
-                    (buffer, row), 1, 1, facecolor=_COLOURS[group.kind], edgecolor="white"
-                )
-            axis.add_patch(patch)
-    axis.set_xlim(0, plan.num_buffers)
-    axis.set_ylim(plan.num_groups, 0)
-    axis.set_xlabel("buffer (one slice per block)")
-    axis.set_ylabel("group")
+            )
+    axis.set_xlim(0, max(width, 1))
+    axis.set_ylim(max(plan.num_groups, 1), 0)
+    if unit > 1:
+        axis.set_xlabel(f"page within a block ({format_bytes(unit)} each)")
+        step = max(1, math.ceil(width / 20))
+        axis.set_xticks(range(0, int(width) + 1, step))
+    else:
+        axis.set_xlabel("bytes within a block")
+    axis.set_ylabel("KV cache group")
     axis.set_yticks([g.group_id + 0.5 for g in plan.groups])
     axis.set_yticklabels([f"{g.group_id}: {g.kind} bs={g.block_size}" for g in plan.groups])
     axis.set_title(
-        f"{plan.strategy}: {plan.num_groups} groups x {plan.num_buffers} buffers, "
-        f"waste {plan.waste.waste_percent:.2f}% at {plan.waste.reference_len} tokens",
+        f"{plan.strategy}: {plan.num_groups} groups, {format_bytes(plan.block_bytes)} blocks, "
+        f"{plan.waste.waste_percent:.2f}% expected waste, "
+        f"max concurrency {plan.max_concurrency or 0:.2f}x",
         fontsize=9,
     )
+    return kinds, padded

@@ -83,6 +83,13 @@ def _positive_int(owner: str, field_name: str, value: object) -> None:
         raise SpecError(f"{owner}: {field_name} must be > 0, got {value}")
 
 
+def _shard(owner: str, field_name: str, value: int, ranks: int) -> int:
+    _positive_int(owner, "tensor_parallel_size", ranks)
+    if value % ranks:
+        raise SpecError(f"{owner}: {field_name} {value} does not split over {ranks} TP ranks")
+    return value // ranks
+
+
 @dataclass(frozen=True, kw_only=True)
 class _AttentionSpec:
     """Fields shared by the attention specs: K and V of `num_kv_heads` heads per token."""
@@ -216,11 +223,16 @@ class MambaSpec:
         conv_kernel: int,
         dtype: str = "bf16",
         ssm_dtype: str | None = None,
+        tensor_parallel_size: int = 1,
     ) -> MambaSpec:
-        """Mamba-1 (Jamba): conv state `(d_inner, d_conv - 1)`, SSM state `(d_inner, d_state)`."""
+        """Mamba-1 (Jamba): conv state `(d_conv - 1, d_inner)` (vLLM's default "SD" conv
+        layout), SSM state `(d_inner, d_state)`; `d_inner` split over the TP ranks."""
         _positive_int("MambaSpec.mamba1", "conv_kernel - 1", conv_kernel - 1)
+        inner = _shard(
+            "MambaSpec.mamba1", "intermediate_size", intermediate_size, tensor_parallel_size
+        )
         return cls(
-            shapes=((intermediate_size, conv_kernel - 1), (intermediate_size, state_size)),
+            shapes=((conv_kernel - 1, inner), (inner, state_size)),
             dtypes=(dtype, ssm_dtype or dtype),
             mamba_type="mamba1",
         )
@@ -237,15 +249,55 @@ class MambaSpec:
         conv_kernel: int,
         dtype: str = "bf16",
         ssm_dtype: str | None = None,
+        tensor_parallel_size: int = 1,
     ) -> MambaSpec:
         """Mamba-2 (Bamba): conv state `(d_conv - 1, d_inner + 2·groups·d_state)`,
-        SSM state `(heads, head_dim, d_state)`."""
+        SSM state `(heads, head_dim, d_state)`. Over `tensor_parallel_size` ranks the conv
+        width and the heads are split, groups first replicated to a multiple of the ranks
+        (vLLM's `extra_groups_for_head_shards`)."""
         _positive_int("MambaSpec.mamba2", "conv_kernel - 1", conv_kernel - 1)
-        conv_dim = intermediate_size + 2 * n_groups * state_size
+        tp = tensor_parallel_size
+        _positive_int("MambaSpec.mamba2", "tensor_parallel_size", tp)
+        if n_groups % tp:
+            n_groups = tp
+        conv_dim = _shard(
+            "MambaSpec.mamba2", "conv width", intermediate_size + 2 * n_groups * state_size, tp
+        )
+        heads = _shard("MambaSpec.mamba2", "num_heads", num_heads, tp)
         return cls(
-            shapes=((conv_kernel - 1, conv_dim), (num_heads, head_dim, state_size)),
+            shapes=((conv_kernel - 1, conv_dim), (heads, head_dim, state_size)),
             dtypes=(dtype, ssm_dtype or dtype),
             mamba_type="mamba2",
+        )
+
+    @classmethod
+    def gated_delta_net(
+        cls,
+        *,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel: int,
+        dtype: str = "bf16",
+        ssm_dtype: str | None = None,
+        tensor_parallel_size: int = 1,
+    ) -> MambaSpec:
+        """Gated DeltaNet linear attention (Qwen3-Next): conv state
+        `(d_conv - 1, 2·k_heads·k_dim + v_heads·v_dim)`, recurrent state
+        `(v_heads, v_dim, k_dim)`, conv width and value heads split over the TP ranks. vLLM
+        keeps it in a Mamba-type cache."""
+        _positive_int("MambaSpec.gated_delta_net", "conv_kernel - 1", conv_kernel - 1)
+        tp = tensor_parallel_size
+        owner = "MambaSpec.gated_delta_net"
+        conv_dim = _shard(
+            owner, "conv width", 2 * num_k_heads * head_k_dim + num_v_heads * head_v_dim, tp
+        )
+        heads = _shard(owner, "num_v_heads", num_v_heads, tp)
+        return cls(
+            shapes=((conv_kernel - 1, conv_dim), (heads, head_v_dim, head_k_dim)),
+            dtypes=(dtype, ssm_dtype or dtype),
+            mamba_type="gdn",
         )
 
     @property
@@ -329,12 +381,15 @@ def layer_context(layer_name: str) -> Iterator[None]:
 def validate_layers(layers: Mapping[str, LayerSpec]) -> None:
     """Check a `{layer_name: spec}` mapping: spec types and the KV-sharing graph.
 
-    Raises `SpecError` naming the offending layer when a value is not a spec, a sharing
-    target does not exist, is itself a sharing layer, is a Mamba layer, or sharing forms a
-    cycle.
+    An empty mapping is valid: an attention-free model has no KV cache. Raises `SpecError`
+    when `layers` is not a mapping, or naming the offending layer when a value is not a spec,
+    a sharing target does not exist, is itself a sharing layer, is a Mamba layer, or sharing
+    forms a cycle.
     """
-    if not layers:
-        raise SpecError("no layers given")
+    if not isinstance(layers, Mapping):
+        raise SpecError(
+            f"layers must be a mapping {{layer_name: spec}}, got {type(layers).__name__}"
+        )
     for name, spec in layers.items():
         if not isinstance(name, str) or not name:
             raise SpecError(f"layer names must be non-empty strings, got {name!r}")

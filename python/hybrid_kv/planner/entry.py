@@ -1,0 +1,702 @@
+"""`plan_kv_cache`: the planner's entry point. Validates the arguments, picks a grouping
+(vLLM's, or the least expected waste that never admits fewer `max_model_len` requests than
+vLLM's), sizes the pool as vLLM does (its per-request reservation, the null block), and lays
+every layer out in the chosen physical layout."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from hybrid_kv.planner.errors import InsufficientMemoryError, PlanError
+from hybrid_kv.planner.layout import (
+    DEFAULT_LAYOUT,
+    LayerShape,
+    check_layout,
+    is_block_compact,
+    is_block_outermost,
+    is_layer_compact,
+    place_groups,
+)
+from hybrid_kv.planner.lengths import LengthDistribution
+from hybrid_kv.planner.memory import format_bytes
+from hybrid_kv.planner.plan import (
+    STRATEGIES,
+    CandidateSummary,
+    ExpectedWaste,
+    KVCacheBuffer,
+    KVCacheGroup,
+    KVCachePlan,
+    LayerPlacement,
+    admission_blocks,
+    measure_waste,
+)
+from hybrid_kv.planner.search import (
+    Bucket,
+    Candidate,
+    Scorer,
+    attention_token_bytes,
+    buckets_of,
+    max_state_bytes,
+    search,
+    vllm_candidate,
+    vllm_group_size,
+)
+from hybrid_kv.specs import (
+    ATTENTION_SPEC_TYPES,
+    KVSharingSpec,
+    LayerSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    validate_layers,
+)
+
+__all__ = ["DEFAULT_MAX_IN_FLIGHT_TOKENS", "plan_kv_cache"]
+
+DEFAULT_MAX_IN_FLIGHT_TOKENS = 2048
+"""vLLM's `SchedulerConfig.max_num_batched_tokens` default, one batch in flight."""
+
+EXTRA_ATTENTION_GROUPS = 4
+"""min-waste may use this many attention groups more than vLLM (each costs a block table
+and a prefix scan per request); Mamba groups (one or two blocks per request) are not capped."""
+
+
+def _check_int(name: str, value: object, *, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlanError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise PlanError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def plan_kv_cache(
+    layers: Mapping[str, LayerSpec],
+    memory_bytes: int,
+    max_model_len: int,
+    *,
+    block_size: int = 16,
+    alignment: int = 16,
+    strategy: str = "min-waste",
+    reference_len: int | None = None,
+    lengths: LengthDistribution | None = None,
+    max_groups: int | None = None,
+    max_in_flight_tokens: int = DEFAULT_MAX_IN_FLIGHT_TOKENS,
+    enable_prefix_caching: bool = True,
+    kv_cache_layout: str = DEFAULT_LAYOUT,
+    prefix_match_unit: int | None = None,
+) -> KVCachePlan:
+    """Plan the KV cache of a model: `{layer_name: spec}` in model order.
+
+    Args:
+        memory_bytes: bytes for the whole pool (the null block included).
+        max_model_len: longest request; vLLM's reservation for one such request must fit.
+        block_size: base attention block size (a multiple of `alignment`).
+        alignment: kernel block-size alignment; grown block sizes stay multiples of it.
+        strategy: `"min-waste"` (default) or `"vllm"` (vLLM 0.33's grouping).
+        reference_len: measure waste with every request this long (instead of `lengths`).
+        lengths: request lengths to minimise the expected waste over (default: log-uniform
+            up to `max_model_len`, see `LengthDistribution.default`).
+        max_groups: cap on the number of groups for `min-waste` (default: at most 4 attention
+            groups more than vLLM, Mamba groups uncapped).
+        max_in_flight_tokens: tokens scheduled but not yet processed (vLLM's
+            `max_num_batched_tokens` times the batches in flight: 2 with async scheduling);
+            sliding-window and chunked groups reserve blocks for them.
+        enable_prefix_caching: off puts Mamba layers in vLLM's `none` mode (one state block
+            per request, block size `max_model_len`, hashing at the scheduler block size).
+        kv_cache_layout: one of `KV_CACHE_LAYOUTS` (vLLM's physical layouts).
+        prefix_match_unit: hash granularity in tokens (vLLM's option; default the gcd of the
+            group block sizes); every block size must be a multiple of it.
+
+    Raises:
+        SpecError: invalid layers (names the layer).
+        PlanError: invalid arguments, or a layout that cannot hold the plan.
+        InsufficientMemoryError: vLLM's reservation for one `max_model_len` request does not
+            fit; the message names the `max_model_len` that would.
+    """
+    validate_layers(layers)
+    memory_bytes = _check_int("memory_bytes", memory_bytes)
+    max_model_len = _check_int("max_model_len", max_model_len)
+    block_size = _check_int("block_size", block_size)
+    alignment = _check_int("alignment", alignment)
+    max_in_flight_tokens = _check_int("max_in_flight_tokens", max_in_flight_tokens)
+    if block_size % alignment:
+        raise PlanError(
+            f"block_size {block_size} must be a multiple of the kernel alignment {alignment}"
+        )
+    if strategy not in STRATEGIES:
+        raise PlanError(f"unknown strategy {strategy!r} (choose from {', '.join(STRATEGIES)})")
+    layout = check_layout(kv_cache_layout)
+    if max_groups is not None:
+        max_groups = _check_int("max_groups", max_groups)
+    if prefix_match_unit is not None:
+        prefix_match_unit = _check_int("prefix_match_unit", prefix_match_unit)
+    if not isinstance(enable_prefix_caching, bool):
+        raise PlanError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
+    if reference_len is not None and lengths is not None:
+        raise PlanError("give reference_len or lengths, not both")
+    if reference_len is not None:
+        distribution = LengthDistribution.point(_check_int("reference_len", reference_len))
+    elif lengths is not None:
+        if not isinstance(lengths, LengthDistribution):
+            raise PlanError(f"lengths must be a LengthDistribution, got {lengths!r}")
+        distribution = lengths
+    else:
+        distribution = LengthDistribution.default(max_model_len)
+    distribution = distribution.clipped(max_model_len)
+    mamba_mode = "align" if enable_prefix_caching else "none"
+
+    settings = _Settings(
+        strategy,
+        memory_bytes,
+        max_model_len,
+        block_size,
+        max_in_flight_tokens,
+        mamba_mode,
+        layout,
+        prefix_match_unit,
+        enable_prefix_caching,
+    )
+    buckets = buckets_of(layers)
+    if not buckets:
+        return _attention_free_plan(settings, distribution)
+    scorer = Scorer(buckets, distribution, max_model_len, max_in_flight_tokens, mamba_mode)
+    vllm = vllm_candidate(layers, buckets, block_size, alignment, scorer)
+    vllm_problem = _vllm_layout_problem(buckets, vllm, layout)
+    reasons: list[str] = []
+    alternatives: list[CandidateSummary] = []
+
+    if strategy == "vllm":
+        if vllm_problem:
+            raise PlanError(vllm_problem)
+        chosen = vllm
+        if len(vllm.groups) == 1:
+            reasons.append("vLLM grouping: one group (every layer needs the same token slots)")
+        else:
+            counts = [len(b.layers) for b in buckets]
+            reasons.append(
+                f"vLLM grouping: group size {vllm_group_size(buckets)} "
+                f"(layer counts per spec {counts}; the largest count is used when it is below "
+                "1.5x the smallest, else the smallest), layers assigned strided"
+            )
+        if not vllm.fits(memory_bytes):
+            raise _insufficient(settings, buckets, vllm)
+    else:
+        chosen = _choose(
+            settings,
+            buckets,
+            alignment,
+            scorer,
+            vllm,
+            vllm_problem,
+            max_groups,
+            reasons,
+            alternatives,
+        )
+
+    if chosen.sizing.base_block_size != block_size and not chosen.sizing.uniform_type:
+        reasons.append(
+            f"attention block size grown from {block_size} to {chosen.sizing.base_block_size} "
+            f"for Mamba states of {max_state_bytes(buckets)} B "
+            f"(attention: {attention_token_bytes(buckets)} B/token)"
+        )
+    reasons.extend(chosen.sizing.notes)
+    return _build_plan(settings, layers, buckets, chosen, distribution, reasons, alternatives)
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """The validated arguments every step of planning reads."""
+
+    strategy: str
+    memory_bytes: int
+    max_model_len: int
+    block_size: int
+    max_in_flight_tokens: int
+    mamba_mode: str
+    layout: str
+    prefix_match_unit: int | None
+    prefix_caching: bool
+
+
+# --------------------------------------------------------------------------- choosing
+
+
+def _layout_problem(buckets: Sequence[Bucket], candidate: Candidate, layout: str) -> str | None:
+    """Why `layout` cannot hold this grouping (vLLM's layout validation), or None."""
+    sizing = candidate.sizing
+    if sizing.mixed_pages:
+        if not is_block_compact(layout) or (candidate.num_groups > 1 and is_layer_compact(layout)):
+            return (
+                f"layout {layout} cannot hold pages of different sizes in one pool "
+                "(use BLNHC or BLHNC)"
+            )
+    used = {b for members in candidate.groups for b, _ in members}
+    shapes = set()
+    for index in used:
+        bucket = buckets[index]
+        padded = sizing.page_bytes[index] != sizing.used_bytes[index]
+        heads = 1 if sizing.mamba[index] else getattr(bucket.spec, "num_kv_heads", 1)
+        if padded and heads > 1 and layout in ("LHBNC", "BHLNC"):
+            return f"layout {layout} cannot pad attention pages (heads sit outside the page)"
+        shapes.add(
+            (
+                heads,
+                sizing.page_bytes[index]
+                if sizing.mamba[index]
+                else (sizing.block_sizes[index], bucket.spec.bytes_per_token),
+            )
+        )
+    if layout == "LHBNC" and len(shapes) > 1 and any(s[0] > 1 for s in shapes):
+        return (
+            "layout LHBNC puts heads outside the blocks, so layers of different shapes would "
+            "overlap each other's blocks (use LBNHC, LBHNC or a block-outermost layout)"
+        )
+    return None
+
+
+def _vllm_layout_problem(buckets: Sequence[Bucket], vllm: Candidate, layout: str) -> str | None:
+    """Why vLLM's plan cannot be reproduced in `layout`, or None."""
+    if not vllm.sizing.uniform_type and is_block_outermost(layout):
+        attention_pages = {
+            b.spec.bytes_per_token for b in buckets if isinstance(b.spec, ATTENTION_SPEC_TYPES)
+        }
+        if len(attention_pages) > 1:
+            return (
+                f"in block-outermost layouts ({layout}) vLLM packs layers with different page "
+                "sizes side by side, which hybrid-kv does not reproduce; use a layer-compact "
+                "layout (LBNHC) for --strategy vllm"
+            )
+    problem = _layout_problem(buckets, vllm, layout)
+    return f"vLLM's plan: {problem}" if problem else None
+
+
+def _choose(
+    settings: _Settings,
+    buckets: Sequence[Bucket],
+    alignment: int,
+    scorer: Scorer,
+    vllm: Candidate,
+    vllm_problem: str | None,
+    max_groups: int | None,
+    reasons: list[str],
+    alternatives: list[CandidateSummary],
+) -> Candidate:
+    memory = settings.memory_bytes
+    layout = settings.layout
+    allow_spans = is_block_outermost(layout) and is_block_compact(layout)
+    baseline = vllm if vllm_problem is None and vllm.fits(memory) else None
+    if vllm.sizing.uniform_type:
+        candidates = [vllm]
+    else:
+        cap = None if max_groups is not None else vllm.num_attention_groups + EXTRA_ATTENTION_GROUPS
+        candidates = search(
+            buckets,
+            settings.block_size,
+            alignment,
+            scorer,
+            allow_spans=allow_spans,
+            max_attention_groups=cap,
+            max_groups=max_groups,
+        )
+        if max_groups is None or vllm.num_groups <= max_groups:
+            candidates.append(vllm)
+    if not candidates:
+        raise PlanError(f"no grouping fits within max_groups={max_groups}")
+    expressible = [c for c in candidates if _layout_problem(buckets, c, layout) is None]
+    if not expressible:
+        problem = _layout_problem(buckets, min(candidates, key=Candidate.sort_key), layout)
+        raise PlanError(f"no grouping of this model fits: {problem}")
+    fitting = [c for c in expressible if c.fits(memory)]
+    if not fitting:
+        smallest = min(expressible, key=lambda c: (c.admission + 1) * c.block_bytes)
+        raise _insufficient(settings, buckets, smallest)
+
+    def keeps_capacity(c: Candidate) -> bool:
+        if baseline is None:
+            return True
+        mine, theirs = c.num_blocks(memory), baseline.num_blocks(memory)
+        return mine * baseline.admission >= theirs * c.admission
+
+    allowed = [c for c in fitting if keeps_capacity(c)]
+    chosen = min(allowed, key=Candidate.sort_key)
+    dropped = len(fitting) - len(allowed)
+    cap_text = (
+        f"at most {max_groups} groups"
+        if max_groups is not None
+        else f"at most {vllm.num_attention_groups + EXTRA_ATTENTION_GROUPS} attention groups"
+    )
+    reasons.append(
+        f"min-waste: tried {len(candidates)} groupings ({cap_text}); chose {chosen.num_groups} "
+        f"groups, {format_bytes(chosen.block_bytes)} blocks, "
+        f"{float(chosen.waste_fraction * 100):.2f}% expected waste over "
+        f"{scorer.lengths.source}"
+        + (
+            f" (vLLM's grouping: {vllm.num_groups} groups, {float(vllm.waste_fraction * 100):.2f}%)"
+            if vllm_problem is None
+            else ""
+        )
+    )
+    if dropped:
+        reasons.append(
+            f"{dropped} groupings with less waste would admit fewer {settings.max_model_len}-token "
+            "requests than vLLM's plan, and were not considered"
+        )
+    if vllm_problem is None:
+        alternatives.append(_summary("vllm", vllm))
+    if max_state_bytes(buckets) and attention_token_bytes(buckets):
+        _mamba_options(
+            settings,
+            buckets,
+            alignment,
+            scorer,
+            allowed,
+            allow_spans,
+            baseline,
+            vllm.num_attention_groups + EXTRA_ATTENTION_GROUPS if max_groups is None else None,
+            max_groups,
+            reasons,
+            alternatives,
+        )
+    return chosen
+
+
+def _mamba_options(
+    settings: _Settings,
+    buckets: Sequence[Bucket],
+    alignment: int,
+    scorer: Scorer,
+    allowed: list[Candidate],
+    allow_spans: bool,
+    baseline: Candidate | None,
+    attention_cap: int | None,
+    max_groups: int | None,
+    reasons: list[str],
+    alternatives: list[CandidateSummary],
+) -> None:
+    """Report the best plan of each Mamba option; option B (a state over several pages)
+    needs a block-outermost layout, so in the others it is only described."""
+    memory = settings.memory_bytes
+    option_a = [c for c in allowed if c.label in ("A", "vllm")]
+    if option_a:
+        best = min(option_a, key=Candidate.sort_key)
+        alternatives.append(_summary("mamba-option-A", best))
+        reasons.append(
+            f"Mamba option A (one attention page holds a state): attention block "
+            f"{best.attention_block_size}, {best.num_groups} groups, "
+            f"{float(best.waste_fraction * 100):.2f}% expected waste"
+        )
+    option_b = [c for c in allowed if c.label == "B"]
+    note = ""
+    if not allow_spans:
+        wider = search(
+            buckets,
+            settings.block_size,
+            alignment,
+            scorer,
+            allow_spans=True,
+            max_attention_groups=attention_cap,
+            max_groups=max_groups,
+        )
+        option_b = [
+            c
+            for c in wider
+            if c.label == "B"
+            and c.fits(memory)
+            and (
+                baseline is None
+                or c.num_blocks(memory) * baseline.admission
+                >= baseline.num_blocks(memory) * c.admission
+            )
+        ]
+        note = "needs --kv-cache-layout BLNHC or BLHNC"
+    if option_b:
+        best = min(option_b, key=Candidate.sort_key)
+        alternatives.append(_summary("mamba-option-B", best, note))
+        reasons.append(
+            f"Mamba option B (a state over several attention pages): attention block "
+            f"{best.attention_block_size}, {best.num_groups} groups, "
+            f"{float(best.waste_fraction * 100):.2f}% expected waste"
+            + (f" ({note})" if note else "")
+        )
+
+
+def _summary(label: str, candidate: Candidate, note: str = "") -> CandidateSummary:
+    return CandidateSummary(
+        label,
+        candidate.num_groups,
+        candidate.block_bytes,
+        candidate.attention_block_size,
+        candidate.waste_fraction,
+        candidate.admission,
+        note,
+    )
+
+
+# --------------------------------------------------------------------------- admission
+
+
+def _fits(
+    candidate: Candidate, buckets: Sequence[Bucket], settings: _Settings, length: int
+) -> bool:
+    """vLLM's check at `max_model_len = length`: reservation + null block within budget."""
+    reserved = 0
+    for members in candidate.groups:
+        first = members[0][0]
+        bucket = buckets[first]
+        reserved += admission_blocks(
+            bucket.kind,
+            candidate.sizing.block_sizes[first],
+            length,
+            settings.max_in_flight_tokens,
+            sliding_window=bucket.window,
+            attention_chunk_size=bucket.chunk,
+            mamba_cache_mode=settings.mamba_mode,
+        )
+    return candidate.block_bytes * (reserved + 1) <= settings.memory_bytes
+
+
+def fitting_max_model_len(
+    candidate: Candidate, buckets: Sequence[Bucket], settings: _Settings
+) -> int:
+    """The longest `max_model_len` whose reservation fits, found as vLLM finds it (binary
+    search over 1..max_model_len); 0 when not even one token fits."""
+    low, high = 1, settings.max_model_len
+    if not _fits(candidate, buckets, settings, low):
+        return 0
+    best = 1
+    while low <= high:
+        middle = (low + high) // 2
+        if _fits(candidate, buckets, settings, middle):
+            best, low = middle, middle + 1
+        else:
+            high = middle - 1
+    return best
+
+
+def _insufficient(
+    settings: _Settings, buckets: Sequence[Bucket], candidate: Candidate
+) -> InsufficientMemoryError:
+    needed = (candidate.admission + 1) * candidate.block_bytes
+    fitting = fitting_max_model_len(candidate, buckets, settings)
+    hint = (
+        f"a max_model_len of {fitting} fits in this budget"
+        if fitting
+        else "not even a 1-token request fits"
+    )
+    return InsufficientMemoryError(
+        f"one request of max_model_len={settings.max_model_len} tokens needs "
+        f"{candidate.admission} blocks of {format_bytes(candidate.block_bytes)} (vLLM's "
+        f"reservation with {settings.max_in_flight_tokens} tokens in flight) plus the null "
+        f"block = {needed} bytes ({format_bytes(needed)}), but the budget is "
+        f"{settings.memory_bytes} bytes ({format_bytes(settings.memory_bytes)}); {hint}, or "
+        f"raise the memory to {format_bytes(needed)}",
+        reserved_bytes=candidate.admission * candidate.block_bytes,
+        needed_bytes=needed,
+        fitting_max_model_len=fitting,
+    )
+
+
+# --------------------------------------------------------------------------- building
+
+
+def _layer_shape(spec: LayerSpec, block_size: int, page_bytes: int) -> LayerShape:
+    if isinstance(spec, MambaSpec):
+        return LayerShape(1, 1, spec.state_bytes, page_bytes)
+    if isinstance(spec, MLAAttentionSpec):
+        return LayerShape(1, block_size, spec.bytes_per_token, page_bytes)
+    heads = spec.num_kv_heads  # type: ignore[union-attr]
+    return LayerShape(heads, block_size, spec.bytes_per_token // heads, page_bytes)
+
+
+def _block_sizes(settings: _Settings, groups: Sequence[KVCacheGroup]) -> tuple[int, int]:
+    """vLLM's `resolve_kv_cache_block_sizes`: (scheduler block size, hash block size)."""
+    sizes = [g.block_size for g in groups]
+    unit = settings.prefix_match_unit
+    if len(sizes) <= 1:
+        size = sizes[0] if sizes else settings.block_size
+        if unit is not None and unit != size:
+            raise PlanError(
+                f"prefix_match_unit {unit} must equal the block size {size} with one group"
+            )
+        return size, size
+    scheduler = math.lcm(*sizes)
+    mamba_none = any(g.kind == "mamba" for g in groups) and settings.mamba_mode != "align"
+    if not settings.prefix_caching or mamba_none:
+        return scheduler, scheduler
+    hashing = unit if unit is not None else math.gcd(*sizes)
+    bad = sorted({s for s in sizes if s % hashing})
+    if bad:
+        raise PlanError(
+            f"prefix_match_unit {hashing} must divide every group block size (not {bad})"
+        )
+    return scheduler, hashing
+
+
+def _attention_free_plan(settings: _Settings, distribution: LengthDistribution) -> KVCachePlan:
+    scheduler, hashing = _block_sizes(settings, [])
+    return KVCachePlan(
+        strategy=settings.strategy,
+        groups=(),
+        buffers=(),
+        placements=(),
+        num_blocks=1,
+        block_bytes=0,
+        kv_cache_layout=settings.layout,
+        memory_bytes=settings.memory_bytes,
+        max_model_len=settings.max_model_len,
+        max_in_flight_tokens=settings.max_in_flight_tokens,
+        mamba_cache_mode=settings.mamba_mode,  # type: ignore[arg-type]
+        blocks_per_request=0,
+        scheduler_block_size=scheduler,
+        hash_block_size=hashing,
+        waste=ExpectedWaste(
+            distribution,
+            tuple(measure_waste((), (), 0, n) for n in distribution.lengths),
+        ),
+        reasons=("attention-free model: no KV cache, one (null) block, as in vLLM",),
+    )
+
+
+def _build_plan(
+    settings: _Settings,
+    layers: Mapping[str, LayerSpec],
+    buckets: Sequence[Bucket],
+    chosen: Candidate,
+    distribution: LengthDistribution,
+    reasons: list[str],
+    alternatives: list[CandidateSummary],
+) -> KVCachePlan:
+    sizing = chosen.sizing
+    block_bytes = chosen.block_bytes
+    num_blocks = settings.memory_bytes // block_bytes
+
+    groups: list[KVCacheGroup] = []
+    shaped: list[list[tuple[str, object, LayerShape]]] = []
+    for group_id, members in enumerate(chosen.groups):
+        first = buckets[members[0][0]]
+        bucket_block = sizing.block_sizes[members[0][0]]
+        if first.kind == "mamba" and settings.mamba_mode != "align":
+            bucket_block = settings.max_model_len
+        padding = block_bytes - sum(sizing.page_bytes[b] for b, _ in members)
+        slots = padding // sizing.slice_bytes if padding % sizing.slice_bytes == 0 else 0
+        groups.append(
+            KVCacheGroup(
+                group_id=group_id,
+                kind=first.kind,
+                block_size=bucket_block,
+                layer_names=tuple(name for _, name in members),
+                sliding_window=first.window,
+                attention_chunk_size=first.chunk,
+                num_padding_slots=slots if not sizing.uniform_type else 0,
+                padding_bytes=padding,
+            )
+        )
+        shaped.append(
+            [
+                (
+                    name,
+                    buckets[b].spec,
+                    _layer_shape(buckets[b].spec, sizing.block_sizes[b], sizing.page_bytes[b]),
+                )
+                for b, name in members
+            ]
+        )
+    runs = place_groups(shaped, num_blocks, settings.layout)
+    pool_bytes = num_blocks * block_bytes
+    used = {name: sizing.used_bytes[b] for members in chosen.groups for b, name in members}
+    placements: dict[str, LayerPlacement] = {}
+    buffers: list[KVCacheBuffer] = []
+    for index, run in enumerate(runs):
+        buffers.append(
+            KVCacheBuffer(
+                index=index,
+                group_id=run.group_id,
+                layer_names=run.layer_names,
+                offset_bytes=run.offset,
+                layer_stride_bytes=run.layer_stride,
+                block_stride_bytes=run.block_stride,
+                page_bytes=run.shape.page_bytes,
+                size_bytes=pool_bytes,
+            )
+        )
+        for position, name in enumerate(run.layer_names):
+            placements[name] = LayerPlacement(
+                layer_name=name,
+                group_id=run.group_id,
+                offset_bytes=run.layer_offset(position),
+                block_stride_bytes=run.block_stride,
+                page_bytes=run.shape.page_bytes,
+                used_bytes=used[name],
+                spec=layers[name],
+                view_shape=(num_blocks, run.shape.heads, run.shape.tokens, run.shape.content_bytes),
+                view_strides=run.view_strides,
+                buffer_index=index,
+            )
+
+    shared: dict[int, list[str]] = {}
+    for name, spec in layers.items():
+        if isinstance(spec, KVSharingSpec):
+            target = placements[spec.target]
+            placements[name] = replace(
+                target, layer_name=name, shared_from=spec.target, spec=layers[spec.target]
+            )
+            shared.setdefault(target.group_id, []).append(name)
+    if shared:
+        groups = [replace(g, shared_layer_names=tuple(shared.get(g.group_id, ()))) for g in groups]
+        reasons.append(
+            f"{sum(len(v) for v in shared.values())} KV-sharing layers get no memory; "
+            "they read their target layer's pages"
+        )
+
+    blocks_per_request = sum(
+        g.admission_blocks(
+            settings.max_model_len, settings.max_in_flight_tokens, settings.mamba_mode
+        )
+        for g in groups
+    )
+    assert blocks_per_request == chosen.admission
+    scheduler, hashing = _block_sizes(settings, groups)
+    ordered = tuple(placements[name] for name in layers)
+    waste = ExpectedWaste(
+        distribution,
+        tuple(measure_waste(groups, ordered, block_bytes, n) for n in distribution.lengths),
+    )
+    concurrency = num_blocks / blocks_per_request
+    reasons.append(
+        f"pool: {num_blocks} blocks of {block_bytes} B in layout {settings.layout}, block 0 "
+        f"reserved as the null block; vLLM reserves {blocks_per_request} blocks per "
+        f"{settings.max_model_len}-token request ({settings.max_in_flight_tokens} tokens in "
+        f"flight), so {concurrency:.2f} such requests fit at once"
+    )
+    if hashing != scheduler:
+        reasons.append(
+            f"prefix hits at {hashing}-token granularity (hash block size) while groups "
+            f"allocate {scheduler}-token scheduler blocks"
+        )
+    warnings = []
+    if concurrency < 2:
+        warnings.append(
+            f"only {concurrency:.2f} requests of {settings.max_model_len} tokens fit at once: "
+            "a second long request waits for the first to finish"
+        )
+    return KVCachePlan(
+        strategy=settings.strategy,
+        groups=tuple(groups),
+        buffers=tuple(buffers),
+        placements=ordered,
+        num_blocks=num_blocks,
+        block_bytes=block_bytes,
+        kv_cache_layout=settings.layout,
+        memory_bytes=settings.memory_bytes,
+        max_model_len=settings.max_model_len,
+        max_in_flight_tokens=settings.max_in_flight_tokens,
+        mamba_cache_mode=settings.mamba_mode,  # type: ignore[arg-type]
+        blocks_per_request=blocks_per_request,
+        scheduler_block_size=scheduler,
+        hash_block_size=hashing,
+        waste=waste,
+        reasons=tuple(reasons),
+        alternatives=tuple(alternatives),
+        warnings=tuple(warnings),
+    )

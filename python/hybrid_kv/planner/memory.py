@@ -1,0 +1,87 @@
+"""Memory sizes: parsing `40GiB`-style strings, printing byte counts, and the KV-cache budget
+left on a GPU once the weights are loaded."""
+
+from __future__ import annotations
+
+import math
+import re
+from fractions import Fraction
+
+from hybrid_kv.planner.errors import PlanError
+
+__all__ = ["format_bytes", "kv_cache_budget", "parse_memory"]
+
+_MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
+_UNIT_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
+
+
+def parse_memory(text: str | int) -> int:
+    """Bytes in a memory size: `"40GiB"`, `"512MiB"`, `"80GB"`, `"1.5TiB"`, `"4096B"`.
+
+    `KiB/MiB/GiB/TiB` (and the bare `K/M/G/T`) are powers of 1024; `KB/MB/GB/TB` are powers
+    of 1000; `B` is bytes. A string needs a unit (`"40"` is refused with a suggestion, since
+    40 bytes is never what was meant); an `int` is a byte count.
+    """
+    if isinstance(text, bool):
+        raise PlanError(f"memory size must be a string or int, got {text!r}")
+    if isinstance(text, int):
+        if text <= 0:
+            raise PlanError(f"memory size must be > 0, got {text}")
+        return text
+    if not isinstance(text, str):
+        raise PlanError(f"memory size must be a string or int, got {text!r}")
+    if text.strip().startswith("-"):
+        raise PlanError(f"memory size must be positive, got {text!r}")
+    match = _MEMORY_RE.match(text)
+    if match is None:
+        raise PlanError(
+            f"bad memory size {text!r}: expected a number with a unit, e.g. 40GiB, 512MiB, 80GB"
+        )
+    number, prefix, binary, byte_suffix = match.groups()
+    prefix = prefix.lower()
+    if not prefix and not binary and not byte_suffix:
+        raise PlanError(
+            f"memory size {text!r} has no unit: write {number}GiB (or {number}GB, {number}MiB; "
+            f"{number}B for bytes)"
+        )
+    if binary and not prefix:
+        raise PlanError(f"bad memory size {text!r}: 'i' needs a unit prefix (KiB, MiB, GiB)")
+    decimal = bool(byte_suffix) and not binary and bool(prefix)
+    base = 1000 if decimal else 1024
+    value = Fraction(number) * base ** _UNIT_POWERS[prefix]
+    result = math.floor(value)
+    if result <= 0:
+        raise PlanError(f"memory size must be at least one byte, got {text!r}")
+    return result
+
+
+def format_bytes(num_bytes: int) -> str:
+    """Human-readable binary size: `1.50 GiB`."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def kv_cache_budget(gpu_memory_bytes: int, utilization: float, weight_bytes: int) -> int:
+    """Bytes left for the KV cache on one GPU, as vLLM sizes it: `ceil(gpu * utilization)`
+    minus the weights this rank holds. Activation peaks, CUDA graphs and the non-torch
+    allocations vLLM also measures at start-up are not modelled: the real budget is smaller.
+
+    Raises `PlanError` when the utilisation is outside (0, 1] or the weights do not fit.
+    """
+    if isinstance(utilization, bool) or not isinstance(utilization, (int, float)):
+        raise PlanError(f"gpu memory utilization must be a number, got {utilization!r}")
+    if not 0 < utilization <= 1:
+        raise PlanError(f"gpu memory utilization must be in (0, 1], got {utilization}")
+    requested = math.ceil(gpu_memory_bytes * utilization)
+    budget = requested - weight_bytes
+    if budget <= 0:
+        raise PlanError(
+            f"the weights ({format_bytes(weight_bytes)} per GPU) do not fit in "
+            f"{utilization:g} x {format_bytes(gpu_memory_bytes)} = {format_bytes(requested)}; "
+            "raise --gpu-memory-utilization or --tensor-parallel-size"
+        )
+    return budget

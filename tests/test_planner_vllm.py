@@ -1,0 +1,209 @@
+"""The planner against vLLM 0.33 itself.
+
+`--strategy vllm` must give what vLLM gives: groups, layer membership, block sizes, bytes per
+block, `num_blocks`, the per-request reservation, max concurrency and KV-cache tokens, the
+tensors, and the same refusals with the same fitting `max_model_len`, for every preset and
+synthetic mix at 4k and 128k tokens and 1, 16 and 40 GiB; every layer's view must have the
+shape, strides, offset and dtype vLLM allocates, in all six layouts, for vLLM's plans and for
+our min-waste plans laid out by vLLM's own code.
+
+The numbers were recorded from vLLM 0.33 by `tests/vllm_reference.py`; where vLLM is installed
+the tests also rebuild them live.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import pytest
+import vllm_reference as ref
+from hybrid_kv.planner import InsufficientMemoryError, PlanError, plan_kv_cache
+
+RECORDED = ref.load_recorded()
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+live = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM 0.33 is not installed")
+
+
+def _case_id(case: dict[str, Any]) -> str:
+    return f"{case['model']}-{case['memory']}-{case['max_model_len']}"
+
+
+def ours(model: str, memory: int, max_model_len: int) -> dict[str, Any]:
+    """Our `--strategy vllm` plan in the recorded summary's terms."""
+    layers = ref.model_layers(model)
+    try:
+        plan = plan_kv_cache(
+            layers, memory, max_model_len, strategy="vllm", max_in_flight_tokens=ref.IN_FLIGHT
+        )
+    except InsufficientMemoryError as error:
+        return {
+            "refused": True,
+            "fitting_max_model_len": error.fitting_max_model_len,
+            "needed_gib": f"{round(error.reserved_bytes / 2**30, 2)}",
+        }
+    return {
+        "refused": False,
+        "num_blocks": plan.num_blocks,
+        "bytes_per_block": plan.block_bytes,
+        "blocks_per_request": plan.blocks_per_request,
+        "max_concurrency": plan.max_concurrency,
+        "kv_cache_tokens": plan.kv_cache_tokens,
+        "groups": [
+            {
+                "type": type(plan.placement(g.layer_names[0]).spec).__name__,
+                "block_size": g.block_size,
+                "layers": list(g.layer_names),
+                "admission_blocks": g.admission_blocks(
+                    plan.max_model_len, plan.max_in_flight_tokens, plan.mamba_cache_mode
+                ),
+            }
+            for g in plan.groups
+        ],
+        "tensors": [
+            {
+                "layers": list(b.layer_names),
+                "offset": b.offset_bytes,
+                "layer_stride": b.layer_stride_bytes,
+                "block_stride": b.block_stride_bytes,
+            }
+            for b in plan.buffers
+        ],
+    }
+
+
+def test_the_recording_covers_every_preset_at_4k_and_128k() -> None:
+    assert RECORDED["vllm_version"] == "0.33.0"
+    covered = {(c["model"], c["max_model_len"]) for c in RECORDED["cases"]}
+    assert {(m, n) for m in ref.model_names() for n in ref.LENGTHS} <= covered
+    assert any(c["vllm"]["refused"] for c in RECORDED["cases"])
+
+
+@pytest.mark.parametrize("case", RECORDED["cases"], ids=_case_id)
+def test_vllm_strategy_matches_recorded_vllm(case: dict[str, Any]) -> None:
+    memory = ref.MEMORIES[case["memory"]]
+    assert ours(case["model"], memory, case["max_model_len"]) == case["vllm"]
+
+
+@live
+def test_vllm_strategy_matches_live_vllm() -> None:
+    for case in RECORDED["cases"]:
+        memory = ref.MEMORIES[case["memory"]]
+        theirs = ref.summarise(ref.model_layers(case["model"]), memory, case["max_model_len"])
+        assert theirs == case["vllm"], f"recording stale for {_case_id(case)}"
+        assert ours(case["model"], memory, case["max_model_len"]) == theirs, _case_id(case)
+
+
+# ----------------------------------------------------------------------------- views
+
+
+def _views(plan: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    from hybrid_kv.buffers import allocate_kv_cache
+
+    buffers = allocate_kv_cache(plan, "meta")
+    views = {name: ref._describe(view) for name, view in buffers.views.items()}
+    states = {
+        name: [ref._describe(state) for state in tensors]
+        for name, tensors in buffers.mamba_states.items()
+    }
+    return views, states
+
+
+_ELEMENT_SIZES = {"torch.int8": 1, "torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4}
+
+
+def _intervals(view: list[Any], block: int) -> list[tuple[int, int]]:
+    """Byte intervals of block `block` of a recorded `[B, H, N, C]` view (one per head)."""
+    (_, heads, tokens, content), strides, offset, dtype = view
+    size = _ELEMENT_SIZES[dtype]
+    start = offset + block * strides[0] * size
+    span = ((tokens - 1) * strides[2] + content) * size
+    return [
+        (start + h * strides[1] * size, start + h * strides[1] * size + span) for h in range(heads)
+    ]
+
+
+def _blocks_alias(views: dict[str, list[Any]]) -> bool:
+    """Whether some layer's block 1 overlaps another layer's block other than 1."""
+    for name, view in views.items():
+        for start, end in _intervals(view, 1):
+            for other_name, other in views.items():
+                if other_name == name:
+                    continue
+                (_, _, _, _), strides, offset, dtype = other
+                block_bytes = strides[0] * _ELEMENT_SIZES[dtype]
+                for block in {(start - offset) // block_bytes, (end - 1 - offset) // block_bytes}:
+                    if block in (1,) or not 0 <= block < other[0][0]:
+                        continue
+                    for a, b in _intervals(other, block):
+                        if a < end and start < b:
+                            return True
+    return False
+
+
+def _view_id(case: dict[str, Any]) -> str:
+    return f"{case['model']}-{case['layout']}"
+
+
+@pytest.mark.parametrize("case", RECORDED["views"], ids=_view_id)
+def test_views_match_vllms_allocation_in_every_layout(case: dict[str, Any]) -> None:
+    pytest.importorskip("torch")
+    layers = ref.model_layers(case["model"])
+    arguments = (layers, case["memory"], case["max_model_len"])
+    if "error" in case:
+        with pytest.raises(PlanError, match="layout"):
+            plan_kv_cache(*arguments, strategy="vllm", kv_cache_layout=case["layout"])
+        return
+    try:
+        plan = plan_kv_cache(*arguments, strategy="vllm", kv_cache_layout=case["layout"])
+    except PlanError as error:
+        # A deliberate refusal where vLLM 0.33 goes ahead: show its layout aliases blocks.
+        assert "overlap each other's blocks" in str(error)
+        assert _blocks_alias(case["views"]), "vLLM's layout was safe after all"
+        return
+    views, _ = _views(plan)
+    # vLLM lists only layers that own memory; KV-sharing layers alias their target.
+    assert {k: views[k] for k in case["views"]} == case["views"]
+    for name, target in plan.kv_sharing.items():
+        assert views[name] == views[target]
+
+
+@pytest.mark.parametrize("case", RECORDED["plans"], ids=_view_id)
+def test_min_waste_plans_have_the_views_vllm_gives_their_groups(case: dict[str, Any]) -> None:
+    pytest.importorskip("torch")
+    layers = ref.model_layers(case["model"])
+    plan = plan_kv_cache(
+        layers, case["memory"], case["max_model_len"], kv_cache_layout=case["layout"]
+    )
+    assert [list(g.layer_names) for g in plan.groups] == case["groups"], (
+        "the min-waste grouping changed: re-record with `python tests/vllm_reference.py`"
+    )
+    assert plan.num_blocks == case["num_blocks"]
+    views, states = _views(plan)
+    assert views == case["views"]
+    assert states == case["states"]
+
+
+@live
+@pytest.mark.parametrize("case", RECORDED["views"], ids=_view_id)
+def test_views_match_live_vllm(case: dict[str, Any]) -> None:
+    layers = ref.model_layers(case["model"])
+    theirs = ref.layer_views(layers, case["memory"], case["max_model_len"], case["layout"])
+    assert theirs == {k: v for k, v in case.items() if k in ("views", "error")}
+
+
+@live
+@pytest.mark.parametrize("case", RECORDED["plans"], ids=_view_id)
+def test_min_waste_views_match_live_vllm(case: dict[str, Any]) -> None:
+    pytest.importorskip("torch")
+    layers = ref.model_layers(case["model"])
+    plan = plan_kv_cache(
+        layers, case["memory"], case["max_model_len"], kv_cache_layout=case["layout"]
+    )
+    theirs = ref.plan_views(plan, case["layout"])
+    views, states = _views(plan)
+    assert (views, states, plan.num_blocks) == (
+        theirs["views"],
+        theirs["states"],
+        theirs["num_blocks"],
+    )

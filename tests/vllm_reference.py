@@ -1,0 +1,437 @@
+"""Build vLLM 0.33's own KV-cache plan for a hybrid-kv layer mapping (used by the tests that
+compare the planner with vLLM, and by `python tests/vllm_reference.py` which records the
+numbers those tests check when vLLM is not installed).
+
+vLLM is driven through its planning functions (`get_global_kv_cache_groups`,
+`get_kv_cache_configs`, `get_max_concurrency_for_kv_cache_config`, and the worker's
+`allocate_kv_cache` on the `meta` device) with a minimal stand-in for `VllmConfig` carrying
+only the fields those functions read. The one step that needs a real model class, the
+platform's Mamba block-size alignment (`Platform._align_hybrid_block_size`), is restated here
+from its definition: `block = align * cdiv(mamba_page, align * attention_page_per_token)`
+with `align = max(16, block_size)`, Mamba pages padded to the attention page.
+
+    VENV/bin/python tests/vllm_reference.py     # rewrites tests/data/vllm_reference.json.gz
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from hybrid_kv.catalogue import list_presets, load_model
+from hybrid_kv.specs import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVSharingSpec,
+    LayerSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+
+RECORDED = Path(__file__).with_name("data") / "vllm_reference.json.gz"
+LAYOUTS = ("LBNHC", "LBHNC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+MEMORIES = {"1GiB": 2**30, "16GiB": 16 * 2**30, "40GiB": 40 * 2**30}
+LENGTHS = (4096, 131072)
+IN_FLIGHT = 2048
+LAYOUT_CASES = [  # (model, max_model_len, memory): vLLM's per-layer views in every layout
+    ("gemma-3-27b", 4096, 2**30 * 3),
+    ("jamba-mini-1.5", 4096, 2**30),
+    ("gemma-3n-e4b", 4096, 2**30),
+    ("uniform-full", 4096, 2**30),
+]
+PLAN_CASES = [  # (model, max_model_len, memory, layout): our min-waste plans, vLLM's geometry
+    ("gemma-3-27b", 4096, 2**30 * 3, "LBNHC"),
+    ("gemma-3-27b", 131072, 2**30 * 40, "BHLNC"),
+    ("bamba-9b", 8192, 2**30 * 16, "BLNHC"),
+    ("jamba-mini-1.5", 4096, 2**30 * 4, "BLHNC"),
+    ("20-full-30-sw", 4096, 2**30, "LHBNC"),
+    ("full-hs64-sw-hs96", 4096, 2**30, "LBNHC"),
+]
+
+
+def _full(heads: int = 8, head: int = 128, dtype: str = "bf16") -> FullAttentionSpec:
+    return FullAttentionSpec(num_kv_heads=heads, head_size=head, dtype=dtype)
+
+
+def _sw(window: int, heads: int = 8, head: int = 128, dtype: str = "bf16") -> SlidingWindowSpec:
+    return SlidingWindowSpec(num_kv_heads=heads, head_size=head, dtype=dtype, sliding_window=window)
+
+
+SYNTHETIC: dict[str, dict[str, LayerSpec]] = {
+    # vLLM's FIXME case: group size 20, 10 padding slots.
+    "20-full-30-sw": {
+        **{f"full.{i}": _full() for i in range(20)},
+        **{f"sw.{i}": _sw(128) for i in range(30)},
+    },
+    # gpt-oss + EAGLE: 12 sw + 13 full -> groups of 13 (the 1.5x rule).
+    "12-sw-13-full": {
+        **{f"sw.{i}": _sw(128, head=64) for i in range(12)},
+        **{f"full.{i}": _full(head=64) for i in range(13)},
+    },
+    # One type, two head sizes and MLA: one UniformTypeKVCacheSpecs group.
+    "uniform-full": {
+        **{f"a.{i}": _full(8, 128 if i % 2 else 64) for i in range(6)},
+        "mla.0": MLAAttentionSpec(head_size=576),
+    },
+    # Pages that divide: the sliding-window block size grows to 32.
+    "full-hs64-sw-hs32": {
+        **{f"full.{i}": _full(2, 64, "fp32") for i in range(4)},
+        **{f"sw.{i}": _sw(256, 2, 32, "fp32") for i in range(4)},
+    },
+    # Pages that do not divide: the full-attention pages are padded.
+    "full-hs64-sw-hs96": {
+        **{f"full.{i}": _full(2, 64, "fp32") for i in range(4)},
+        **{f"sw.{i}": _sw(256, 2, 96, "fp32") for i in range(8)},
+    },
+}
+
+
+def model_layers(name: str) -> dict[str, LayerSpec]:
+    """A preset's layers, or one of the synthetic mixes."""
+    if name in SYNTHETIC:
+        return dict(SYNTHETIC[name])
+    return dict(load_model(name).layers)
+
+
+def model_names() -> list[str]:
+    return [*list_presets(), *SYNTHETIC]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def vllm_specs(layers: dict[str, LayerSpec], block_size: int = 16) -> dict[str, Any]:
+    """vLLM `KVCacheSpec`s for our layers (KV-sharing layers produce none, as in vLLM),
+    with the platform's Mamba alignment applied."""
+    import torch
+    from vllm.v1 import kv_cache_interface as ki
+
+    dtypes = {
+        "fp32": torch.float32,
+        "bf16": torch.bfloat16,
+        "fp16": torch.float16,
+        "fp8_e4m3": torch.float8_e4m3fn,
+        "fp8_e5m2": torch.float8_e5m2,
+    }
+    token_bytes = max(
+        (
+            s.bytes_per_token
+            for s in layers.values()
+            if not isinstance(s, (MambaSpec, KVSharingSpec))
+        ),
+        default=0,
+    )
+    state = max((s.state_bytes for s in layers.values() if isinstance(s, MambaSpec)), default=0)
+    padded = None
+    if token_bytes and state:
+        align = max(16, block_size)
+        block_size = max(block_size, align * _cdiv(state, align * token_bytes))
+        if block_size * token_bytes != state:
+            padded = block_size * token_bytes
+    specs: dict[str, Any] = {}
+    for name, spec in layers.items():
+        if isinstance(spec, KVSharingSpec):
+            continue
+        if isinstance(spec, MambaSpec):
+            specs[name] = ki.MambaSpec(
+                block_size=block_size,
+                shapes=spec.shapes,
+                dtypes=tuple(dtypes[d] for d in spec.dtypes),
+                page_size_padded=padded,
+                mamba_cache_mode="align",
+            )
+            continue
+        common = {"block_size": block_size, "dtype": dtypes[spec.dtype]}
+        if isinstance(spec, MLAAttentionSpec):
+            specs[name] = ki.MLAAttentionSpec(num_kv_heads=1, head_size=spec.head_size, **common)
+            continue
+        common |= {"num_kv_heads": spec.num_kv_heads, "head_size": spec.head_size}
+        if spec.head_size_v is not None:
+            common["head_size_v"] = spec.head_size_v
+        if isinstance(spec, SlidingWindowSpec):
+            specs[name] = ki.SlidingWindowSpec(sliding_window=spec.sliding_window, **common)
+        elif isinstance(spec, ChunkedLocalAttentionSpec):
+            specs[name] = ki.ChunkedLocalAttentionSpec(
+                attention_chunk_size=spec.attention_chunk_size, **common
+            )
+        else:
+            assert isinstance(spec, FullAttentionSpec)
+            specs[name] = ki.FullAttentionSpec(**common)
+    return specs
+
+
+def vllm_config(max_model_len: int, layout: str = "LBNHC", in_flight: int = IN_FLIGHT) -> Any:
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    resolved = KVCacheLayout[layout]
+    return SimpleNamespace(
+        cache_config=SimpleNamespace(
+            block_size=16,
+            num_gpu_blocks_override=None,
+            prefix_cache_retention_interval=0,
+            mamba_cache_mode="align",
+            get_resolved_kv_cache_layout=lambda: resolved,
+        ),
+        scheduler_config=SimpleNamespace(
+            disable_hybrid_kv_cache_manager=False, max_num_batched_tokens=in_flight
+        ),
+        model_config=SimpleNamespace(
+            max_model_len=max_model_len,
+            original_max_model_len=max_model_len,
+            supports_kv_cache_grouping=False,
+        ),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1, tensor_parallel_size=1),
+        attention_config=SimpleNamespace(hisparse_config=None),
+        max_in_flight_tokens=in_flight,
+        num_prefill_lookahead_tokens=0,
+        speculative_config=None,
+    )
+
+
+def vllm_plan(layers: dict[str, LayerSpec], memory: int, max_model_len: int, layout: str = "LBNHC"):
+    """`(config, kv_cache_config)` or `(config, error message)` when vLLM refuses."""
+    from vllm.v1.core import kv_cache_planning as planning
+
+    config = vllm_config(max_model_len, layout)
+    specs = vllm_specs(layers)
+    groups = planning.get_global_kv_cache_groups(config, [specs])
+    try:
+        (kv_cache_config,) = planning.get_kv_cache_configs(config, [specs], [memory], groups)
+    except ValueError as error:
+        return config, str(error)
+    return config, kv_cache_config
+
+
+def summarise(layers: dict[str, LayerSpec], memory: int, max_model_len: int) -> dict[str, Any]:
+    """What the tests compare: groups, pool, admission, concurrency (or the refusal)."""
+    import re
+
+    from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+
+    config, result = vllm_plan(layers, memory, max_model_len)
+    if isinstance(result, str):
+        fit = re.search(r"estimated maximum model length is (\d+)", result)
+        needed = re.search(r"\(([\d.]+) GiB KV cache is needed", result)
+        return {
+            "refused": True,
+            "fitting_max_model_len": int(fit.group(1)) if fit else 0,
+            "needed_gib": needed.group(1) if needed else None,
+        }
+    groups = []
+    per_request = 0
+    for group in result.kv_cache_groups:
+        spec = group.kv_cache_spec
+        members = getattr(spec, "kv_cache_specs", None)
+        first = next(iter(members.values())) if members else spec
+        blocks = _cdiv(spec.max_memory_usage_bytes(config), spec.page_size_bytes)
+        per_request += blocks
+        groups.append(
+            {
+                "type": type(first).__name__,
+                "block_size": first.block_size,
+                "layers": list(group.layer_names),
+                "admission_blocks": blocks,
+            }
+        )
+    concurrency = get_max_concurrency_for_kv_cache_config(config, result)
+    return {
+        "refused": False,
+        "num_blocks": result.num_blocks,
+        "bytes_per_block": result.kv_cache_tensors[0].size // result.num_blocks,
+        "blocks_per_request": per_request,
+        "max_concurrency": concurrency,
+        "kv_cache_tokens": int(concurrency * max_model_len),
+        "groups": groups,
+        "tensors": [
+            {
+                "layers": list(t.layers),
+                "offset": t.offset,
+                "layer_stride": t.layer_stride,
+                "block_stride": t.block_stride,
+            }
+            for t in result.kv_cache_tensors
+        ],
+    }
+
+
+def layer_views(
+    layers: dict[str, LayerSpec], memory: int, max_model_len: int, layout: str
+) -> dict[str, Any]:
+    """vLLM's per-layer views on `meta`: `{"views": {layer: [shape, strides, byte offset,
+    dtype]}}`, or `{"error": message}` when vLLM cannot lay the model out so."""
+    import torch
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    try:
+        _, result = vllm_plan(layers, memory, max_model_len, layout)
+        if isinstance(result, str):
+            return {"error": result}
+        views = allocate_kv_cache(result, torch.device("meta"), KVCacheLayout[layout])
+    except (AssertionError, ValueError) as error:
+        return {"error": str(error) or type(error).__name__}
+    return {"views": {name: _describe(view) for name, view in views.items()}}
+
+
+def _torch_dtypes() -> dict[str, Any]:
+    import torch
+
+    return {
+        "fp32": torch.float32,
+        "bf16": torch.bfloat16,
+        "fp16": torch.float16,
+        "fp8_e4m3": torch.float8_e4m3fn,
+        "fp8_e5m2": torch.float8_e5m2,
+    }
+
+
+def _describe(view: Any) -> list[Any]:
+    return [
+        list(view.shape),
+        list(view.stride()),
+        view.storage_offset() * view.element_size(),
+        str(view.dtype),
+    ]
+
+
+def plan_views(plan: Any, layout: str) -> dict[str, Any]:
+    """vLLM's geometry for one of our plans: its groups handed to vLLM's
+    `get_kv_cache_config_from_groups` and allocated on `meta`; Mamba layers unpacked by
+    vLLM's `MambaBase.bind_kv_cache`. `{"views": {...}, "states": {...}}`."""
+    import torch
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+    from vllm.v1 import kv_cache_interface as ki
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    dtypes = _torch_dtypes()
+    groups = []
+    for group in plan.groups:
+        specs = {}
+        for name in group.layer_names:
+            placement = plan.placement(name)
+            spec = placement.spec
+            padded = placement.page_bytes if placement.page_bytes != placement.used_bytes else None
+            if isinstance(spec, MambaSpec):
+                specs[name] = ki.MambaSpec(
+                    block_size=group.block_size,
+                    shapes=spec.shapes,
+                    dtypes=tuple(dtypes[d] for d in spec.dtypes),
+                    page_size_padded=padded,
+                    mamba_cache_mode="align",
+                )
+            elif isinstance(spec, MLAAttentionSpec):
+                specs[name] = ki.MLAAttentionSpec(
+                    block_size=group.block_size,
+                    num_kv_heads=1,
+                    head_size=spec.head_size,
+                    dtype=dtypes[spec.dtype],
+                )
+            else:
+                common = {
+                    "block_size": group.block_size,
+                    "num_kv_heads": spec.num_kv_heads,
+                    "head_size": spec.head_size,
+                    "dtype": dtypes[spec.dtype],
+                    "page_size_padded": padded,
+                }
+                if isinstance(spec, SlidingWindowSpec):
+                    specs[name] = ki.SlidingWindowSpec(sliding_window=spec.sliding_window, **common)
+                else:
+                    specs[name] = ki.FullAttentionSpec(**common)
+        first = next(iter(specs.values()))
+        merged = first if all(s == first for s in specs.values()) else None
+        if merged is None:
+            merged = ki.UniformTypeKVCacheSpecs.from_specs(specs)
+        groups.append(ki.KVCacheGroupSpec(list(group.layer_names), merged))
+    config = vllm_config(plan.max_model_len, layout)
+    kv_config = get_kv_cache_config_from_groups(config, groups, plan.memory_bytes)
+    views = allocate_kv_cache(kv_config, torch.device("meta"), KVCacheLayout[layout])
+    states = {}
+    for name, view in views.items():
+        spec = plan.placement(name).spec
+        if isinstance(spec, MambaSpec):
+            layer = SimpleNamespace(
+                get_state_shape=lambda spec=spec: spec.shapes,
+                get_state_dtype=lambda spec=spec: tuple(dtypes[d] for d in spec.dtypes),
+            )
+            MambaBase.bind_kv_cache(layer, view)  # type: ignore[arg-type]
+            states[name] = [_describe(state) for state in layer.kv_cache]
+    return {
+        "num_blocks": kv_config.num_blocks,
+        "views": {name: _describe(view) for name, view in views.items()},
+        "states": states,
+    }
+
+
+def record() -> dict[str, Any]:
+    import vllm
+    from hybrid_kv.planner import plan_kv_cache
+
+    cases = []
+    for model in model_names():
+        layers = model_layers(model)
+        for memory_name, memory in MEMORIES.items():
+            for length in LENGTHS:
+                cases.append(
+                    {
+                        "model": model,
+                        "memory": memory_name,
+                        "max_model_len": length,
+                        "vllm": summarise(layers, memory, length),
+                    }
+                )
+    views = []
+    for model, length, memory in LAYOUT_CASES:
+        layers = model_layers(model)
+        for layout in LAYOUTS:
+            views.append(
+                {
+                    "model": model,
+                    "max_model_len": length,
+                    "memory": memory,
+                    "layout": layout,
+                    **layer_views(layers, memory, length, layout),
+                }
+            )
+    plans = []
+    for model, length, memory, layout in PLAN_CASES:
+        plan = plan_kv_cache(model_layers(model), memory, length, kv_cache_layout=layout)
+        plans.append(
+            {
+                "model": model,
+                "max_model_len": length,
+                "memory": memory,
+                "layout": layout,
+                "groups": [list(g.layer_names) for g in plan.groups],
+                **plan_views(plan, layout),
+            }
+        )
+    return {
+        "vllm_version": vllm.__version__,
+        "max_in_flight_tokens": IN_FLIGHT,
+        "cases": cases,
+        "views": views,
+        "plans": plans,
+    }
+
+
+def load_recorded() -> dict[str, Any]:
+    """The numbers recorded from vLLM by `record()`."""
+    with gzip.open(RECORDED, "rt") as f:
+        return json.load(f)
+
+
+if __name__ == "__main__":
+    RECORDED.parent.mkdir(exist_ok=True)
+    with gzip.open(RECORDED, "wt") as out:
+        json.dump(record(), out, indent=1)
+        out.write("\n")
+    print(f"wrote {RECORDED}", file=sys.stderr)
