@@ -156,3 +156,25 @@ def test_replay_hands_requests_fresh_copies_of_the_prompts_or_the_loaded_lists(
         assert (prompt is loaded[rid]) is not fresh
     # The workload itself is left as it was.
     assert all(r["prompt"] is loaded[r["rid"]] for r in workload["requests"])
+
+
+def test_the_replay_subcommand_writes_an_identical_trace(
+    conformance_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hybrid_kv.cli import main
+
+    name = "llama4.long-context.default"
+    out = tmp_path / "ours.jsonl"
+    rc = main(
+        [
+            "replay",
+            str(conformance_dir / f"{name}.workload.json.gz"),
+            "--groups-from",
+            str(conformance_dir / f"{name}.vllm.jsonl.gz"),
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    assert "finished" in capsys.readouterr().out
+    assert "IDENTICAL" in trace_diff(conformance_dir, out, name)

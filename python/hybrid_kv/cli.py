@@ -576,8 +576,30 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- replay
+
+
+def _add_replay_parser(subparsers: Any) -> None:
+    from hybrid_kv import replay
+
+    parser = subparsers.add_parser(
+        "replay",
+        help="replay a conformance workload against a vLLM trace's KV cache layout",
+        description=(replay.__doc__ or "").strip().splitlines()[0],
+    )
+    replay.add_arguments(parser)
+    parser.set_defaults(handler=_cmd_replay)
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from hybrid_kv import replay
+
+    return replay.run(args)
+
+
 _SUBCOMMANDS: list[Callable[[Any], None]] = [
     _add_simulate_parser,
     _add_plan_parser,
     _add_demo_parser,
+    _add_replay_parser,
 ]

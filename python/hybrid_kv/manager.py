@@ -11,7 +11,8 @@ __all__ = ["manager_from_header", "manager_from_plan"]
 
 
 def manager_from_plan(plan: KVCachePlan, **kwargs: Any) -> KVCacheManager:
-    """A manager with the plan's groups, pool size and `max_model_len`.
+    """A manager with the plan's groups, pool size, `max_model_len` and the tokens in flight the
+    plan's admission assumed (`max_in_flight_tokens`).
 
     `kwargs` go to `KVCacheManager` (e.g. `enable_kv_events=True`, `hash_algo="sha256"`).
     """
@@ -28,6 +29,7 @@ def manager_from_plan(plan: KVCachePlan, **kwargs: Any) -> KVCacheManager:
         }
         for g in plan.groups
     ]
+    kwargs.setdefault("max_in_flight_tokens", plan.max_in_flight_tokens)
     return KVCacheManager(groups, plan.num_blocks, plan.max_model_len, **kwargs)
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "ReplayResult",
     "ReplayStalledError",
     "load_json",
+    "add_arguments",
     "main",
     "manager_from_header",
     "replay",
@@ -555,15 +556,24 @@ def _digest(workload: dict[str, Any]) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m hybrid_kv.replay", description=__doc__.splitlines()[0]
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The replay command's arguments (`python -m hybrid_kv.replay` and `hybrid-kv replay`)."""
     parser.add_argument("workload", help="workload JSON (.json or .json.gz)")
     parser.add_argument("--groups-from", required=True, help="vLLM kvtrace/1 file (its header)")
     parser.add_argument("--out", required=True, help="trace to write (kvtrace/1, .jsonl)")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after N steps")
-    args = parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m hybrid_kv.replay", description=__doc__.splitlines()[0]
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Replays `args.workload` with the groups of `args.groups_from`, writing `args.out`."""
     try:
         workload = load_json(args.workload)
         vllm_header = read_header(args.groups_from)
