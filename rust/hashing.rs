@@ -75,6 +75,8 @@ pub struct ExtraKeys {
     /// Per-tenant isolation: mixed into the first block, so the whole chain differs.
     pub cache_salt: Option<String>,
     pub lora_name: Option<String>,
+    /// The LoRA adapter's id: reported in KV events, not hashed (vLLM hashes the name).
+    pub lora_id: Option<u64>,
     /// Sorted by offset.
     pub mm_inputs: Vec<MmInput>,
 }
@@ -105,8 +107,34 @@ impl ExtraKeys {
         Ok(ExtraKeys {
             cache_salt: cache_salt.filter(|s| !s.is_empty()),
             lora_name,
+            lora_id: None,
             mm_inputs,
         })
+    }
+
+    /// The keys of the block `[start, end)` as KV events publish them (vLLM's order: LoRA name,
+    /// multimodal inputs overlapping the block, cache salt on the first block), `None` when the
+    /// block has none.
+    pub fn event_keys(&self, start: usize, end: usize) -> Option<Vec<crate::types::EventKey>> {
+        use crate::types::EventKey;
+        let mut keys = Vec::new();
+        if let Some(lora) = &self.lora_name {
+            keys.push(EventKey::Lora(lora.clone()));
+        }
+        for mm in &self.mm_inputs {
+            if mm.offset < end && mm.offset + mm.length > start {
+                keys.push(EventKey::Mm(
+                    mm.identifier.clone(),
+                    mm.offset as i64 - start as i64,
+                ));
+            }
+        }
+        if start == 0 {
+            if let Some(salt) = &self.cache_salt {
+                keys.push(EventKey::Salt(salt.clone()));
+            }
+        }
+        (!keys.is_empty()).then_some(keys)
     }
 
     fn is_empty(&self) -> bool {
@@ -154,12 +182,15 @@ pub fn check_tokens<T: TokenId>(tokens: &[T]) -> Result<()> {
 }
 
 /// Hashes token sequences into chained block hashes. Two hashers are equal when they produce
-/// the same hashes (same algorithm, block size and seed).
+/// the same hashes (same algorithm, block size, seed and lookahead).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlockHasher {
     algo: HashAlgo,
     block_size: usize,
     none_hash: BlockHash,
+    /// Tokens after each block its hash also covers (vLLM's `num_hash_lookahead_tokens`: a
+    /// drafter proves the boundary token), so a block is hashed only once they exist.
+    lookahead: usize,
 }
 
 pub const MAX_BLOCK_SIZE: usize = 1 << 20;
@@ -177,11 +208,33 @@ impl BlockHasher {
             algo,
             block_size,
             none_hash: algo.digest(&seed_bytes),
+            lookahead: 0,
         })
+    }
+
+    /// The same hasher covering `lookahead` tokens past each block.
+    pub fn with_lookahead(mut self, lookahead: usize) -> Result<Self> {
+        if lookahead > MAX_BLOCK_SIZE {
+            return Err(CoreError::OutOfRange(format!(
+                "num_hash_lookahead_tokens must be at most {MAX_BLOCK_SIZE}, got {lookahead}"
+            )));
+        }
+        self.lookahead = lookahead;
+        Ok(self)
     }
 
     pub fn block_size(&self) -> usize {
         self.block_size
+    }
+
+    pub fn lookahead(&self) -> usize {
+        self.lookahead
+    }
+
+    /// Tokens a block needs before it can be hashed: the block and its lookahead.
+    #[inline]
+    pub fn tokens_per_hash(&self) -> usize {
+        self.block_size + self.lookahead
     }
 
     pub fn algo(&self) -> HashAlgo {
@@ -195,8 +248,9 @@ impl BlockHasher {
 
     /// Appends to `out` the hashes of the full blocks of `tokens`, where `tokens[0]` is at
     /// sequence position `start` (a multiple of the block size) and `parent` is the hash of the
-    /// block before it (`None` at the start of a sequence). Trailing partial tokens are not hashed,
-    /// but every token must be a valid id.
+    /// block before it (`None` at the start of a sequence). A block is hashed once the
+    /// `lookahead` tokens after it are present too; the trailing tokens are not hashed, but every
+    /// token must be a valid id.
     pub fn hash_blocks<T: TokenId>(
         &self,
         parent: Option<BlockHash>,
@@ -211,7 +265,8 @@ impl BlockHasher {
                 "start {start} is not a multiple of the block size {bs}"
             )));
         }
-        let num_full = tokens.len() / bs;
+        let look = self.lookahead;
+        let num_full = tokens.len().saturating_sub(look) / bs;
         check_tokens(tokens)?;
         out.reserve(num_full);
         let mut parent = parent.unwrap_or(self.none_hash);
@@ -220,15 +275,23 @@ impl BlockHasher {
         let mut buf: Vec<u8> = vec![0; body];
         buf[16..20].copy_from_slice(&(bs as u32).to_le_bytes());
         let mut mm_next = 0;
-        for (i, block) in tokens.chunks_exact(bs).enumerate() {
+        for (i, block) in tokens.chunks_exact(bs).take(num_full).enumerate() {
             buf.truncate(body);
             buf[..16].copy_from_slice(&parent.0.to_le_bytes());
             for (dst, &t) in buf[20..body].chunks_exact_mut(4).zip(block) {
                 dst.copy_from_slice(&t.as_u32().to_le_bytes());
             }
             if !extra.is_empty() {
+                // With lookahead, the extra keys cover the block and the tokens after it.
                 let block_start = start + i * bs;
-                mm_next = encode_extra(&mut buf, extra, block_start, block_start + bs, mm_next);
+                let end = block_start + bs + look;
+                mm_next = encode_extra(&mut buf, extra, block_start, end, mm_next);
+            }
+            if look > 0 {
+                buf.push(b'A');
+                for &t in &tokens[(i + 1) * bs..(i + 1) * bs + look] {
+                    buf.extend_from_slice(&t.as_u32().to_le_bytes());
+                }
             }
             parent = self.algo.digest(&buf);
             out.push(parent);
@@ -320,10 +383,9 @@ impl BlockHashChain {
         let bs = self.hasher.block_size;
         let done = self.hashes.len() * bs;
         let before = self.hashes.len();
-        let full_end = self.tokens.len() / bs * bs;
-        if full_end > done {
+        if self.tokens.len() >= done + self.hasher.tokens_per_hash() {
             let parent = self.hashes.last().copied();
-            let (tokens, hashes) = (&self.tokens[done..full_end], &mut self.hashes);
+            let (tokens, hashes) = (&self.tokens[done..], &mut self.hashes);
             self.hasher
                 .hash_blocks(parent, tokens, done, &self.extra, hashes)?;
         }

@@ -49,16 +49,34 @@ pub struct CacheKey {
     pub group: GroupId,
 }
 
+/// One extra key of a stored block as KV events publish it (vLLM's untagged form).
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum EventKey {
+    /// The LoRA adapter's name.
+    Lora(String),
+    /// A multimodal input overlapping the block: its identifier and its offset relative to the
+    /// block's first token (negative when it starts before the block).
+    Mm(String, i64),
+    /// The cache salt (first block of a prompt only).
+    Salt(String),
+}
+
 /// What the pool reports to a KV-event consumer (vLLM's `kv_events`).
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub enum KvEvent {
-    /// Blocks newly entered into the prefix cache by one `cache_full_blocks` call.
+    /// Blocks newly entered into the prefix cache by one `cache_full_blocks` call (emitted even
+    /// when every block of the call was null or masked, with no hashes, as vLLM does).
     BlockStored {
         block_hashes: Vec<BlockHash>,
         parent_block_hash: Option<BlockHash>,
         token_ids: Vec<u32>,
         block_size: u32,
         group_id: GroupId,
+        /// The request's LoRA adapter `(name, id)`.
+        lora: Option<(String, Option<u64>)>,
+        /// Per stored block, its extra keys (`None` for a block without any); `None` when no
+        /// block was stored.
+        extra_keys: Option<Vec<Option<Vec<EventKey>>>>,
     },
     /// One cache key removed (eviction on reuse, explicit eviction).
     BlockRemoved {
@@ -70,7 +88,7 @@ pub enum KvEvent {
 }
 
 /// Optional event payload for [`crate::pool::BlockPool::cache_full_blocks`].
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Default)]
 pub struct StoreInfo<'a> {
     /// Hash of the block before the first newly cached one (`None` at the start of a prompt).
     pub parent_block_hash: Option<BlockHash>,
@@ -78,6 +96,21 @@ pub struct StoreInfo<'a> {
     pub token_ids: &'a [u32],
     /// Tokens per block of the group.
     pub block_size: u32,
+    /// The request's LoRA adapter `(name, id)`.
+    pub lora: Option<(&'a str, Option<u64>)>,
+    /// The extra keys of the `i`-th block of the call (by position in `blocks`).
+    pub block_extra_keys: Option<&'a dyn Fn(usize) -> Option<Vec<EventKey>>>,
+}
+
+impl std::fmt::Debug for StoreInfo<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreInfo")
+            .field("parent_block_hash", &self.parent_block_hash)
+            .field("token_ids", &self.token_ids.len())
+            .field("block_size", &self.block_size)
+            .field("lora", &self.lora)
+            .finish_non_exhaustive()
+    }
 }
 
 /// A fast hasher for maps keyed by request ids (short strings chosen by the caller), salted

@@ -95,7 +95,7 @@ proptest! {
                     let hashes: Vec<BlockHash> =
                         hashes[..ids.len()].iter().map(|&h| BlockHash(h as u128)).collect();
                     let tokens = [1u32, 2, 3];
-                    let info = StoreInfo { parent_block_hash: None, token_ids: &tokens, block_size: 4 };
+                    let info = StoreInfo { parent_block_hash: None, token_ids: &tokens, block_size: 4, ..StoreInfo::default() };
                     prop_assert_eq!(
                         fast.cache_full_blocks(&ids, &hashes, group, info),
                         oracle.cache_full_blocks(&ids, &hashes, group, info)

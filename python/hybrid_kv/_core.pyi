@@ -104,6 +104,20 @@ class BlockStored:
     @property
     def kv_cache_spec_sliding_window(self) -> int | None:
         """The group's sliding window, for sliding-window groups."""
+    @property
+    def medium(self) -> str:
+        """Where the blocks live: `"GPU"`."""
+    @property
+    def lora_id(self) -> int | None:
+        """The request's LoRA adapter id, if given."""
+    @property
+    def lora_name(self) -> str | None:
+        """The request's LoRA adapter name."""
+    @property
+    def extra_keys(self) -> list[tuple[object, ...] | None] | None:
+        """Per stored block, its extra keys as vLLM publishes them (the LoRA name,
+        `(identifier, offset)` per multimodal input, the cache salt on the first block), None for
+        a block without any; None when no block was stored."""
 
 @final
 class BlockRemoved:
@@ -298,6 +312,7 @@ class Request:
         block_size: int = 16,
         hash_algo: str = "xxh3",
         hash_seed: str = "",
+        lora_id: int | None = None,
     ) -> Request:
         """Raises:
         InvalidArgumentError: an empty prompt.
@@ -351,9 +366,16 @@ class KVCacheBlocks:
     """Blocks per KV cache group: a prefix-cache hit (`get_computed_blocks`; pass it back to
     `allocate_slots` unchanged) or the blocks newly allocated by `allocate_slots`."""
 
-    def get_block_ids(self) -> tuple[npt.NDArray[np.int32], ...]:
-        """One int32 array of block ids per group (the null block 0 where a slot needs
-        none)."""
+    def get_block_ids(
+        self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None
+    ) -> tuple[npt.NDArray[np.int32], ...] | None:
+        """One int32 array of block ids per group (the null block 0 where a slot needs none), or
+        of the groups in `group_ids`; None with `allow_none` when they are all empty."""
+    def __add__(self, other: KVCacheBlocks, /) -> KVCacheBlocks:
+        """Group-wise concatenation."""
+    def __radd__(self, other: KVCacheBlocks, /) -> KVCacheBlocks: ...
+    def new_empty(self) -> KVCacheBlocks:
+        """Blocks with the same groups and no block."""
     @property
     def num_groups(self) -> int: ...
     @property
@@ -439,6 +461,9 @@ class KVCacheManager:
         """
     @property
     def num_groups(self) -> int: ...
+    @property
+    def empty_kv_cache_blocks(self) -> KVCacheBlocks:
+        """The shared empty result: no block in any group."""
     @property
     def num_blocks(self) -> int: ...
     @property

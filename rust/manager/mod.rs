@@ -21,6 +21,8 @@ mod spec;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_defaults;
 
 pub use coordinator::{Coordinator, CoordinatorKind};
 pub use request::Request;
@@ -249,7 +251,8 @@ impl KVCacheManager {
             config.enable_caching,
             config.enable_events,
         )?);
-        let hasher = BlockHasher::new(hash_block_size, config.hash_algo, &config.hash_seed)?;
+        let hasher = BlockHasher::new(hash_block_size, config.hash_algo, &config.hash_seed)?
+            .with_lookahead(config.num_hash_lookahead_tokens)?;
         let coordinator = Arc::new(Coordinator::new(
             config,
             scheduler_block_size,
@@ -1014,6 +1017,10 @@ impl KVCacheManager {
         preempted: bool,
     ) -> Result<()> {
         let request = &self.state(request)?.request;
+        if request.skip_reading_prefix_cache() {
+            // A request that skipped the lookup is not counted (as in vLLM).
+            return Ok(());
+        }
         let queries = request.num_tokens();
         if num_hits > queries {
             return Err(CoreError::OutOfRange(format!(

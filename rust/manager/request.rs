@@ -35,9 +35,9 @@ impl Request {
     ) -> Result<Self> {
         check_tokens(prompt)?;
         let bs = hasher.block_size();
-        let full = prompt.len() / bs * bs;
         let mut hashes = Vec::new();
-        hasher.hash_blocks(None, &prompt[..full], 0, &extra, &mut hashes)?;
+        hasher.hash_blocks(None, prompt, 0, &extra, &mut hashes)?;
+        let full = hashes.len() * bs;
         Ok(Request {
             id,
             num_prompt_tokens: prompt.len(),
@@ -62,7 +62,8 @@ impl Request {
         tail: Vec<u32>,
     ) -> Result<Self> {
         let bs = hasher.block_size();
-        if hashes.len() != num_prompt_tokens / bs || tail.len() != num_prompt_tokens % bs {
+        let num_hashed = num_prompt_tokens.saturating_sub(hasher.lookahead()) / bs;
+        if hashes.len() != num_hashed || tail.len() != num_prompt_tokens - num_hashed * bs {
             return Err(crate::error::CoreError::InvalidArgument(format!(
                 "request {id:?}: {} hashes and {} tail tokens do not make a {num_prompt_tokens}-token \
                  prompt at block size {bs}",
@@ -135,7 +136,7 @@ impl Request {
             check_tokens(std::slice::from_ref(token))?;
             self.tail.push(token.as_u32());
             self.num_tokens += 1;
-            if self.tail.len() < self.hasher.block_size() {
+            if self.tail.len() < self.hasher.tokens_per_hash() {
                 return Ok(());
             }
             return self.hash_tail();
@@ -149,21 +150,17 @@ impl Request {
         self.hash_tail()
     }
 
-    /// Hashes the full blocks of `tail` and keeps only the tokens after them.
+    /// Hashes the full blocks of `tail` (those whose lookahead tokens are there too) and keeps
+    /// only the tokens after them.
     fn hash_tail(&mut self) -> Result<()> {
         let bs = self.hasher.block_size();
-        let full = self.tail.len() / bs * bs;
-        if full > 0 {
+        if self.tail.len() >= self.hasher.tokens_per_hash() {
             let start = self.hashes.len() * bs;
             let parent = self.hashes.last().copied();
-            self.hasher.hash_blocks(
-                parent,
-                &self.tail[..full],
-                start,
-                &self.extra,
-                &mut self.hashes,
-            )?;
-            self.tail.drain(..full);
+            let before = self.hashes.len();
+            self.hasher
+                .hash_blocks(parent, &self.tail, start, &self.extra, &mut self.hashes)?;
+            self.tail.drain(..(self.hashes.len() - before) * bs);
         }
         Ok(())
     }

@@ -402,10 +402,17 @@ impl GroupManager {
                 hash_buf.extend((num_cached..num_full).map(|i| view.get(i)));
                 hash_buf.as_slice()
             };
+            let extra = request.extra_keys();
+            let keys_of = |i: usize| {
+                let start = (num_cached + i) * bs;
+                extra.event_keys(start, start + bs)
+            };
             let info = StoreInfo {
                 parent_block_hash: (num_cached > 0).then(|| view.get(num_cached - 1)),
                 token_ids: request.token_range(num_cached * bs, num_full * bs),
                 block_size: bs as u32,
+                lora: extra.lora_name.as_deref().map(|n| (n, extra.lora_id)),
+                block_extra_keys: pool.events_enabled().then_some(&keys_of as _),
             };
             pool.cache_full_blocks(blocks, block_hashes, self.id, info)?;
             table.num_cached = Some(num_full);
@@ -487,11 +494,15 @@ impl GroupManager {
             // Already keyed here (by a hit or an earlier step).
             return Ok(());
         }
+        let extra = request.extra_keys();
+        let keys_of = |_| extra.event_keys(num_tokens - hash_bs, num_tokens);
         let info = StoreInfo {
             parent_block_hash: (num_tokens > hash_bs)
                 .then(|| request.block_hashes()[num_tokens / hash_bs - 2]),
             token_ids: request.token_range(num_tokens - hash_bs, num_tokens),
             block_size: hash_bs as u32,
+            lora: extra.lora_name.as_deref().map(|n| (n, extra.lora_id)),
+            block_extra_keys: pool.events_enabled().then_some(&keys_of as _),
         };
         if pool.block_key(block)?.is_some() {
             // A key for a shorter prefix: the state moved on, the key goes.

@@ -292,26 +292,31 @@ impl BlockPool {
         if !self.enable_caching {
             return Ok(());
         }
+        let events = self.events.as_ref();
         let mut stored = Vec::new();
-        for (&id, &hash) in blocks.iter().zip(hashes) {
+        let mut extra_keys = Vec::new();
+        for (i, (&id, &hash)) in blocks.iter().zip(hashes).enumerate() {
             if id == NULL_BLOCK {
                 continue;
             }
             let key = CacheKey { hash, group };
-            if self.keys[id as usize].set(key, |key| self.map.insert(key, id))
-                && self.events.is_some()
-            {
+            if self.keys[id as usize].set(key, |key| self.map.insert(key, id)) && events.is_some() {
                 stored.push(hash);
+                extra_keys.push(info.block_extra_keys.and_then(|f| f(i)));
             }
         }
-        if let Some(events) = &self.events {
-            if !stored.is_empty() {
+        if let Some(events) = events {
+            // vLLM publishes an event for every call that had blocks to cache, even when all of
+            // them were null or masked.
+            if !blocks.is_empty() {
                 events.push(KvEvent::BlockStored {
                     block_hashes: stored,
                     parent_block_hash: info.parent_block_hash,
                     token_ids: info.token_ids.to_vec(),
                     block_size: info.block_size,
                     group_id: group,
+                    lora: info.lora.map(|(name, id)| (name.to_owned(), id)),
+                    extra_keys: (!extra_keys.is_empty()).then_some(extra_keys),
                 });
             }
         }

@@ -176,7 +176,8 @@ impl RefBlockPool {
             return Ok(());
         }
         let mut stored = Vec::new();
-        for (&id, &hash) in blocks.iter().zip(hashes) {
+        let mut extra_keys = Vec::new();
+        for (i, (&id, &hash)) in blocks.iter().zip(hashes).enumerate() {
             if id == NULL_BLOCK || self.key[id as usize].is_some() {
                 continue;
             }
@@ -184,15 +185,18 @@ impl RefBlockPool {
             self.key[id as usize] = Some(key);
             self.map.entry(key).or_default().push(id);
             stored.push(hash);
+            extra_keys.push(info.block_extra_keys.and_then(|f| f(i)));
         }
         if let Some(events) = &mut self.events {
-            if !stored.is_empty() {
+            if !blocks.is_empty() {
                 events.push(KvEvent::BlockStored {
                     block_hashes: stored,
                     parent_block_hash: info.parent_block_hash,
                     token_ids: info.token_ids.to_vec(),
                     block_size: info.block_size,
                     group_id: group,
+                    lora: info.lora.map(|(name, id)| (name.to_owned(), id)),
+                    extra_keys: (!extra_keys.is_empty()).then_some(extra_keys),
                 });
             }
         }

@@ -7,7 +7,7 @@
 //! any counter of the manager is read again) or `remove_request` is called.
 
 use super::convert::{count_of, ids_to_numpy, Count, TokenFn, Tokens, UInt};
-use super::errors::{InvalidArgumentError, InvalidConfigError};
+use super::errors::{InvalidArgumentError, InvalidConfigError, OutOfRangeError};
 use super::hashing::extra_keys;
 use super::pool::event_to_py;
 use super::request::{lock, PyRequest};
@@ -40,14 +40,76 @@ pub(crate) struct PyKVCacheBlocks {
 
 #[pymethods]
 impl PyKVCacheBlocks {
-    /// One int32 array of block ids per group (null block 0 where a slot needs no block).
-    fn get_block_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+    /// One int32 array of block ids per group (null block 0 where a slot needs no block); the
+    /// groups in `group_ids` only, if given; None with `allow_none` when they are all empty.
+    #[pyo3(signature = (allow_none = false, *, group_ids = None))]
+    fn get_block_ids<'py>(
+        &self,
+        py: Python<'py>,
+        allow_none: bool,
+        group_ids: Option<Vec<Count>>,
+    ) -> PyResult<Option<Bound<'py, PyTuple>>> {
+        let blocks = &self.computed.blocks;
+        let selected: Vec<&Vec<BlockId>> = match group_ids {
+            None => blocks.iter().collect(),
+            Some(ids) => ids
+                .into_iter()
+                .map(|g| {
+                    blocks.get(g.get()).ok_or_else(|| {
+                        OutOfRangeError::new_err(format!(
+                            "group {} out of range ({} groups)",
+                            g.get(),
+                            blocks.len()
+                        ))
+                    })
+                })
+                .collect::<PyResult<_>>()?,
+        };
+        if allow_none && selected.iter().all(|b| b.is_empty()) {
+            return Ok(None);
+        }
         PyTuple::new(
             py,
-            self.computed
-                .blocks
-                .iter()
+            selected
+                .into_iter()
                 .map(|ids| ids_to_numpy(py, ids.clone())),
+        )
+        .map(Some)
+    }
+
+    /// Group-wise concatenation (vLLM's `KVCacheBlocks.__add__`).
+    fn __add__(&self, py: Python<'_>, other: &PyKVCacheBlocks) -> PyResult<Py<PyKVCacheBlocks>> {
+        if other.manager_id != self.manager_id
+            || other.computed.blocks.len() != self.computed.blocks.len()
+        {
+            return Err(InvalidArgumentError::new_err(
+                "KVCacheBlocks of different managers or group counts cannot be added",
+            ));
+        }
+        let blocks = self
+            .computed
+            .blocks
+            .iter()
+            .zip(&other.computed.blocks)
+            .map(|(a, b)| a.iter().chain(b).copied().collect())
+            .collect();
+        Py::new(
+            py,
+            PyKVCacheBlocks {
+                computed: ComputedBlocks::new(blocks, 0),
+                manager_id: self.manager_id,
+            },
+        )
+    }
+
+    /// Blocks with the same groups and no block (vLLM's `new_empty`).
+    fn new_empty(&self, py: Python<'_>) -> PyResult<Py<PyKVCacheBlocks>> {
+        Py::new(
+            py,
+            PyKVCacheBlocks {
+                computed: ComputedBlocks::new(vec![Vec::new(); self.computed.blocks.len()], 0),
+                manager_id: self.manager_id,
+            },
         )
     }
 
@@ -206,7 +268,6 @@ struct Current {
     handle: RequestHandle,
     num_computed_tokens: usize,
     num_in_flight_tokens: usize,
-    skip_reading_prefix_cache: bool,
 }
 
 impl PyKVCacheManager {
@@ -254,8 +315,12 @@ impl PyKVCacheManager {
                     handle,
                     num_computed_tokens: record.num_computed_tokens,
                     num_in_flight_tokens: record.num_in_flight_tokens,
-                    skip_reading_prefix_cache: record.skip_reading_prefix_cache,
                 };
+                if record.skip_reading_prefix_cache {
+                    inner.manager.set_skip_reading_prefix_cache(handle, true)?;
+                } else if registered || inner.manager.request(handle)?.skip_reading_prefix_cache() {
+                    inner.manager.set_skip_reading_prefix_cache(handle, false)?;
+                }
                 match f(inner, current) {
                     Ok(r) => Ok(Some(r)),
                     Err(err) => {
@@ -384,6 +449,12 @@ impl PyKVCacheManager {
     #[getter]
     fn num_groups(&self) -> usize {
         self.num_groups
+    }
+
+    /// The shared empty result: no block in any group (vLLM's `empty_kv_cache_blocks`).
+    #[getter]
+    fn empty_kv_cache_blocks(&self, py: Python<'_>) -> Py<PyKVCacheBlocks> {
+        self.empty.clone_ref(py)
     }
 
     #[getter]
@@ -520,9 +591,9 @@ impl PyKVCacheManager {
     ) -> PyResult<(Py<PyKVCacheBlocks>, usize)> {
         let long = request.num_tokens_now() >= DETACH_SCHEDULE_TOKENS;
         let computed = self.with_request(py, request, long, |inner, r| {
-            let m = &mut inner.manager;
-            m.set_skip_reading_prefix_cache(r.handle, r.skip_reading_prefix_cache)?;
-            Ok(m.get_computed_blocks_capped(r.handle, max_cache_hit_length.map(Count::get))?)
+            Ok(inner
+                .manager
+                .get_computed_blocks_capped(r.handle, max_cache_hit_length.map(Count::get))?)
         })?;
         let n = computed.num_computed_tokens;
         Ok((self.blocks(py, computed)?, n))
@@ -538,15 +609,12 @@ impl PyKVCacheManager {
         max_cache_hit_length: Option<Count>,
     ) -> PyResult<(Py<PyKVCacheBlocks>, usize, bool)> {
         let long = request.num_tokens_now() >= DETACH_SCHEDULE_TOKENS;
-        let (computed, diverged) =
-            self.with_request(py, request, long, |inner, r| {
-                let m = &mut inner.manager;
-                m.set_skip_reading_prefix_cache(r.handle, r.skip_reading_prefix_cache)?;
-                Ok(m.get_computed_blocks_for_connector(
-                    r.handle,
-                    max_cache_hit_length.map(Count::get),
-                )?)
-            })?;
+        let (computed, diverged) = self.with_request(py, request, long, |inner, r| {
+            Ok(inner.manager.get_computed_blocks_for_connector(
+                r.handle,
+                max_cache_hit_length.map(Count::get),
+            )?)
+        })?;
         let n = computed.num_computed_tokens;
         Ok((self.blocks(py, computed)?, n, diverged))
     }

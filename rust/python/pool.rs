@@ -4,9 +4,10 @@ use super::convert::{
     block_id_arg, extract_hash, extract_hashes, extract_ids, ids_to_numpy, Count, UInt, U32,
 };
 use crate::pool::BlockPool;
-use crate::types::{KvEvent, StoreInfo};
+use crate::types::{EventKey, KvEvent, StoreInfo};
 use numpy::PyArray1;
 use pyo3::prelude::*;
+use pyo3::types::PyTuple;
 use std::sync::Arc;
 
 /// A pool of KV blocks with prefix caching (block 0 is the null block). Thread-safe.
@@ -96,6 +97,7 @@ impl PyBlockPool {
             parent_block_hash: parent,
             token_ids: &tokens,
             block_size,
+            ..StoreInfo::default()
         };
         Ok(self
             .inner
@@ -162,7 +164,7 @@ impl PyBlockPool {
     }
 }
 
-/// Blocks newly entered into the prefix cache by one call.
+/// Blocks newly entered into the prefix cache by one call (vLLM's `BlockStored` fields).
 #[pyclass(frozen, get_all, module = "hybrid_kv")]
 pub(crate) struct BlockStored {
     block_hashes: Vec<u128>,
@@ -174,6 +176,13 @@ pub(crate) struct BlockStored {
     /// comes from a `KVCacheManager` (vLLM's annotation); None from a bare `BlockPool`.
     kv_cache_spec_kind: Option<&'static str>,
     kv_cache_spec_sliding_window: Option<usize>,
+    /// Where the blocks live ("GPU").
+    medium: &'static str,
+    lora_id: Option<u64>,
+    lora_name: Option<String>,
+    /// Per stored block, its extra keys as vLLM publishes them: the LoRA name, `(identifier,
+    /// offset)` per multimodal input, the cache salt; None for a block without any.
+    extra_keys: Option<Vec<Option<Py<PyTuple>>>>,
 }
 
 #[pymethods]
@@ -231,8 +240,22 @@ pub(crate) fn event_to_py(
             token_ids,
             block_size,
             group_id,
+            lora,
+            extra_keys,
         } => {
             let kind = kinds.get(group_id as usize);
+            let extra_keys = extra_keys
+                .map(|blocks| {
+                    blocks
+                        .into_iter()
+                        .map(|keys| keys.map(|keys| event_keys_to_py(py, keys)).transpose())
+                        .collect::<PyResult<Vec<_>>>()
+                })
+                .transpose()?;
+            let (lora_name, lora_id) = match lora {
+                Some((name, id)) => (Some(name), id),
+                None => (None, None),
+            };
             Py::new(
                 py,
                 BlockStored {
@@ -243,6 +266,10 @@ pub(crate) fn event_to_py(
                     group_id,
                     kv_cache_spec_kind: kind.map(|k| k.0),
                     kv_cache_spec_sliding_window: kind.and_then(|k| k.1),
+                    medium: "GPU",
+                    lora_id,
+                    lora_name,
+                    extra_keys,
                 },
             )?
             .into_any()
@@ -260,6 +287,18 @@ pub(crate) fn event_to_py(
         .into_any(),
         KvEvent::AllBlocksCleared => Py::new(py, AllBlocksCleared)?.into_any(),
     })
+}
+
+/// One block's extra keys as a tuple of vLLM's untagged values.
+fn event_keys_to_py(py: Python<'_>, keys: Vec<EventKey>) -> PyResult<Py<PyTuple>> {
+    let items = keys
+        .into_iter()
+        .map(|k| match k {
+            EventKey::Lora(name) | EventKey::Salt(name) => Ok(name.into_pyobject(py)?.into_any()),
+            EventKey::Mm(id, offset) => Ok((id, offset).into_pyobject(py)?.into_any()),
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    Ok(PyTuple::new(py, items)?.unbind())
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -67,7 +67,7 @@ impl TokenFn<CoreResult<(usize, Prehashed)>> for Prehash<'_> {
 #[pymethods]
 impl PyRequest {
     #[new]
-    #[pyo3(signature = (request_id, prompt_token_ids, cache_salt = None, lora_name = None, mm_inputs = None, *, block_size = UInt(16), hash_algo = "xxh3", hash_seed = ""), text_signature = "(request_id, prompt_token_ids, cache_salt=None, lora_name=None, mm_inputs=None, *, block_size=16, hash_algo='xxh3', hash_seed='')")]
+    #[pyo3(signature = (request_id, prompt_token_ids, cache_salt = None, lora_name = None, mm_inputs = None, *, block_size = UInt(16), hash_algo = "xxh3", hash_seed = "", lora_id = None), text_signature = "(request_id, prompt_token_ids, cache_salt=None, lora_name=None, mm_inputs=None, *, block_size=16, hash_algo='xxh3', hash_seed='', lora_id=None)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         request_id: String,
@@ -78,8 +78,10 @@ impl PyRequest {
         block_size: Count,
         hash_algo: &str,
         hash_seed: &str,
+        lora_id: Option<Count>,
     ) -> PyResult<Self> {
-        let extra = extra_keys(cache_salt, lora_name, mm_inputs)?;
+        let mut extra = extra_keys(cache_salt, lora_name, mm_inputs)?;
+        extra.lora_id = lora_id.map(|id| id.0);
         let hasher = BlockHasher::new(block_size.get(), HashAlgo::parse(hash_algo)?, hash_seed)?;
         let (len, prehashed) = Tokens::extract(prompt_token_ids)?.with_slice(Prehash {
             py: prompt_token_ids.py(),

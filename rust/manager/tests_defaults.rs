@@ -1,0 +1,587 @@
+//! vLLM 0.33's default configuration, feature by feature: sparse retention, Mamba align prefix
+//! caching, EAGLE, lookahead hashing, long-context admission, connector calls and the spec
+//! kinds. Expected values are worked out from vLLM's rules (shared/reference), not from traces.
+
+use super::*;
+use crate::types::CacheKey;
+
+fn tokens(start: u32, n: usize) -> Vec<u32> {
+    (start..start + n as u32).collect()
+}
+
+fn config(groups: Vec<GroupSpec>, num_blocks: usize, retention: Option<usize>) -> ManagerConfig {
+    let mut c = ManagerConfig::new(groups, num_blocks, 1024);
+    c.retention_interval = retention;
+    c
+}
+
+fn manager(groups: Vec<GroupSpec>, num_blocks: usize, retention: Option<usize>) -> KVCacheManager {
+    KVCacheManager::new(&config(groups, num_blocks, retention)).unwrap()
+}
+
+fn chunk(n: usize, computed: usize) -> AllocateArgs<'static> {
+    AllocateArgs {
+        num_new_tokens: n,
+        num_computed_tokens: computed,
+        ..Default::default()
+    }
+}
+
+/// Looks the request up and allocates `n` tokens after its hit; returns the hit and the new
+/// blocks (None: out of blocks).
+fn admit_n(
+    m: &mut KVCacheManager,
+    id: &str,
+    n: usize,
+) -> (ComputedBlocks, Option<Vec<Vec<BlockId>>>) {
+    let hit = m.get_computed_blocks(id).unwrap();
+    let args = AllocateArgs {
+        num_new_tokens: n,
+        num_new_computed_tokens: hit.num_computed_tokens,
+        new_computed_blocks: Some(&hit),
+        full_sequence_must_fit: true,
+        ..Default::default()
+    };
+    let new = m.allocate_slots(id, &args).unwrap();
+    (hit, new)
+}
+
+fn non_null(ids: &[BlockId]) -> Vec<BlockId> {
+    ids.iter().copied().filter(|&b| b != NULL_BLOCK).collect()
+}
+
+fn key_of(m: &KVCacheManager, block: BlockId) -> Option<CacheKey> {
+    m.pool().block_key(block).unwrap()
+}
+
+// ----- sparse retention -----------------------------------------------------------------------
+
+#[test]
+fn default_retention_keeps_only_the_window_before_the_replay_boundary() {
+    // One sliding-window group, block 4, window 8 (a hit needs 2 blocks), 26-token prompt: 6
+    // full blocks. The replay boundary P - 1 = 25 rounds down to 24, so retention 0 keeps the
+    // 2 blocks before it (4, 5); dense retention keeps all 6.
+    for (retention, kept) in [(Some(0), 2), (None, 6)] {
+        let mut m = manager(vec![GroupSpec::sliding_window(4, 8)], 32, retention);
+        m.add_request("a", &tokens(0, 26), ExtraKeys::default())
+            .unwrap();
+        m.allocate_slots("a", &chunk(26, 0)).unwrap().unwrap();
+        assert_eq!(m.num_cached_keys(), kept, "{retention:?}");
+        let table = m.block_ids("a", 0).unwrap().to_vec();
+        let cached: Vec<usize> = (0..6).filter(|&i| key_of(&m, table[i]).is_some()).collect();
+        let expected: Vec<usize> = if kept == 2 {
+            vec![4, 5]
+        } else {
+            (0..6).collect()
+        };
+        assert_eq!(cached, expected);
+        // The same prompt again hits at 24 either way ...
+        m.add_request("b", &tokens(0, 26), ExtraKeys::default())
+            .unwrap();
+        assert_eq!(m.get_computed_blocks("b").unwrap().num_computed_tokens, 24);
+        // ... a prompt sharing only the first 16 tokens hits only where they were kept.
+        let mut other = tokens(0, 16);
+        other.extend(tokens(500, 10));
+        m.add_request("c", &other, ExtraKeys::default()).unwrap();
+        let hit = m.get_computed_blocks("c").unwrap().num_computed_tokens;
+        assert_eq!(hit, if kept == 2 { 0 } else { 16 });
+    }
+}
+
+#[test]
+fn a_retention_interval_also_keeps_one_window_per_segment() {
+    // Window 5 needs 1 block of 4; interval 8 = 2 blocks: the last block of every segment
+    // (1, 3, 5) plus the replay boundary's (block 5).
+    let mut m = manager(vec![GroupSpec::sliding_window(4, 5)], 32, Some(8));
+    m.add_request("a", &tokens(0, 26), ExtraKeys::default())
+        .unwrap();
+    m.allocate_slots("a", &chunk(26, 0)).unwrap().unwrap();
+    let table = m.block_ids("a", 0).unwrap().to_vec();
+    let cached: Vec<usize> = (0..6).filter(|&i| key_of(&m, table[i]).is_some()).collect();
+    assert_eq!(cached, vec![1, 3, 5]);
+}
+
+#[test]
+fn retention_is_validated_as_vllm_does() {
+    let bad = |groups: Vec<GroupSpec>, r| KVCacheManager::new(&config(groups, 16, Some(r)));
+    // Not a multiple of the scheduler block size.
+    assert!(matches!(
+        bad(vec![GroupSpec::sliding_window(4, 8)], 6),
+        Err(CoreError::InvalidConfig(_))
+    ));
+    // An interval on a layout without sliding-window or Mamba groups has no effect.
+    assert!(matches!(
+        bad(vec![GroupSpec::full(4)], 8),
+        Err(CoreError::InvalidConfig(_))
+    ));
+    assert!(bad(vec![GroupSpec::full(4)], 0).is_ok());
+}
+
+#[test]
+fn a_shared_prefix_junction_is_pinned_for_the_next_request() {
+    // Full + sliding window (block 4, window 8), retention 0. A caches the window before its
+    // replay boundary only (blocks 7, 8). B shares A's first 24 tokens: full attention hits 24,
+    // the window misses, so B's hit is 0 with a shared-prefix boundary of 24, and B keeps the
+    // window before 24 (blocks 4, 5) when it caches. C, sharing the same 24 tokens, now hits.
+    let groups = vec![GroupSpec::full(4), GroupSpec::sliding_window(4, 8)];
+    let mut m = manager(groups, 64, Some(0));
+    m.add_request("a", &tokens(0, 40), ExtraKeys::default())
+        .unwrap();
+    m.allocate_slots("a", &chunk(40, 0)).unwrap().unwrap();
+    let sw_a = m.block_ids("a", 1).unwrap().to_vec();
+    let cached_a: Vec<usize> = (0..10).filter(|&i| key_of(&m, sw_a[i]).is_some()).collect();
+    assert_eq!(cached_a, vec![7, 8]);
+
+    let mut b = tokens(0, 24);
+    b.extend(tokens(1000, 16));
+    m.add_request("b", &b, ExtraKeys::default()).unwrap();
+    let (hit, new) = admit_n(&mut m, "b", 40);
+    assert_eq!(
+        (hit.num_computed_tokens, hit.shared_prefix_boundary),
+        (0, 24)
+    );
+    assert!(new.is_some());
+    let sw_b = m.block_ids("b", 1).unwrap().to_vec();
+    let cached_b: Vec<usize> = (0..10).filter(|&i| key_of(&m, sw_b[i]).is_some()).collect();
+    assert_eq!(cached_b, vec![4, 5, 7, 8]);
+
+    let mut c = tokens(0, 24);
+    c.extend(tokens(2000, 16));
+    m.add_request("c", &c, ExtraKeys::default()).unwrap();
+    assert_eq!(m.get_computed_blocks("c").unwrap().num_computed_tokens, 24);
+}
+
+// ----- long-context admission ---------------------------------------------------------------------
+
+#[test]
+fn admission_bounds_a_sliding_window_by_its_window_not_the_sequence() {
+    // Window 8, block 4, 2 tokens in flight: the admission check reserves
+    // cdiv(min(8 - 1 + 2, L), 4) + 1 = 4 window blocks however long the prompt, plus the full
+    // group's 25 for a 100-token prompt: 29 of 30 free blocks.
+    let groups = vec![GroupSpec::full(4), GroupSpec::sliding_window(4, 8)];
+    let mut c = config(groups, 31, Some(0));
+    c.max_in_flight_tokens = Some(2);
+    let mut m = KVCacheManager::new(&c).unwrap();
+    m.add_request("a", &tokens(0, 100), ExtraKeys::default())
+        .unwrap();
+    assert_eq!(m.num_blocks_to_admit("a", None).unwrap(), 29);
+    let (_, new) = admit_n(&mut m, "a", 2);
+    assert!(
+        new.is_some(),
+        "admitted although the whole sequence needs 50 blocks"
+    );
+}
+
+// ----- Mamba align ---------------------------------------------------------------------------------
+
+fn full_mamba(num_blocks: usize) -> KVCacheManager {
+    manager(
+        vec![GroupSpec::full(4), GroupSpec::mamba(4)],
+        num_blocks,
+        Some(0),
+    )
+}
+
+#[test]
+fn mamba_align_keeps_only_the_live_state_and_caches_it_at_the_checkpoint() {
+    // An 18-token prompt: the scheduler's split ends the first chunk at the last cacheable
+    // position 16. The Mamba table holds nulls and one state block at slot 3; caching 16
+    // tokens keys that state (the replay boundary 17 rounds down to 16).
+    let mut m = full_mamba(64);
+    m.add_request("a", &tokens(0, 18), ExtraKeys::default())
+        .unwrap();
+    let new = m.allocate_slots("a", &chunk(16, 0)).unwrap().unwrap();
+    assert_eq!(new[0].len(), 4);
+    assert_eq!(new[1].len(), 4);
+    assert_eq!(&new[1][..3], &[NULL_BLOCK; 3]);
+    let state = new[1][3];
+    assert!(key_of(&m, state).is_some(), "the state at 16 is cached");
+    // Second chunk (2 tokens): one more state block; the first is kept until left behind.
+    let new = m.allocate_slots("a", &chunk(2, 16)).unwrap().unwrap();
+    assert_eq!(new[1].len(), 1);
+    assert_eq!(m.block_ids("a", 1).unwrap()[3], state);
+    // A decode step: the state two steps back is freed (still cached, evictable).
+    m.append_token_ids("a", &[7u32]).unwrap();
+    m.new_step_starts();
+    m.allocate_slots("a", &chunk(1, 18)).unwrap().unwrap();
+    assert_eq!(m.block_ids("a", 1).unwrap()[3], NULL_BLOCK);
+    assert_eq!(m.pool().ref_count(state).unwrap(), 0);
+    assert!(key_of(&m, state).is_some());
+    // The same prompt hits 16 tokens: the state's slot, nulls before it.
+    m.add_request("b", &tokens(0, 18), ExtraKeys::default())
+        .unwrap();
+    let hit = m.get_computed_blocks("b").unwrap();
+    assert_eq!(hit.num_computed_tokens, 16);
+    assert_eq!(
+        hit.blocks[1],
+        vec![NULL_BLOCK, NULL_BLOCK, NULL_BLOCK, state]
+    );
+    assert_eq!(hit.blocks[0].len(), 4);
+}
+
+#[test]
+fn a_prompt_prefilled_past_its_checkpoint_in_one_chunk_caches_no_mamba_state() {
+    // Without the split, the chunk ends at 18: the state written there is not at the
+    // checkpoint (16), so no Mamba state is cached and the prompt cannot be hit.
+    let mut m = full_mamba(64);
+    m.add_request("a", &tokens(0, 18), ExtraKeys::default())
+        .unwrap();
+    m.allocate_slots("a", &chunk(18, 0)).unwrap().unwrap();
+    let mamba = non_null(m.block_ids("a", 1).unwrap());
+    assert!(mamba.iter().all(|&b| key_of(&m, b).is_none()));
+    m.add_request("b", &tokens(0, 18), ExtraKeys::default())
+        .unwrap();
+    assert_eq!(m.get_computed_blocks("b").unwrap().num_computed_tokens, 0);
+}
+
+#[test]
+fn a_mamba_hit_on_a_state_cached_in_the_same_step_waits_a_step() {
+    let mut m = full_mamba(64);
+    m.add_request("a", &tokens(0, 18), ExtraKeys::default())
+        .unwrap();
+    m.allocate_slots("a", &chunk(16, 0)).unwrap().unwrap();
+    m.add_request("b", &tokens(0, 18), ExtraKeys::default())
+        .unwrap();
+    let (hit, new) = admit_n(&mut m, "b", 2);
+    assert_eq!(hit.num_computed_tokens, 16);
+    assert!(
+        new.is_none(),
+        "the state is only written by this step's forward pass"
+    );
+    assert!(m.block_ids("b", 1).unwrap().is_empty());
+    m.new_step_starts();
+    let (hit, new) = admit_n(&mut m, "b", 2);
+    let new = new.unwrap();
+    assert_eq!(hit.num_computed_tokens, 16);
+    // The hit state is adopted at slot 3 and a new state block appended.
+    assert_eq!(m.block_ids("b", 1).unwrap()[3], hit.blocks[1][3]);
+    assert_eq!(new[1].len(), 1);
+}
+
+#[test]
+fn mamba_speculative_blocks_are_allocated_once_and_relocated() {
+    // Align mode with 2 speculative blocks, block 4. An 8-token prompt needs cdiv(8, 4) + 2 = 4
+    // slots: one null, then 1 + 2 new blocks (the speculative ones only on the first
+    // allocation).
+    let groups = vec![GroupSpec::mamba_with(4, MambaMode::Align, 2)];
+    let mut m = manager(groups, 64, Some(0));
+    m.add_request("a", &tokens(0, 8), ExtraKeys::default())
+        .unwrap();
+    let new = m.allocate_slots("a", &chunk(8, 0)).unwrap().unwrap();
+    assert_eq!(new[0].len(), 4);
+    assert_eq!(new[0][0], NULL_BLOCK);
+    let (state, spec) = (new[0][1], new[0][2..].to_vec());
+    // One block at a time the speculative blocks become the live window: nothing moves.
+    let mut other = manager(
+        vec![GroupSpec::mamba_with(4, MambaMode::Align, 2)],
+        64,
+        Some(0),
+    );
+    other
+        .add_request("a", &tokens(0, 8), ExtraKeys::default())
+        .unwrap();
+    other.allocate_slots("a", &chunk(8, 0)).unwrap().unwrap();
+    other.append_token_ids("a", &tokens(50, 4)).unwrap();
+    let new = other.allocate_slots("a", &chunk(4, 8)).unwrap().unwrap();
+    assert_eq!(new[0].len(), 1);
+    // Two blocks at once: the live slots start past slot 2, whose speculative block moves to
+    // the end of the table and is handed over again with the one new block.
+    m.append_token_ids("a", &tokens(50, 8)).unwrap();
+    let new = m.allocate_slots("a", &chunk(8, 8)).unwrap().unwrap();
+    let table = m.block_ids("a", 0).unwrap().to_vec();
+    assert_eq!(table.len(), 6);
+    assert_eq!(
+        &table[..5],
+        &[NULL_BLOCK, state, NULL_BLOCK, spec[1], spec[0]]
+    );
+    assert_eq!(new[0], vec![spec[0], table[5]]);
+}
+
+#[test]
+fn mamba_boundary_states_are_offered_and_attention_blocks_recorded_for_zeroing() {
+    let mut m = full_mamba(64);
+    m.add_request("a", &tokens(0, 18), ExtraKeys::default())
+        .unwrap();
+    let new = m.allocate_slots("a", &chunk(16, 0)).unwrap().unwrap();
+    let offloads = m.take_boundary_state_offloads();
+    assert_eq!(offloads, vec![("a".to_owned(), 1, new[1][3], 16)]);
+    assert!(m.take_boundary_state_offloads().is_empty());
+    // A layout with Mamba layers zeroes new attention blocks (not Mamba states).
+    assert_eq!(m.take_new_block_ids(), new[0]);
+    m.record_blocks_for_zeroing("a", 8).unwrap();
+    assert_eq!(m.take_new_block_ids(), new[0][2..].to_vec());
+    assert!(matches!(
+        m.record_blocks_for_zeroing("a", 6),
+        Err(CoreError::InvalidArgument(_))
+    ));
+}
+
+// ----- EAGLE and lookahead hashing ------------------------------------------------------------------
+
+fn eagle(groups: Vec<GroupSpec>, retention: Option<usize>) -> KVCacheManager {
+    let mut c = config(groups, 64, retention);
+    c.use_eagle = true;
+    KVCacheManager::new(&c).unwrap()
+}
+
+#[test]
+fn eagle_drops_the_last_matched_full_attention_block() {
+    let mut m = eagle(vec![GroupSpec::full(4)], Some(0));
+    m.add_request("a", &tokens(0, 20), ExtraKeys::default())
+        .unwrap();
+    m.allocate_slots("a", &chunk(20, 0)).unwrap().unwrap();
+    m.add_request("b", &tokens(0, 20), ExtraKeys::default())
+        .unwrap();
+    // 4 blocks match below 19 tokens; the drafter recomputes the last: 12.
+    assert_eq!(m.get_computed_blocks("b").unwrap().num_computed_tokens, 12);
+}
+
+#[test]
+fn eagle_sliding_window_needs_one_more_block_and_drops_it() {
+    // Window 8: 2 blocks, plus the EAGLE block: a run of 3 whose last is dropped.
+    let mut m = eagle(vec![GroupSpec::sliding_window(4, 8)], None);
+    m.add_request("a", &tokens(0, 20), ExtraKeys::default())
+        .unwrap();
+    m.allocate_slots("a", &chunk(20, 0)).unwrap().unwrap();
+    m.add_request("b", &tokens(0, 20), ExtraKeys::default())
+        .unwrap();
+    let hit = m.get_computed_blocks("b").unwrap();
+    assert_eq!(hit.num_computed_tokens, 12);
+    assert_eq!(non_null(&hit.blocks[0]).len(), 2);
+}
+
+#[test]
+fn eagle_moves_the_replay_boundaries_and_caches_the_peek_block() {
+    // Hybrid full + window (block 4, window 8), retention 0, EAGLE: a 20-token prompt's
+    // boundaries are 12 (resend 16 - 4) and 16 (extension 20 - 4); the window keeps its tail
+    // before each, shifted by the peek block: blocks 2..4 and 3..5.
+    let groups = vec![GroupSpec::full(4), GroupSpec::sliding_window(4, 8)];
+    let mut m = eagle(groups, Some(0));
+    m.add_request("a", &tokens(0, 20), ExtraKeys::default())
+        .unwrap();
+    m.allocate_slots("a", &chunk(20, 0)).unwrap().unwrap();
+    let sw = m.block_ids("a", 1).unwrap().to_vec();
+    let cached: Vec<usize> = (0..5).filter(|&i| key_of(&m, sw[i]).is_some()).collect();
+    assert_eq!(cached, vec![1, 2, 3, 4]);
+    // A resend looks one block past its cap (19 + 4, within the 20 hashed tokens) and drops
+    // it: 16. A longer sibling also lands at 16.
+    m.add_request("b", &tokens(0, 20), ExtraKeys::default())
+        .unwrap();
+    assert_eq!(m.get_computed_blocks("b").unwrap().num_computed_tokens, 16);
+    m.add_request("c", &tokens(0, 30), ExtraKeys::default())
+        .unwrap();
+    assert_eq!(m.get_computed_blocks("c").unwrap().num_computed_tokens, 16);
+}
+
+#[test]
+fn eagle_with_chunked_local_attention_is_refused_as_in_vllm() {
+    let mut c = config(
+        vec![GroupSpec::full(4), GroupSpec::chunked_local(4, 16)],
+        64,
+        Some(0),
+    );
+    c.use_eagle = true;
+    assert!(matches!(
+        KVCacheManager::new(&c),
+        Err(CoreError::InvalidConfig(_))
+    ));
+}
+
+#[test]
+fn lookahead_hashing_hashes_a_block_once_the_tokens_after_it_exist() {
+    let mut c = config(vec![GroupSpec::full(4)], 64, Some(0));
+    c.num_hash_lookahead_tokens = 2;
+    let mut m = KVCacheManager::new(&c).unwrap();
+    m.add_request("a", &tokens(0, 9), ExtraKeys::default())
+        .unwrap();
+    // Blocks 0 and 1 need tokens up to 6 and 10: only block 0 is hashed.
+    assert_eq!(m.request("a").unwrap().block_hashes().len(), 1);
+    m.append_token_ids("a", &[100u32]).unwrap();
+    assert_eq!(m.request("a").unwrap().block_hashes().len(), 2);
+    // The hash covers the lookahead tokens: a different token 4 or 5 changes block 0's hash.
+    let h = m.request("a").unwrap().block_hashes()[0];
+    m.add_request("b", &[0u32, 1, 2, 3, 4, 99, 6], ExtraKeys::default())
+        .unwrap();
+    assert_ne!(m.request("b").unwrap().block_hashes()[0], h);
+    m.add_request("c", &[0u32, 1, 2, 3, 4, 5, 42], ExtraKeys::default())
+        .unwrap();
+    assert_eq!(m.request("c").unwrap().block_hashes()[0], h);
+}
+
+// ----- connectors and the rest of the API ---------------------------------------------------------
+
+#[test]
+fn external_tokens_get_blocks_after_the_local_hit_and_delayed_caching_waits() {
+    let mut m = manager(vec![GroupSpec::full(4)], 64, Some(0));
+    m.add_request("a", &tokens(0, 16), ExtraKeys::default())
+        .unwrap();
+    m.allocate_slots("a", &chunk(16, 0)).unwrap().unwrap();
+    m.add_request("b", &tokens(0, 30), ExtraKeys::default())
+        .unwrap();
+    let hit = m.get_computed_blocks("b").unwrap();
+    assert_eq!(hit.num_computed_tokens, 16);
+    // 8 more tokens come from a connector; 4 are computed; caching waits for the transfer.
+    let args = AllocateArgs {
+        num_new_tokens: 4,
+        num_new_computed_tokens: 16,
+        new_computed_blocks: Some(&hit),
+        num_external_computed_tokens: 8,
+        delay_cache_blocks: true,
+        ..Default::default()
+    };
+    let new = m.allocate_slots("b", &args).unwrap().unwrap();
+    assert_eq!(m.block_ids("b", 0).unwrap().len(), 7);
+    assert_eq!(
+        new[0].len(),
+        1,
+        "the external blocks are not among the new ones"
+    );
+    let cached = m.num_cached_keys();
+    m.cache_blocks("b", 28).unwrap();
+    assert_eq!(m.num_cached_keys(), cached + 3);
+    assert_eq!(m.estimate_cached_tokens("b").unwrap(), 28);
+    assert_eq!(
+        m.get_block_ids_for_computed_tokens("b", 9).unwrap()[0].len(),
+        3
+    );
+}
+
+#[test]
+fn pop_blocks_for_free_hands_the_blocks_over_without_freeing() {
+    let groups = vec![GroupSpec::full(4), GroupSpec::sliding_window(4, 8)];
+    let mut m = manager(groups, 64, None);
+    m.add_request("a", &tokens(0, 20), ExtraKeys::default())
+        .unwrap();
+    m.allocate_slots("a", &chunk(20, 0)).unwrap().unwrap();
+    m.append_token_ids("a", &[1u32]).unwrap();
+    m.allocate_slots("a", &chunk(1, 20)).unwrap().unwrap();
+    let free = m.num_free_blocks();
+    let full = m.block_ids("a", 0).unwrap().to_vec();
+    let sw = m.block_ids("a", 1).unwrap().to_vec();
+    let popped = m.pop_blocks_for_free("a").unwrap();
+    let lead = sw.iter().take_while(|&&b| b == NULL_BLOCK).count();
+    let mut expected = full.clone();
+    expected.extend_from_slice(&sw[lead..]);
+    assert_eq!(popped, expected);
+    assert_eq!(m.num_free_blocks(), free);
+    assert!(m.block_ids("a", 0).unwrap().is_empty());
+    let mut tail_first = popped.clone();
+    tail_first.reverse();
+    m.pool().free_blocks(&tail_first).unwrap();
+    assert_eq!(m.num_free_blocks(), free + popped.len());
+}
+
+#[test]
+fn reserved_blocks_and_hit_caps_and_prompt_logprobs() {
+    let mut m = manager(vec![GroupSpec::full(4)], 11, Some(0));
+    m.add_request("a", &tokens(0, 20), ExtraKeys::default())
+        .unwrap();
+    m.allocate_slots("a", &chunk(20, 0)).unwrap().unwrap();
+    m.add_request("b", &tokens(0, 20), ExtraKeys::default())
+        .unwrap();
+    // max_cache_hit_length caps the hit (rounded down to a block).
+    let capped = m.get_computed_blocks_capped("b", Some(10)).unwrap();
+    assert_eq!(capped.num_computed_tokens, 8);
+    // Prompt-logprobs requests read no hit.
+    m.set_skip_reading_prefix_cache("b", true).unwrap();
+    assert_eq!(m.get_computed_blocks("b").unwrap().num_computed_tokens, 0);
+    // 5 free blocks; b needs 5 without a hit: reserving 1 for others refuses it.
+    let args = AllocateArgs {
+        num_new_tokens: 20,
+        reserved_blocks: 1,
+        ..Default::default()
+    };
+    assert!(m.allocate_slots("b", &args).unwrap().is_none());
+    let args = AllocateArgs {
+        reserved_blocks: 0,
+        ..args
+    };
+    assert!(m.allocate_slots("b", &args).unwrap().is_some());
+}
+
+#[test]
+fn truncating_a_hit_keeps_whole_blocks_and_mamba_what_it_has() {
+    let mut m = full_mamba(64);
+    m.add_request("a", &tokens(0, 18), ExtraKeys::default())
+        .unwrap();
+    m.allocate_slots("a", &chunk(16, 0)).unwrap().unwrap();
+    m.new_step_starts();
+    m.add_request("b", &tokens(0, 18), ExtraKeys::default())
+        .unwrap();
+    let hit = m.get_computed_blocks("b").unwrap();
+    let cut = m.truncate_computed_blocks(&hit, 8).unwrap();
+    assert_eq!(cut.blocks[0], hit.blocks[0][..2].to_vec());
+    assert_eq!(cut.blocks[1], hit.blocks[1][..2].to_vec());
+    assert!(m.truncate_computed_blocks(&hit, 6).is_err());
+    assert!(m.truncate_computed_blocks(&hit, 20).is_err());
+}
+
+// ----- spec kinds ----------------------------------------------------------------------------------
+
+#[test]
+fn reference_sliding_window_frees_the_gap_between_prompt_and_window() {
+    // R-SWA window 8, block 4, prompt 8: after 23 processed tokens the window starts at 15, so
+    // the gap is block 2 (tokens 8..11); the prompt's blocks and blocks 3.. stay.
+    let groups = vec![GroupSpec::new(AttentionKind::Rswa { window: 8 }, 4)];
+    let mut m = manager(groups, 64, None);
+    m.add_request("a", &tokens(0, 8), ExtraKeys::default())
+        .unwrap();
+    m.allocate_slots("a", &chunk(8, 0)).unwrap().unwrap();
+    for computed in 8..24 {
+        m.append_token_ids("a", &[1u32]).unwrap();
+        m.allocate_slots("a", &chunk(1, computed)).unwrap().unwrap();
+    }
+    let table = m.block_ids("a", 0).unwrap();
+    assert_eq!(table.len(), 6);
+    assert_ne!(table[0], NULL_BLOCK);
+    assert_ne!(table[1], NULL_BLOCK);
+    assert_eq!(table[2], NULL_BLOCK);
+    assert!(table[3..].iter().all(|&b| b != NULL_BLOCK));
+}
+
+#[test]
+fn a_circular_buffer_holds_one_block_per_request_and_is_never_cached() {
+    let groups = vec![
+        GroupSpec::full(4),
+        GroupSpec::new(AttentionKind::CircularBuffer, 4),
+    ];
+    let mut m = manager(groups, 64, Some(0));
+    m.add_request("a", &tokens(0, 20), ExtraKeys::default())
+        .unwrap();
+    let new = m.allocate_slots("a", &chunk(20, 0)).unwrap().unwrap();
+    assert_eq!((new[0].len(), new[1].len()), (5, 1));
+    m.append_token_ids("a", &[1u32]).unwrap();
+    let new = m.allocate_slots("a", &chunk(1, 20)).unwrap().unwrap();
+    assert_eq!((new[0].len(), new[1].len()), (1, 0));
+    assert_eq!(m.num_cached_keys(), 5);
+    m.add_request("b", &tokens(0, 20), ExtraKeys::default())
+        .unwrap();
+    let hit = m.get_computed_blocks("b").unwrap();
+    assert_eq!((hit.num_computed_tokens, hit.blocks[1].len()), (16, 0));
+}
+
+#[test]
+fn bounded_replay_sliding_window_mla_is_not_cached() {
+    let kind = AttentionKind::SlidingWindowMla {
+        window: 8,
+        bounded_replay: true,
+    };
+    let groups = vec![GroupSpec::full(4), GroupSpec::new(kind, 4)];
+    let mut m = manager(groups, 64, None);
+    m.add_request("a", &tokens(0, 20), ExtraKeys::default())
+        .unwrap();
+    m.allocate_slots("a", &chunk(20, 0)).unwrap().unwrap();
+    assert_eq!(m.num_cached_keys(), 5, "only the full-attention blocks");
+}
+
+#[test]
+fn an_attention_free_layout_has_no_groups() {
+    let mut m = KVCacheManager::new(&ManagerConfig::new(vec![], 1, 64)).unwrap();
+    m.add_request("a", &tokens(0, 10), ExtraKeys::default())
+        .unwrap();
+    assert_eq!(m.get_computed_blocks("a").unwrap().num_computed_tokens, 0);
+    assert_eq!(m.allocate_slots("a", &chunk(10, 0)).unwrap(), Some(vec![]));
+    assert_eq!((m.num_free_blocks(), m.usage()), (0, 0.0));
+    // With groups, a pool of only the null block is too small.
+    assert!(KVCacheManager::new(&ManagerConfig::new(vec![GroupSpec::full(4)], 1, 64)).is_err());
+}

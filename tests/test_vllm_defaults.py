@@ -1,0 +1,279 @@
+"""vLLM 0.33's default configuration through the Python API: sparse retention, Mamba align
+prefix caching, EAGLE, connector calls, KV events with vLLM's fields, the spec kinds. Expected
+values follow vLLM's rules (shared/reference/vllm-semantics.md), worked out by hand."""
+
+from __future__ import annotations
+
+import hybrid_kv as hk
+import numpy as np
+import pytest
+
+FULL = {"kind": "full", "block_size": 4}
+SW8 = {"kind": "sliding_window", "block_size": 4, "sliding_window": 8}
+MAMBA = {"kind": "mamba", "block_size": 4}
+
+
+def ids(blocks: hk.KVCacheBlocks) -> list[list[int]]:
+    return [x.tolist() for x in blocks.get_block_ids()]
+
+
+def admit(m: hk.KVCacheManager, req: hk.Request, n: int | None = None) -> tuple:
+    blocks, hit = m.get_computed_blocks(req)
+    n = req.num_tokens - hit if n is None else n
+    new = m.allocate_slots(
+        req, n, num_new_computed_tokens=hit, new_computed_blocks=blocks, full_sequence_must_fit=True
+    )
+    return blocks, hit, new
+
+
+# ----- retention ----------------------------------------------------------------------------------
+
+
+def test_retention_defaults_to_vllms_zero_and_can_be_dense_or_periodic() -> None:
+    # A 26-token prompt, one window-8 group of 4-token blocks: 6 full blocks.
+    kept = {}
+    for retention in (0, None, 8):
+        m = hk.KVCacheManager([SW8], 32, 1024, prefix_cache_retention_interval=retention)
+        m.allocate_slots(hk.Request("a", list(range(26)), block_size=4), 26)
+        kept[retention] = m.num_cached_blocks
+    default = hk.KVCacheManager([SW8], 32, 1024)
+    default.allocate_slots(hk.Request("a", list(range(26)), block_size=4), 26)
+    # 0: the 2 blocks before the replay boundary 24; dense: all 6; 8 tokens = 2 blocks a
+    # segment needs all of them (a hit needs 2 blocks): all 6.
+    assert kept == {0: 2, None: 6, 8: 6}
+    assert default.num_cached_blocks == 2
+    with pytest.raises(hk.InvalidConfigError):
+        hk.KVCacheManager([SW8], 32, 1024, prefix_cache_retention_interval=6)
+    with pytest.raises(hk.InvalidConfigError):
+        hk.KVCacheManager([FULL], 32, 1024, prefix_cache_retention_interval=8)
+
+
+def test_a_shared_prefix_junction_is_reported_and_pinned() -> None:
+    m = hk.KVCacheManager([FULL, SW8], 64, 1024)
+    m.allocate_slots(hk.Request("a", list(range(40)), block_size=4), 40)
+    b = hk.Request("b", list(range(24)) + list(range(1000, 1016)), block_size=4)
+    blocks, hit, new = admit(m, b)
+    assert (hit, blocks.shared_prefix_boundary) == (0, 24)
+    assert new is not None
+    c = hk.Request("c", list(range(24)) + list(range(2000, 2016)), block_size=4)
+    assert m.get_computed_blocks(c)[1] == 24
+
+
+# ----- Mamba align --------------------------------------------------------------------------------
+
+
+def test_mamba_align_caches_the_state_at_the_checkpoint_and_defers_same_step_hits() -> None:
+    m = hk.KVCacheManager([FULL, MAMBA], 64, 1024)
+    assert m.groups[1]["mamba_cache_mode"] == "align"
+    a = hk.Request("a", list(range(18)), block_size=4)
+    new = m.allocate_slots(a, 16)  # the scheduler's split ends the chunk at 16
+    state = ids(new)[1]
+    assert state[:3] == [0, 0, 0] and state[3] > 0
+    assert m.take_boundary_state_offloads() == {"a": [(1, state[3], 16)]}
+    assert m.take_new_block_ids().tolist() == ids(new)[0]
+    b = hk.Request("b", list(range(18)), block_size=4)
+    blocks, hit, new_b = admit(m, b, 2)
+    assert hit == 16 and ids(blocks)[1] == [0, 0, 0, state[3]]
+    assert new_b is None, "the state is written by this step's forward pass"
+    m.new_step_starts()
+    _, hit, new_b = admit(m, b, 2)
+    assert hit == 16 and new_b is not None
+    assert m.get_block_ids("b")[1].tolist()[3] == state[3]
+
+
+def test_mamba_none_mode_needs_caching_off_and_holds_speculative_blocks() -> None:
+    none = {"kind": "mamba", "block_size": 16, "mamba_cache_mode": "none"}
+    with pytest.raises(hk.InvalidConfigError, match="align"):
+        hk.KVCacheManager([none], 64, 1024)
+    spec = none | {"num_speculative_blocks": 2}
+    m = hk.KVCacheManager([spec], 64, 1024, enable_caching=False)
+    new = m.allocate_slots(hk.Request("a", list(range(40))), 40)
+    assert len(ids(new)[0]) == 5
+
+
+# ----- EAGLE --------------------------------------------------------------------------------------
+
+
+def test_eagle_drops_the_last_matched_block() -> None:
+    for eagle, hit in ((False, 16), (True, 12)):
+        m = hk.KVCacheManager([FULL], 64, 1024, use_eagle=eagle)
+        m.allocate_slots(hk.Request("a", list(range(20)), block_size=4), 20)
+        assert m.get_computed_blocks(hk.Request("b", list(range(20)), block_size=4))[1] == hit
+
+
+def test_eagle_groups_must_exist() -> None:
+    with pytest.raises(hk.InvalidConfigError):
+        hk.KVCacheManager([FULL], 64, 1024, use_eagle=True, eagle_groups=[3])
+
+
+# ----- connectors and the rest of the API ---------------------------------------------------------
+
+
+def test_external_tokens_delayed_caching_and_the_connector_lookups() -> None:
+    m = hk.KVCacheManager([FULL], 64, 1024)
+    m.allocate_slots(hk.Request("a", list(range(16)), block_size=4), 16)
+    b = hk.Request("b", list(range(30)), block_size=4)
+    blocks, hit = m.get_computed_blocks(b)
+    assert hit == 16
+    new = m.allocate_slots(
+        b,
+        4,
+        num_new_computed_tokens=16,
+        new_computed_blocks=blocks,
+        num_external_computed_tokens=8,
+        delay_cache_blocks=True,
+    )
+    assert len(ids(new)[0]) == 1
+    assert len(m.get_block_ids("b")[0]) == 7
+    before = m.num_cached_blocks
+    m.cache_blocks(b, 28)
+    assert m.num_cached_blocks == before + 3
+    assert m.estimate_cached_tokens(b) == 28
+    assert len(m.get_block_ids_for_computed_tokens("b", 9)[0]) == 3
+    c = hk.Request("c", list(range(30)), block_size=4)
+    blocks, n, diverged = m.get_computed_blocks_for_connector(c)
+    assert (n, diverged) == (28, False)
+    cut = m.truncate_computed_blocks(blocks, 8)
+    assert ids(cut)[0] == ids(blocks)[0][:2]
+    table = m.get_block_ids("b")[0].tolist()
+    free = m.num_free_blocks
+    popped = m.pop_blocks_for_free(b)
+    assert popped.tolist() == table
+    assert m.get_block_ids("b")[0].tolist() == []
+    assert m.num_free_blocks == free, "popped, not freed"
+
+
+def test_prompt_logprobs_requests_read_no_hit_and_are_not_counted() -> None:
+    m = hk.KVCacheManager([FULL], 64, 1024)
+    m.allocate_slots(hk.Request("a", list(range(20)), block_size=4), 20)
+    b = hk.Request("b", list(range(20)), block_size=4)
+    assert m.get_computed_blocks(b, max_cache_hit_length=10)[1] == 8
+    b.skip_reading_prefix_cache = True
+    assert m.get_computed_blocks(b)[1] == 0
+    m.record_prefix_cache_stats(b, 0)
+    assert m.prefix_cache_stats()["requests"] == 0
+    b.skip_reading_prefix_cache = False
+    assert m.get_computed_blocks(b)[1] == 16
+
+
+def test_reserved_blocks_are_left_free() -> None:
+    m = hk.KVCacheManager([FULL], 6, 1024)
+    req = hk.Request("a", list(range(20)), block_size=4)
+    assert m.allocate_slots(req, 20, reserved_blocks=1) is None
+    assert m.allocate_slots(req, 20) is not None
+
+
+def test_in_flight_tokens_keep_the_window_until_processed() -> None:
+    m = hk.KVCacheManager([SW8], 64, 1024, enable_caching=False)
+    req = hk.Request("a", list(range(16)), block_size=4)
+    m.allocate_slots(req, 16)
+    req.num_computed_tokens = 16
+    req.append_output_token_ids(1)
+    req.num_in_flight_tokens = 8  # the last 8 tokens are scheduled but not processed
+    m.allocate_slots(req, 1)
+    # Processed 8 tokens: only block 0 left the window (token 8 - 8 + 1 = 1 skipped: none).
+    assert m.get_block_ids("a")[0].tolist()[0] != 0
+    req.num_in_flight_tokens = 0
+    req.num_computed_tokens = 17
+    req.append_output_token_ids(2)
+    m.allocate_slots(req, 1)
+    assert m.get_block_ids("a")[0].tolist()[:2] == [0, 0]
+
+
+def test_kv_cache_blocks_add_and_select_groups() -> None:
+    m = hk.KVCacheManager([FULL, SW8], 64, 1024)
+    a = m.allocate_slots(hk.Request("a", list(range(8)), block_size=4), 8)
+    b = m.allocate_slots(hk.Request("b", list(range(100, 104)), block_size=4), 4)
+    both = a + b
+    assert ids(both) == [ids(a)[0] + ids(b)[0], ids(a)[1] + ids(b)[1]]
+    assert [x.tolist() for x in both.get_block_ids(group_ids=[1])] == [ids(a)[1] + ids(b)[1]]
+    empty = a.new_empty()
+    assert empty.get_block_ids(allow_none=True) is None
+    assert ids(m.empty_kv_cache_blocks) == [[], []]
+    assert m.get_num_common_prefix_blocks("a") == [0, 0]
+
+
+# ----- KV events ----------------------------------------------------------------------------------
+
+
+def test_stored_events_carry_vllms_fields() -> None:
+    m = hk.KVCacheManager([FULL], 64, 1024, enable_kv_events=True)
+    req = hk.Request(
+        "a",
+        list(range(12)),
+        cache_salt="tenant",
+        lora_name="adapter",
+        mm_inputs=[("img", 2, 4)],
+        block_size=4,
+        lora_id=7,
+    )
+    m.allocate_slots(req, 12)
+    (stored,) = [e for e in m.take_events() if isinstance(e, hk.BlockStored)]
+    assert (stored.medium, stored.lora_id, stored.lora_name) == ("GPU", 7, "adapter")
+    assert stored.kv_cache_spec_kind == "full_attention"
+    assert stored.extra_keys == [
+        ("adapter", ("img", 2), "tenant"),
+        ("adapter", ("img", -2)),
+        ("adapter",),
+    ]
+
+
+def test_a_masked_out_range_still_publishes_an_empty_stored_event() -> None:
+    # Retention 0, window 5 (a hit needs 1 block of 4): a 26-token prompt keeps only block 5,
+    # before its replay boundary 24. A first chunk of 20 tokens offers blocks 0..4 and stores
+    # none of them; vLLM still publishes the event, with no hashes.
+    sw5 = {"kind": "sliding_window", "block_size": 4, "sliding_window": 5}
+    m = hk.KVCacheManager([sw5], 64, 1024, enable_kv_events=True)
+    req = hk.Request("a", list(range(26)), block_size=4)
+    m.allocate_slots(req, 20)  # blocks 0..4 full, none reachable
+    events = [e for e in m.take_events() if isinstance(e, hk.BlockStored)]
+    assert len(events) == 1 and events[0].block_hashes == [] and events[0].extra_keys is None
+    assert len(events[0].token_ids) == 20
+
+
+# ----- kinds --------------------------------------------------------------------------------------
+
+
+def test_every_kind_vllm_accepts_builds_and_serves_a_request() -> None:
+    groups = [
+        FULL,
+        {"kind": "mla", "block_size": 4},
+        {"kind": "rswa", "block_size": 4, "rswa_window": 8},
+        {"kind": "sliding_window_mla", "block_size": 4, "sliding_window": 8},
+        {"kind": "circular_buffer", "block_size": 4},
+    ]
+    m = hk.KVCacheManager(groups, 128, 1024, prefix_cache_retention_interval=None)
+    assert [g["kind"] for g in m.groups] == [
+        "full",
+        "mla",
+        "rswa",
+        "sliding_window_mla",
+        "circular_buffer",
+    ]
+    new = m.allocate_slots(hk.Request("a", list(range(20)), block_size=4), 20)
+    assert [len(x) for x in ids(new)] == [5, 5, 5, 5, 1]
+    # Circular buffers and bounded-replay windows are never cached; the rest are.
+    assert m.num_cached_blocks == 4 * 5
+    m2 = hk.KVCacheManager(
+        [
+            FULL,
+            {
+                "kind": "sliding_window_mla",
+                "block_size": 4,
+                "sliding_window": 8,
+                "bounded_replay": True,
+            },
+        ],
+        64,
+        1024,
+        prefix_cache_retention_interval=None,
+    )
+    m2.allocate_slots(hk.Request("a", list(range(20)), block_size=4), 20)
+    assert m2.num_cached_blocks == 5
+
+
+def test_an_attention_free_model_needs_only_the_null_block() -> None:
+    m = hk.KVCacheManager([], 1, 1024)
+    req = hk.Request("r", np.arange(10))
+    assert m.allocate_slots(req, 10).get_block_ids() == ()
+    assert (m.num_free_blocks, m.usage) == (0, 0.0)
