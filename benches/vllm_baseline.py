@@ -64,7 +64,17 @@ from typing import IO, Any
 import numpy as np
 
 CONFORMANCE = Path(__file__).resolve().parents[1].parent / "shared" / "conformance"
-FIXTURES = ["gpt-oss.shared-prefix", "full-attn.eviction", "gemma3-27b.eviction"]
+FIXTURES = [
+    "gpt-oss.shared-prefix",
+    "full-attn.eviction",
+    "gemma3-27b.eviction",
+    "gpt-oss.long-context",
+    "jamba.eviction",
+    "jamba.shared-prefix.default",
+    "gpt-oss.eviction.default",
+    "gemma3-27b.shared-prefix.default",
+    "llama4.long-context.default",
+]
 OPS = ("allocate_slots", "free", "get_computed_blocks", "make_request", "append_token")
 ALL_OPS = (
     "make_request",
@@ -118,6 +128,7 @@ def vllm_kv_cache_config(header: dict[str, Any]) -> Any:
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
+        MambaSpec,
         SlidingWindowSpec,
     )
 
@@ -126,13 +137,24 @@ def vllm_kv_cache_config(header: dict[str, Any]) -> Any:
     groups = []
     for group in kv["groups"]:
         layer = layers[group["layer_ids"][0]]
+        kind = group["kind"]
+        if kind == "mamba":
+            spec = MambaSpec(
+                block_size=group["block_size"],
+                shapes=tuple(tuple(shape) for shape in layer["shapes"]),
+                dtypes=tuple(_torch_dtype(d) for d in layer["dtypes"]),
+                page_size_padded=group["page_size_bytes_per_layer"],
+                mamba_cache_mode=group["mamba_cache_mode"],
+            )
+            names = [f"model.layers.{i}.mixer" for i in group["layer_ids"]]
+            groups.append(KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec))
+            continue
         common = {
             "block_size": group["block_size"],
             "num_kv_heads": layer["num_kv_heads"],
             "head_size": layer["head_size"],
             "dtype": _torch_dtype(layer["dtype"]),
         }
-        kind = group["kind"]
         if kind == "full":
             spec = FullAttentionSpec(**common)
         elif kind == "sliding_window":
@@ -275,6 +297,15 @@ class VllmEngine:
 
     def num_blocks(self) -> int:
         return self.pool.num_gpu_blocks
+
+    def end_step(self) -> None:
+        self.manager.take_new_block_ids()
+        self.manager.take_boundary_state_offloads()
+
+    def mamba_block_size(self) -> int:
+        groups = self.manager.kv_cache_config.kv_cache_groups
+        align = any(getattr(g.kv_cache_spec, "mamba_cache_mode", None) == "align" for g in groups)
+        return self.manager.coordinator.scheduler_block_size if align else 0
 
 
 def vllm_replay(

@@ -594,6 +594,10 @@ pub fn replay<'w>(
                 summary.num_finished += 1;
             }
         }
+        // What vLLM's scheduler hands its workers every step (untimed here): blocks to zero
+        // and Mamba states to offload.
+        manager.take_new_block_ids();
+        manager.take_boundary_state_offloads();
         step += 1;
     }
     summary.prefix_cache = manager.prefix_cache_stats();

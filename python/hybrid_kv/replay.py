@@ -122,6 +122,10 @@ class Engine(Protocol):
         """The block size prefill chunks are aligned to for Mamba states (0: no Mamba)."""
         ...
 
+    def end_step(self) -> None:
+        """After a step (untimed): drain what vLLM's scheduler hands its workers every step."""
+        ...
+
 
 def mamba_block_aligned_split(
     block_size: int, sched: dict[str, Any], req: _Req, start: int, n: int, junction: int
@@ -222,6 +226,10 @@ class HybridKvEngine:
     def mamba_block_size(self) -> int:
         align = any(g.get("mamba_cache_mode") == "align" for g in self.manager.groups)
         return self.manager.scheduler_block_size if align else 0
+
+    def end_step(self) -> None:
+        self.manager.take_new_block_ids()
+        self.manager.take_boundary_state_offloads()
 
 
 @dataclass
@@ -525,6 +533,7 @@ def replay(
                     call("free", req.rid, step, ns, reason="finished")
                 running.remove(req)
                 stats.num_finished += 1
+        engine.end_step()
         if on_step is not None:
             on_step(step, stats)
         step += 1

@@ -885,6 +885,7 @@ impl KVCacheManager {
     /// for a preempted request that will be re-admitted).
     pub fn free<'a>(&mut self, request: impl Into<RequestKey<'a>>) -> Result<()> {
         let state = self.requests.get_mut(request.into())?;
+        self.effects.forget_offloads(state.request.id());
         self.coordinator
             .free(&self.pool, &mut state.tables, &mut self.scratch)
     }
@@ -1105,6 +1106,7 @@ impl KVCacheManager {
         request: impl Into<RequestKey<'a>>,
     ) -> Result<Vec<BlockId>> {
         let state = self.requests.get_mut(request.into())?;
+        self.effects.forget_offloads(state.request.id());
         let mut out = Vec::new();
         self.coordinator.pop_blocks(&mut state.tables, &mut out);
         Ok(out)

@@ -51,6 +51,16 @@ pub(crate) struct Effects {
     pub(crate) boundary_offloads: Vec<(String, GroupId, BlockId, usize)>,
 }
 
+impl Effects {
+    /// Drops the not yet taken offers of a request whose blocks go back to the pool (they may
+    /// be handed to another request before a connector reads them), as vLLM does.
+    pub(crate) fn forget_offloads(&mut self, request_id: &str) {
+        if !self.boundary_offloads.is_empty() {
+            self.boundary_offloads.retain(|o| o.0 != request_id);
+        }
+    }
+}
+
 /// What `cache_blocks` needs to know about the request beyond its hashes.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct CacheCtx<'a> {
