@@ -104,12 +104,19 @@ class EventTranslator:
         return events
 
     def collect(self, request: Request | None) -> None:
-        """Converts the core's pending events; stores are attributed to `request`."""
+        """Converts the core's pending events; stores are attributed to `request`.
+
+        Within one call vLLM allocates every group's blocks (evicting) before it caches any, so
+        its removals come before its stores; the core interleaves them group by group. The
+        events of one call are published in vLLM's order: removals, then stores, each in the
+        core's order.
+        """
+        stores: list[KVCacheEvent] = []
         for event in self._core.take_events():
             if isinstance(event, hk.BlockStored):
                 if request is None:
                     raise RuntimeError("the core stored blocks outside a request's call")
-                self._pending.append(self._stored_event(request, event))
+                stores.append(self._stored_event(request, event))
             elif isinstance(event, hk.BlockRemoved):
                 key = (event.block_hash, event.group_id)
                 entry = self._stored[key]
@@ -124,6 +131,7 @@ class EventTranslator:
             else:
                 self._stored.clear()
                 self._pending.append(AllBlocksCleared())
+        self._pending.extend(stores)
 
     def _stored_event(self, request: Request, event: hk.BlockStored) -> BlockStored:
         group = event.group_id
