@@ -18,6 +18,7 @@ import dataclasses
 import json
 import random
 import tempfile
+import time
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -369,6 +370,26 @@ class Driver:
             for rid in req_ids
         ]
         return DraftTokenIds(req_ids=req_ids, draft_token_ids=drafts)
+
+    def timed_step(self) -> tuple[int, int, int]:
+        """One synchronous step: (ns in schedule(), ns in update_from_output(), requests
+        running). Adding arrived requests and playing the model are not timed."""
+        self._admit()
+        self.step += 1
+        t0 = time.perf_counter_ns()
+        output = self.scheduler.schedule()
+        t1 = time.perf_counter_ns()
+        chunks = {
+            rid
+            for rid in output.num_scheduled_tokens
+            if self.scheduler.requests[rid].is_prefill_chunk
+        }
+        runner = self.fake_model_output(output, chunks)
+        running = len(self.scheduler.running)
+        t2 = time.perf_counter_ns()
+        self.scheduler.update_from_output(output, runner)
+        t3 = time.perf_counter_ns()
+        return t1 - t0, t3 - t2, running
 
     def run(self, max_steps: int = 100_000) -> Iterator[tuple[SchedulerOutput, Any]]:
         """Yields (scheduler output, engine-core outputs of the step it completes)."""
