@@ -52,15 +52,19 @@ class KVCacheBlocks:
     converted only if vLLM reads them) or a tuple of arrays.
     """
 
-    __slots__ = ("_core", "_ids")
+    __slots__ = ("_core", "_empty", "_ids")
 
     def __init__(
         self,
         core: hk.KVCacheBlocks | None = None,
         ids: tuple[np.ndarray, ...] | None = None,
+        empty: bool | None = None,
     ) -> None:
         self._core = core
         self._ids = ids
+        # None: not known yet. The scheduler asks every running request's new blocks whether
+        # they are empty on every step: the manager's shared empty instance answers at once.
+        self._empty = empty
 
     def _arrays(self) -> tuple[np.ndarray, ...]:
         if self._ids is None:
@@ -72,6 +76,8 @@ class KVCacheBlocks:
         self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None
     ) -> tuple[list[int], ...] | None:
         """Block ids per group as lists (vLLM's types); None if empty and `allow_none`."""
+        if allow_none and self._empty:
+            return None
         arrays = self._arrays()
         if group_ids is not None:
             arrays = tuple(arrays[g] for g in group_ids)
@@ -87,7 +93,7 @@ class KVCacheBlocks:
         )
 
     def new_empty(self) -> KVCacheBlocks:
-        return KVCacheBlocks(ids=tuple(_EMPTY_IDS for _ in self._arrays()))
+        return KVCacheBlocks(ids=tuple(_EMPTY_IDS for _ in self._arrays()), empty=True)
 
     def is_empty(self) -> bool:
         return all(len(a) == 0 for a in self._arrays())
@@ -219,7 +225,9 @@ class HybridKVCacheManager:
                 f"hash block size {hash_block_size} (hybrid-kv derives {self.core.hash_block_size})"
             )
         self.hash_block_size = hash_block_size
-        self.empty_kv_cache_blocks = KVCacheBlocks(ids=tuple(_EMPTY_IDS for _ in groups))
+        self.empty_kv_cache_blocks = KVCacheBlocks(
+            ids=tuple(_EMPTY_IDS for _ in groups), empty=True
+        )
         # Per-manager key of the companion request in a vLLM request's __dict__.
         self._key = f"_hybrid_kv_{next(_ids_counter)}"
         self._in_flight_arg = core_has_allocate_arg("num_in_flight_tokens")
@@ -278,9 +286,13 @@ class HybridKVCacheManager:
                     f"request {request.request_id!r} lost tokens ({synced} -> {num_tokens}); "
                     "streaming-input sessions are not served by hybrid-kv"
                 )
-            companion.append_output_token_ids(
-                request._output_token_ids[synced - request.num_prompt_tokens :]
-            )
+            if num_tokens == synced + 1:
+                # One sampled token per step: an int crosses faster than a one-item list.
+                companion.append_output_token_ids(request._all_token_ids[-1])
+            else:
+                companion.append_output_token_ids(
+                    request._output_token_ids[synced - request.num_prompt_tokens :]
+                )
             slot[1] = num_tokens
         companion.num_computed_tokens = request.num_computed_tokens
         return companion
@@ -386,7 +398,7 @@ class HybridKVCacheManager:
             return None
         if len(new) == 0:
             return self.empty_kv_cache_blocks
-        blocks = KVCacheBlocks(new)
+        blocks = KVCacheBlocks(new, empty=False)
         if self._zeroing:
             arrays = blocks._arrays()
             for g in self._zero_groups:
