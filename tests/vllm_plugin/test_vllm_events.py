@@ -23,6 +23,9 @@ from vllm.distributed.kv_events import (  # noqa: E402
     KVEventBatch,
 )
 
+# Sparse retention (vLLM's default) falls back while events are on: see _support.FALLBACKS.
+EMPTY = "needs the core to emit vLLM's BlockStored without hashes for fully skipped ranges"
+
 WORKLOAD = harness.chat_workload(40, seed=2, salts=(None, "tenant-b"))
 
 
@@ -55,9 +58,21 @@ def recorded_events(options: harness.Options, scheduler_cls: Any = None) -> list
     return events
 
 
-@pytest.mark.parametrize("layout,num_blocks", [("full", 260), ("gpt-oss", 330), ("gemma3", 1400)])
-def test_events_equal_stock_vllms(layout: str, num_blocks: int) -> None:
-    options = harness.Options(layout=layout, num_blocks=num_blocks, kv_events=True)
+@pytest.mark.parametrize(
+    "layout,num_blocks,dense",
+    [
+        ("full", 260, True),
+        ("gpt-oss", 330, True),
+        ("gemma3", 1400, True),
+        pytest.param("gpt-oss", 330, False, marks=pytest.mark.xfail(reason=EMPTY, strict=True)),
+        pytest.param("gemma3", 1400, False, marks=pytest.mark.xfail(reason=EMPTY, strict=True)),
+        pytest.param("jamba", 700, False, marks=pytest.mark.xfail(reason=EMPTY, strict=True)),
+    ],
+)
+def test_events_equal_stock_vllms(layout: str, num_blocks: int, dense: bool) -> None:
+    options = harness.Options(
+        layout=layout, num_blocks=num_blocks, kv_events=True, dense_retention=dense
+    )
     expected = recorded_events(options)
     got = recorded_events(options, hkv.Scheduler)
     kinds = {type(e) for e in expected}

@@ -20,12 +20,6 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager  
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler  # noqa: E402
 
-NEEDS_ISSUE_10 = "needs issue 10"
-NEEDS_CORE_API = (
-    "needs issue 10: the core's cache_blocks() and allocate_slots(num_in_flight_tokens=) "
-    "for window groups"
-)
-
 
 @dataclasses.dataclass
 class Run:
@@ -111,27 +105,41 @@ def test_same_outputs_as_vllm_with_async_scheduling() -> None:
     assert run.preempted > 0
 
 
-@pytest.mark.xfail(reason=NEEDS_CORE_API, strict=True)
 @pytest.mark.parametrize("layout", ["gpt-oss", "gemma3"])
 def test_same_outputs_as_vllm_with_async_scheduling_on_window_groups(layout: str) -> None:
-    run_both(harness.Options(layout=layout, num_blocks=4096, async_scheduling=True), WORKLOAD)
+    num_blocks = {"gpt-oss": 240, "gemma3": 1400}[layout]
+    run = run_both(
+        harness.Options(layout=layout, num_blocks=num_blocks, async_scheduling=True), WORKLOAD
+    )
+    assert run.preempted > 0
 
 
-@pytest.mark.xfail(reason=NEEDS_CORE_API, strict=True)
 def test_same_outputs_as_vllm_with_ngram_on_window_groups() -> None:
-    run_both(harness.Options(layout="gpt-oss", num_blocks=4096, ngram_tokens=3), WORKLOAD)
+    run = run_both(harness.Options(layout="gpt-oss", num_blocks=330, ngram_tokens=3), WORKLOAD)
+    assert run.spec_tokens > 0 and run.preempted > 0
 
 
-@pytest.mark.xfail(reason=NEEDS_ISSUE_10, strict=True)
 @pytest.mark.parametrize("layout", ["gpt-oss", "gemma3"])
 def test_same_outputs_as_vllm_with_default_retention(layout: str) -> None:
-    options = harness.Options(layout=layout, num_blocks=4096, dense_retention=False)
-    run_both(options, WORKLOAD)
+    # vLLM's default: prefix_cache_retention_interval=0 (sparse checkpoints).
+    num_blocks = {"gpt-oss": 240, "gemma3": 1400}[layout]
+    options = harness.Options(layout=layout, num_blocks=num_blocks, dense_retention=False)
+    run = run_both(options, WORKLOAD)
+    assert run.preempted > 0 and run.hits > 0
 
 
-@pytest.mark.xfail(reason=NEEDS_ISSUE_10, strict=True)
+def test_same_outputs_as_vllm_with_default_retention_async_and_room() -> None:
+    options = harness.Options(
+        layout="gemma3", num_blocks=20000, dense_retention=False, async_scheduling=True
+    )
+    run = run_both(options, WORKLOAD)
+    assert run.hits > 0
+
+
 def test_same_outputs_as_vllm_on_jamba_with_prefix_caching() -> None:
-    run_both(harness.Options(layout="jamba", num_blocks=4096), WORKLOAD)
+    # mamba_cache_mode="align": Mamba states cached at block-aligned checkpoints.
+    run = run_both(harness.Options(layout="jamba", num_blocks=700), WORKLOAD)
+    assert run.preempted > 0 and run.hits > 0
 
 
 def test_same_outputs_as_vllm_on_jamba_without_prefix_caching() -> None:
@@ -188,23 +196,37 @@ def _context(options: harness.Options, **config_changes: Any) -> hkv.BuildContex
 
 
 @pytest.mark.parametrize(
-    "options,option",
+    "manager_kwargs,option",
     [
-        (
-            harness.Options(layout="gpt-oss", dense_retention=False),
-            "prefix_cache_retention_interval",
-        ),
-        (harness.Options(layout="jamba"), "Mamba prefix caching"),
-        (harness.Options(layout="gemma3", async_scheduling=True), "async scheduling"),
-        (harness.Options(layout="gpt-oss", ngram_tokens=2), "speculative decoding"),
+        ({"use_eagle": True}, "EAGLE"),
+        ({"num_hash_lookahead_tokens": 1}, "EAGLE"),
+        ({"enable_mamba_shared_prefix_checkpoint": True}, "enable_mamba_shared_prefix_checkpoint"),
+        ({"dcp_world_size": 2}, "context parallelism"),
+        ({"metrics_collector": object()}, "kv_cache_metrics"),
+        ({"hash_block_size": 8}, "block sizes"),
     ],
 )
-def test_unsupported_configuration_falls_back_with_its_reason(
-    options: harness.Options, option: str
+def test_unsupported_manager_arguments_have_a_fallback_reason(
+    manager_kwargs: dict[str, Any], option: str
 ) -> None:
-    reason = hkv.fallback_reason(_context(options))
+    ctx = _context(harness.Options(layout="gpt-oss"))
+    ctx = hkv.BuildContext(
+        ctx.vllm_config, ctx.kv_cache_config, {**ctx.manager_kwargs, **manager_kwargs}
+    )
+    reason = hkv.fallback_reason(ctx)
     assert reason is not None and option in reason
-    scheduler = harness.build_scheduler(options, hkv.Scheduler)
+
+
+def test_unsupported_configuration_builds_vllms_own_manager() -> None:
+    options = harness.Options(layout="gemma3")
+    config = harness.vllm_config(options)
+    config.observability_config.kv_cache_metrics = True
+    scheduler = hkv.Scheduler(
+        vllm_config=config,
+        kv_cache_config=harness.kv_cache_config(options),
+        structured_output_manager=harness.StructuredOutputManager(config),
+        block_size=options.block_size,
+    )
     assert type(scheduler.kv_cache_manager) is VllmKVCacheManager
     assert not scheduler.uses_hybrid_kv
 

@@ -19,10 +19,8 @@ from typing import Any
 
 import numpy as np
 from vllm.logger import init_logger
-from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 from vllm.v1.kv_cache_interface import (
-    AttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
     get_kv_cache_spec_kind,
@@ -33,7 +31,7 @@ from vllm.v1.request import Request
 
 import hybrid_kv as hk
 from hybrid_kv.vllm._events import EventTranslator
-from hybrid_kv.vllm._support import GROUP_KINDS, core_has_allocate_arg
+from hybrid_kv.vllm._support import GROUP_KINDS
 
 logger = init_logger(__name__)
 
@@ -160,6 +158,9 @@ def _group_spec(index: int, spec: KVCacheSpec) -> dict[str, Any]:
         group["sliding_window"] = spec.sliding_window  # type: ignore[attr-defined]
     elif kind == "chunked_local":
         group["attention_chunk_size"] = spec.attention_chunk_size  # type: ignore[attr-defined]
+    elif kind == "mamba":
+        group["mamba_cache_mode"] = spec.mamba_cache_mode  # type: ignore[attr-defined]
+        group["num_speculative_blocks"] = spec.num_speculative_blocks  # type: ignore[attr-defined]
     return group
 
 
@@ -189,8 +190,6 @@ class HybridKVCacheManager:
         watermark: float = 0.0,
         enable_mamba_shared_prefix_checkpoint: bool = False,
     ) -> None:
-        if use_eagle or num_hash_lookahead_tokens or num_prefill_lookahead:
-            raise Unsupported("EAGLE / MTP speculative decoding")
         if dcp_world_size != 1 or pcp_world_size != 1:
             raise Unsupported("context parallelism")
         if metrics_collector is not None:
@@ -202,7 +201,7 @@ class HybridKVCacheManager:
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.enable_kv_cache_events = enable_kv_cache_events
-        self.use_eagle = False
+        self.use_eagle = use_eagle
         self.log_stats = log_stats
         self.metrics_collector = None
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
@@ -211,6 +210,7 @@ class HybridKVCacheManager:
         self.retained_hit_group_ids: tuple[int, ...] = ()
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         self.coordinator = CoordinatorView(kv_cache_config)
+        eagle_groups = [i for i, g in enumerate(groups) if g.is_eagle_group]
         self.core = hk.KVCacheManager(
             [_group_spec(i, g.kv_cache_spec) for i, g in enumerate(groups)],
             kv_cache_config.num_blocks,
@@ -219,6 +219,11 @@ class HybridKVCacheManager:
             enable_kv_events=enable_kv_cache_events,
             watermark=watermark,
             max_in_flight_tokens=max_in_flight_tokens,
+            prefix_cache_retention_interval=kv_cache_config.prefix_cache_retention_interval,
+            use_eagle=use_eagle,
+            eagle_groups=eagle_groups or None,
+            num_hash_lookahead_tokens=num_hash_lookahead_tokens,
+            num_prefill_lookahead=num_prefill_lookahead,
         )
         if self.core.hash_block_size != hash_block_size:
             raise Unsupported(
@@ -230,13 +235,6 @@ class HybridKVCacheManager:
         )
         # Per-manager key of the companion request in a vLLM request's __dict__.
         self._key = f"_hybrid_kv_{next(_ids_counter)}"
-        self._in_flight_arg = core_has_allocate_arg("num_in_flight_tokens")
-        self._core_cache_blocks = getattr(self.core, "cache_blocks", None)
-        self._zeroing = kv_cache_config.needs_kv_cache_zeroing
-        self._zero_groups = [
-            i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, AttentionSpec)
-        ]
-        self._new_block_ids: list[list[int]] = [[] for _ in groups]
         self._events: EventTranslator | None = None
         if enable_kv_cache_events:
             self._events = EventTranslator(
@@ -251,8 +249,6 @@ class HybridKVCacheManager:
                 [g.kv_cache_spec.block_size for g in groups],
                 hash_block_size,
             )
-        # Groups other than full attention: their blocks depend on when blocks are cached.
-        self._window_groups = any(GROUP_KINDS.get(type(g.kv_cache_spec)) != "full" for g in groups)
 
     # ------------------------------------------------------------------ companion requests
 
@@ -277,9 +273,12 @@ class HybridKVCacheManager:
                     block_size=self.hash_block_size,
                 ),
                 request.num_prompt_tokens,
+                0,
             ]
+            if request.skip_reading_prefix_cache:
+                slot[0].skip_reading_prefix_cache = True
             request.__dict__[self._key] = slot
-        companion, synced = slot
+        companion, synced, in_flight = slot
         if synced != num_tokens:
             if num_tokens < synced:
                 raise Unsupported(
@@ -295,6 +294,8 @@ class HybridKVCacheManager:
                 )
             slot[1] = num_tokens
         companion.num_computed_tokens = request.num_computed_tokens
+        if request.num_in_flight_tokens != in_flight:
+            companion.num_in_flight_tokens = slot[2] = request.num_in_flight_tokens
         return companion
 
     # ------------------------------------------------------------------ the scheduler's calls
@@ -328,9 +329,9 @@ class HybridKVCacheManager:
     ) -> tuple[KVCacheBlocks, int, int]:
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0, 0
-        if max_cache_hit_length is not None and max_cache_hit_length != request.num_tokens - 1:
-            raise Unsupported("max_cache_hit_length (auxiliary-output connectors)")
-        blocks, num_hit = self.core.get_computed_blocks(self._companion(request))
+        blocks, num_hit = self.core.get_computed_blocks(
+            self._companion(request), max_cache_hit_length
+        )
         if self._events is not None and num_hit and request.kv_cache_report_mode == "full":
             raise Unsupported("kv_cache_report_mode='full'")
         if len(blocks) == 0:
@@ -369,65 +370,29 @@ class HybridKVCacheManager:
             and new_computed_blocks is not self.empty_kv_cache_blocks
         ):
             hit = new_computed_blocks._core
-        if self._in_flight_arg:
-            new = self.core.allocate_slots(
-                companion,
-                num_new_tokens,
-                num_new_computed_tokens,
-                hit,
-                num_lookahead_tokens,
-                delay_cache_blocks,
-                full_sequence_must_fit,
-                has_scheduled_reqs,
-                num_in_flight_tokens=request.num_in_flight_tokens,  # type: ignore[call-arg]
-            )
-        else:
-            new = self.core.allocate_slots(
-                companion,
-                num_new_tokens,
-                num_new_computed_tokens,
-                hit,
-                num_lookahead_tokens,
-                delay_cache_blocks,
-                full_sequence_must_fit,
-                has_scheduled_reqs,
-            )
+        new = self.core.allocate_slots(
+            companion,
+            num_new_tokens,
+            num_new_computed_tokens,
+            hit,
+            num_lookahead_tokens,
+            delay_cache_blocks=delay_cache_blocks,
+            full_sequence_must_fit=full_sequence_must_fit,
+            has_scheduled_reqs=has_scheduled_reqs,
+        )
         if self._events is not None:
             self._events.collect(request)
         if new is None:
             return None
         if len(new) == 0:
             return self.empty_kv_cache_blocks
-        blocks = KVCacheBlocks(new, empty=False)
-        if self._zeroing:
-            arrays = blocks._arrays()
-            for g in self._zero_groups:
-                self._new_block_ids[g].extend(arrays[g].tolist())
-        return blocks
+        return KVCacheBlocks(new, empty=False)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Caches the request's full blocks up to `num_computed_tokens`."""
         if not self.enable_caching:
             return
-        companion = self._companion(request)
-        if self._core_cache_blocks is not None:
-            self._core_cache_blocks(companion, num_computed_tokens)
-        else:
-            # Stand-in until the core has cache_blocks: one token re-scheduled at position
-            # num_computed_tokens - 1 needs no new slot (it has one) and makes the core cache
-            # min(num_computed_tokens, num_tokens) tokens, which is what cache_blocks does. It
-            # would also free out-of-window blocks early, so the fallback table keeps window
-            # groups away from this path.
-            if self._window_groups:
-                raise Unsupported("cache_blocks on window groups needs the core's cache_blocks")
-            if num_computed_tokens <= 0:
-                return
-            companion.num_computed_tokens = num_computed_tokens - 1
-            try:
-                if self.core.allocate_slots(companion, 1) is None:
-                    raise RuntimeError("cache_blocks: the core refused a slot the request holds")
-            finally:
-                companion.num_computed_tokens = request.num_computed_tokens
+        self.core.cache_blocks(self._companion(request), num_computed_tokens)
         if self._events is not None:
             self._events.collect(request)
 
@@ -455,34 +420,14 @@ class HybridKVCacheManager:
     def get_block_ids_for_computed_tokens(
         self, request_id: str, num_computed_tokens: int
     ) -> tuple[list[int], ...]:
-        clipped = []
-        for group, ids in zip(
-            self.kv_cache_config.kv_cache_groups, self.get_block_ids(request_id), strict=True
-        ):
-            spec = group.kv_cache_spec
-            if isinstance(spec, AttentionSpec):
-                ids = ids[: cdiv(num_computed_tokens, spec.block_size)]
-            clipped.append(ids)
-        return tuple(clipped)
+        ids = self.core.get_block_ids_for_computed_tokens(request_id, num_computed_tokens)
+        return tuple(a.tolist() for a in ids)
 
     def estimate_cached_tokens(self, request: Request) -> int:
-        """Tokens of the request whose blocks are in the prefix cache (vLLM's estimate).
-
-        vLLM reads the hashed length of the request's last cached block per prefix-cacheable
-        group. The core caches full blocks up to min(computed, known) tokens, so that length is
-        recomputed here from the request's counts (see the report's core API list).
-        """
-        if not self.enable_caching or request.__dict__.get(self._key) is None:
+        """Tokens of the request's own blocks in the prefix cache, the least over groups."""
+        if request.__dict__.get(self._key) is None:
             return 0
-        cached = min(request.num_computed_tokens - request.num_in_flight_tokens, request.num_tokens)
-        result: int | None = None
-        for group in self.kv_cache_config.kv_cache_groups:
-            spec = group.kv_cache_spec
-            if not spec.prefix_cacheable:
-                continue
-            tokens = cached // spec.block_size * spec.block_size
-            result = tokens if result is None else min(result, tokens)
-        return result or 0
+        return self.core.estimate_cached_tokens(self._companion(request))
 
     def take_events(self) -> list[Any]:
         if self._events is None:
@@ -506,30 +451,24 @@ class HybridKVCacheManager:
         return [0] * self.num_kv_cache_groups
 
     def take_new_block_ids(self) -> list[int]:
-        if not self._zeroing:
-            return []
-        ids = [i for group in self._new_block_ids for i in group]
-        self._new_block_ids = [[] for _ in self._new_block_ids]
-        return ids
+        return self.core.take_new_block_ids().tolist()
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
-        if not self._zeroing:
-            return
-        block_ids = self.get_block_ids(request_id)
-        for g in self._zero_groups:
-            block_size = self.coordinator.single_type_managers[g].block_size
-            assert start_token % block_size == 0
-            self._new_block_ids[g].extend(block_ids[g][start_token // block_size :])
+        self.core.record_blocks_for_zeroing(request_id, start_token)
 
     def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[Any]]:
-        # Copy-on-write copies come from Mamba align mode only, which falls back.
+        copies, retained = self.core.take_kv_cache_block_copies()
+        if copies or len(retained):
+            # vLLM frees the retained blocks through its block pool, which hybrid-kv replaces.
+            raise Unsupported("copy-on-write block copies (fine-grained partial hash hits)")
         return [], []
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        return {}
+        return self.core.take_boundary_state_offloads()
 
     def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
-        return []
+        slot = request.__dict__.get(self._key)
+        return [] if slot is None else self.core.finalize_partial_tail_offloads(slot[0])
 
     def create_kv_cache_blocks(self, blocks: Any) -> KVCacheBlocks:
         raise Unsupported("create_kv_cache_blocks takes vLLM block objects")

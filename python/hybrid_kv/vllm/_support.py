@@ -39,12 +39,6 @@ GROUP_KINDS: Mapping[type[KVCacheSpec], str] = {
 }
 
 
-def core_has_allocate_arg(name: str) -> bool:
-    """Whether the core's `KVCacheManager.allocate_slots` takes the keyword `name`."""
-    signature = getattr(hk.KVCacheManager.allocate_slots, "__text_signature__", None) or ""
-    return name in signature
-
-
 def core_has_method(name: str) -> bool:
     return hasattr(hk.KVCacheManager, name)
 
@@ -102,13 +96,6 @@ def _mixed_block_sizes(ctx: BuildContext) -> str | None:
     return None
 
 
-def _sparse_retention(ctx: BuildContext) -> str | None:
-    interval = ctx.kv_cache_config.prefix_cache_retention_interval
-    if ctx.caching and interval is not None and ctx.has(SlidingWindowSpec, MambaSpec):
-        return f"prefix_cache_retention_interval={interval} (sparse checkpoints)"
-    return None
-
-
 def _overlap_needs_core(ctx: BuildContext) -> str | None:
     # With overlapping steps vLLM frees out-of-window blocks on the processed-token basis
     # (num_in_flight_tokens), and with overlap or speculative decoding it caches blocks in
@@ -122,10 +109,7 @@ def _overlap_needs_core(ctx: BuildContext) -> str | None:
     missing = [
         what
         for what, present in (
-            (
-                "allocate_slots(num_in_flight_tokens=)",
-                core_has_allocate_arg("num_in_flight_tokens"),
-            ),
+            ("Request.num_in_flight_tokens", hasattr(hk.Request, "num_in_flight_tokens")),
             ("cache_blocks()", core_has_method("cache_blocks")),
         )
         if not present
@@ -147,23 +131,25 @@ FALLBACKS: tuple[tuple[str, Check, str], ...] = (
         "connectors need external computed tokens, block_pool access and delayed caching",
     ),
     (
-        "prefix_cache_retention_interval (sparse retention)",
-        _sparse_retention,
-        "hybrid-kv retains sliding-window and Mamba prefix blocks densely",
-    ),
-    (
-        "Mamba prefix caching (mamba_cache_mode='align')",
-        lambda ctx: ctx.caching and ctx.has(MambaSpec),
-        "hybrid-kv does not prefix-cache Mamba states yet",
-    ),
-    (
         "EAGLE / MTP speculative decoding",
         lambda ctx: bool(
             ctx.manager_kwargs.get("use_eagle")
             or ctx.manager_kwargs.get("num_hash_lookahead_tokens")
             or ctx.manager_kwargs.get("num_prefill_lookahead")
         ),
-        "EAGLE block drop and lookahead block hashes are not implemented",
+        "EAGLE block drops and lookahead hashes are not yet checked against vLLM here (the "
+        "offline tests have no drafter model)",
+    ),
+    (
+        "KV events with sparse retention",
+        lambda ctx: (
+            ctx.manager_kwargs.get("enable_kv_cache_events", False)
+            and ctx.caching
+            and ctx.kv_cache_config.prefix_cache_retention_interval is not None
+            and ctx.has(SlidingWindowSpec, MambaSpec)
+        ),
+        "vLLM publishes a BlockStored without hashes for every cached range whose blocks are "
+        "all skipped; the core emits none",
     ),
     (
         "KV cache group kind",
@@ -179,6 +165,11 @@ FALLBACKS: tuple[tuple[str, Check, str], ...] = (
         "async scheduling or speculative decoding",
         _overlap_needs_core,
         "the core's Python API lacks what these need on window and Mamba groups",
+    ),
+    (
+        "enable_mamba_shared_prefix_checkpoint",
+        lambda ctx: bool(ctx.manager_kwargs.get("enable_mamba_shared_prefix_checkpoint")),
+        "shared-prefix Mamba checkpoints for EAGLE siblings are not implemented",
     ),
     (
         "decode/prefill context parallelism",
