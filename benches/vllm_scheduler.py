@@ -5,7 +5,8 @@ Both schedulers are vLLM's `Scheduler` (`hybrid_kv.vllm.Scheduler` differs only 
 chat workload (shared system prompts, so most admissions hit the prefix cache) with a fake model
 that samples one token per running request. A step is `schedule()` + `update_from_output()`, each
 timed with `perf_counter_ns` around the call alone (adding arrived requests and playing the model
-are outside the timer). Synchronous scheduling; the pool is large enough that nobody is preempted.
+are outside the timer). Synchronous scheduling, vLLM's default prefix-cache retention unless
+`--retention dense`; the pool is large enough that nobody is preempted.
 
 The two sides run in alternating turns of `--turn` steps in one process; both make exactly the
 same decisions (the differential tests check this), so step i of one side is step i of the other.
@@ -21,7 +22,7 @@ Setup: as for the tests, vLLM 0.33 without its dependency tree (`.ci/vllm`):
 Run (from the repository root):
 
     VLLM_TARGET_DEVICE=cpu VENV/bin/python benches/vllm_scheduler.py [--sizes 32 128 256] \\
-        [--layouts full gemma3] [--steps 300] [--turn 25]
+        [--layouts full gemma3] [--steps 300] [--turn 25] [--retention default|dense]
 """
 
 from __future__ import annotations
@@ -58,9 +59,10 @@ MANAGER_CALLS = (
 )
 
 
-def options_for(layout: str, size: int) -> harness.Options:
+def options_for(layout: str, size: int, dense: bool = False) -> harness.Options:
     return harness.Options(
         layout=layout,
+        dense_retention=dense,
         num_blocks=200_000,
         max_num_seqs=size,
         max_num_batched_tokens=8192,
@@ -143,8 +145,8 @@ def percentile(values: list[int], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1e3
 
 
-def measure(layout: str, size: int, steps: int, turn: int) -> dict[str, Any]:
-    options = options_for(layout, size)
+def measure(layout: str, size: int, steps: int, turn: int, dense: bool) -> dict[str, Any]:
+    options = options_for(layout, size, dense)
     workload = workload_for(size, steps)
     stock = Side("vLLM", options, workload, None)
     ours = Side("hybrid-kv", options, workload, hkv.Scheduler)
@@ -180,9 +182,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layouts", nargs="+", default=["full", "gemma3"])
     parser.add_argument("--steps", type=int, default=300, help="steps per side and size")
     parser.add_argument("--turn", type=int, default=25, help="steps per turn")
+    parser.add_argument(
+        "--retention",
+        choices=["default", "dense"],
+        default="default",
+        help="prefix_cache_retention_interval: vLLM's default 0 (sparse) or None (dense)",
+    )
     args = parser.parse_args(argv)
     rows = [
-        measure(layout, size, args.steps, args.turn)
+        measure(layout, size, args.steps, args.turn, args.retention == "dense")
         for layout in args.layouts
         for size in args.sizes
     ]
