@@ -23,9 +23,6 @@ from vllm.distributed.kv_events import (  # noqa: E402
     KVEventBatch,
 )
 
-# Sparse retention (vLLM's default) falls back while events are on: see _support.FALLBACKS.
-EMPTY = "needs the core to emit vLLM's BlockStored without hashes for fully skipped ranges"
-
 WORKLOAD = harness.chat_workload(40, seed=2, salts=(None, "tenant-b"))
 
 
@@ -64,9 +61,9 @@ def recorded_events(options: harness.Options, scheduler_cls: Any = None) -> list
         ("full", 260, True),
         ("gpt-oss", 330, True),
         ("gemma3", 1400, True),
-        pytest.param("gpt-oss", 330, False, marks=pytest.mark.xfail(reason=EMPTY, strict=True)),
-        pytest.param("gemma3", 1400, False, marks=pytest.mark.xfail(reason=EMPTY, strict=True)),
-        pytest.param("jamba", 700, False, marks=pytest.mark.xfail(reason=EMPTY, strict=True)),
+        ("gpt-oss", 330, False),
+        ("gemma3", 1400, False),
+        ("jamba", 700, False),
     ],
 )
 def test_events_equal_stock_vllms(layout: str, num_blocks: int, dense: bool) -> None:

@@ -5,7 +5,7 @@ implement with vLLM 0.33's semantics yet, and the reason. When the scheduler is 
 matching entry makes `hybrid_kv.vllm.Scheduler` keep vLLM's own `KVCacheManager` and log that
 reason once; no configuration is served with different semantics. The table shrinks as the core
 gains features: an entry whose feature lands is deleted (or its predicate reads the capability
-from the core, as `_core_lacks` does).
+from the core, as `_overlap_needs_core` does).
 """
 
 from __future__ import annotations
@@ -139,17 +139,6 @@ FALLBACKS: tuple[tuple[str, Check, str], ...] = (
         ),
         "EAGLE block drops and lookahead hashes are not yet checked against vLLM here (the "
         "offline tests have no drafter model)",
-    ),
-    (
-        "KV events with sparse retention",
-        lambda ctx: (
-            ctx.manager_kwargs.get("enable_kv_cache_events", False)
-            and ctx.caching
-            and ctx.kv_cache_config.prefix_cache_retention_interval is not None
-            and ctx.has(SlidingWindowSpec, MambaSpec)
-        ),
-        "vLLM publishes a BlockStored without hashes for every cached range whose blocks are "
-        "all skipped; the core emits none",
     ),
     (
         "KV cache group kind",
