@@ -1,0 +1,215 @@
+"""Per-step time of vLLM 0.33's real scheduler with its own KV cache manager and with hybrid-kv's.
+
+Both schedulers are vLLM's `Scheduler` (`hybrid_kv.vllm.Scheduler` differs only in its
+`kv_cache_manager`), built offline on CPU with `hybrid_kv.vllm.testing` and driven through the same
+chat workload (shared system prompts, so most admissions hit the prefix cache) with a fake model
+that samples one token per running request. A step is `schedule()` + `update_from_output()`, each
+timed with `perf_counter_ns` around the call alone (adding arrived requests and playing the model
+are outside the timer). Synchronous scheduling, vLLM's default prefix-cache retention unless
+`--retention dense`; the pool is large enough that nobody is preempted.
+
+The two sides run in alternating turns of `--turn` steps in one process; both make exactly the
+same decisions (the differential tests check this), so step i of one side is step i of the other.
+Only steps with the target number of running requests are kept. A second, instrumented pass times
+every call the scheduler makes on its `kv_cache_manager` to give the manager's share of the step.
+
+Setup: as for the tests, vLLM 0.33 without its dependency tree (`.ci/vllm`):
+
+    python3 -m venv --system-site-packages VENV
+    VENV/bin/pip install --no-deps vllm==0.33.0 && VENV/bin/pip install -r .ci/vllm-requirements.txt
+    VENV/bin/pip install -e .
+
+Run (from the repository root):
+
+    VLLM_TARGET_DEVICE=cpu VENV/bin/python benches/vllm_scheduler.py [--sizes 32 128 256] \\
+        [--layouts full gemma3] [--steps 300] [--turn 25] [--retention default|dense]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import hybrid_kv.vllm as hkv  # noqa: E402
+from hybrid_kv.vllm import testing as harness  # noqa: E402
+
+MANAGER_CALLS = (
+    "allocate_slots",
+    "get_computed_blocks",
+    "free",
+    "get_blocks",
+    "new_step_starts",
+    "record_prefix_cache_stats",
+    "make_prefix_cache_stats",
+    "estimate_cached_tokens",
+    "take_events",
+    "take_new_block_ids",
+    "take_kv_cache_block_copies",
+    "take_boundary_state_offloads",
+    "cache_blocks",
+)
+
+
+def options_for(layout: str, size: int, dense: bool = False) -> harness.Options:
+    return harness.Options(
+        layout=layout,
+        dense_retention=dense,
+        num_blocks=200_000,
+        max_num_seqs=size,
+        max_num_batched_tokens=8192,
+        max_model_len=16384,
+        log_stats=True,
+    )
+
+
+def workload_for(size: int, steps: int) -> list[harness.RequestSpec]:
+    # Enough requests that `size` stay running for the measured steps.
+    return harness.chat_workload(
+        size * 3 + steps * max(1, size // 24),
+        seed=7,
+        num_system_prompts=8,
+        system_len=(600, 1400),
+        user_len=(50, 300),
+        max_tokens=(64, 256),
+        arrivals_per_step=10**9,
+    )
+
+
+class Side:
+    def __init__(self, name: str, options: harness.Options, workload: Any, cls: Any) -> None:
+        self.name = name
+        self.scheduler = harness.build_scheduler(options, cls)
+        self.driver = harness.Driver(self.scheduler, workload)
+        self.times: list[int] = []
+        self.size = options.max_num_seqs
+
+    def steps(self, n: int) -> int:
+        """Runs n steps; keeps the times of those with the target number running."""
+        done = 0
+        for _ in range(n):
+            if self.driver.done:
+                break
+            schedule_ns, update_ns, running = self.driver.timed_step()
+            if running == self.size:
+                self.times.append(schedule_ns + update_ns)
+            done += 1
+        return done
+
+
+def instrument(manager: Any) -> dict[str, int]:
+    """Wraps the manager's methods with timers; returns the accumulating totals (ns)."""
+    totals: dict[str, int] = {}
+    for name in MANAGER_CALLS:
+        method = getattr(manager, name, None)
+        if method is None:
+            continue
+
+        def timed(*args: Any, _m: Callable[..., Any] = method, **kwargs: Any) -> Any:
+            t0 = time.perf_counter_ns()
+            try:
+                return _m(*args, **kwargs)
+            finally:
+                totals["manager"] = totals.get("manager", 0) + time.perf_counter_ns() - t0
+
+        setattr(manager, name, timed)
+    return totals
+
+
+def manager_share(options: harness.Options, workload: Any, cls: Any, steps: int) -> float:
+    side = Side("share", options, workload, cls)
+    totals = instrument(side.scheduler.kv_cache_manager)
+    step_total = 0
+    kept_manager = 0
+    for _ in range(steps):
+        if side.driver.done:
+            break
+        before = totals.get("manager", 0)
+        schedule_ns, update_ns, running = side.driver.timed_step()
+        if running == side.size:
+            step_total += schedule_ns + update_ns
+            kept_manager += totals.get("manager", 0) - before
+    return kept_manager / step_total if step_total else float("nan")
+
+
+def percentile(values: list[int], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1e3
+
+
+def measure(layout: str, size: int, steps: int, turn: int, dense: bool) -> dict[str, Any]:
+    options = options_for(layout, size, dense)
+    workload = workload_for(size, steps)
+    stock = Side("vLLM", options, workload, None)
+    ours = Side("hybrid-kv", options, workload, hkv.Scheduler)
+    assert ours.scheduler.uses_hybrid_kv
+    gc.collect()
+    total = 0
+    while total < steps and not (stock.driver.done or ours.driver.done):
+        for side in (stock, ours) if (total // turn) % 2 == 0 else (ours, stock):
+            side.steps(turn)
+        total += turn
+    n = min(len(stock.times), len(ours.times))
+    if n == 0:
+        raise RuntimeError(f"{layout} @ {size}: no step ran with {size} requests running")
+    stock_times, our_times = stock.times[:n], ours.times[:n]
+    return {
+        "layout": layout,
+        "size": size,
+        "steps": n,
+        "stock_p50": percentile(stock_times, 0.5),
+        "stock_p99": percentile(stock_times, 0.99),
+        "ours_p50": percentile(our_times, 0.5),
+        "ours_p99": percentile(our_times, 0.99),
+        "stock_mean": statistics.fmean(stock_times) / 1e3,
+        "ours_mean": statistics.fmean(our_times) / 1e3,
+        "stock_share": manager_share(options, workload, None, steps),
+        "ours_share": manager_share(options, workload, hkv.Scheduler, steps),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[32, 128, 256])
+    parser.add_argument("--layouts", nargs="+", default=["full", "gemma3"])
+    parser.add_argument("--steps", type=int, default=300, help="steps per side and size")
+    parser.add_argument("--turn", type=int, default=25, help="steps per turn")
+    parser.add_argument(
+        "--retention",
+        choices=["default", "dense"],
+        default="default",
+        help="prefix_cache_retention_interval: vLLM's default 0 (sparse) or None (dense)",
+    )
+    args = parser.parse_args(argv)
+    rows = [
+        measure(layout, size, args.steps, args.turn, args.retention == "dense")
+        for layout in args.layouts
+        for size in args.sizes
+    ]
+    print(
+        "| layout | running | steps | vLLM p50 / p99 (µs) | hybrid-kv p50 / p99 (µs) "
+        "| speed-up p50 / p99 | manager share vLLM → hybrid-kv |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['layout']} | {r['size']} | {r['steps']} "
+            f"| {r['stock_p50']:,.0f} / {r['stock_p99']:,.0f} "
+            f"| {r['ours_p50']:,.0f} / {r['ours_p99']:,.0f} "
+            f"| {r['stock_p50'] / r['ours_p50']:.2f}× / {r['stock_p99'] / r['ours_p99']:.2f}× "
+            f"| {r['stock_share']:.0%} → {r['ours_share']:.0%} |"
+        )
+    command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
+    print(f"\nCommand: VLLM_TARGET_DEVICE=cpu {command}")
+
+
+if __name__ == "__main__":
+    main()

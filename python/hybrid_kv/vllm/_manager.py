@@ -1,0 +1,495 @@
+"""hybrid-kv's manager behind vLLM 0.33's `KVCacheManager` interface.
+
+`HybridKVCacheManager` takes the constructor arguments of `vllm.v1.core.kv_cache_manager.
+KVCacheManager` and answers the calls vLLM's `Scheduler` makes, with hybrid-kv's Rust manager
+doing the work. Block ids stay in the core (int32 arrays) until vLLM asks for them as lists;
+no per-block Python object is made on the scheduling path.
+
+Each vLLM `Request` gets a companion `hybrid_kv.Request`, kept in the vLLM request's `__dict__`
+(so it lives exactly as long as the vLLM request and its manager registration is dropped with
+it) together with the number of tokens the companion has seen. Before each call the adapter
+appends the tokens vLLM appended since and copies `num_computed_tokens`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from vllm.logger import init_logger
+from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+from vllm.v1.kv_cache_interface import (
+    KVCacheConfig,
+    KVCacheSpec,
+    get_kv_cache_spec_kind,
+    get_kv_cache_spec_sliding_window,
+)
+from vllm.v1.metrics.stats import PrefixCacheStats
+from vllm.v1.request import Request
+
+import hybrid_kv as hk
+from hybrid_kv.vllm._events import EventTranslator
+from hybrid_kv.vllm._support import GROUP_KINDS
+
+logger = init_logger(__name__)
+
+_EMPTY_IDS = np.zeros(0, dtype=np.int32)
+_ids_counter = itertools.count()
+
+
+class Unsupported(NotImplementedError):
+    """A call that only a configuration in the fallback table makes (vLLM's manager serves it)."""
+
+
+class KVCacheBlocks:
+    """vLLM's `KVCacheBlocks` interface over block ids held as int32 arrays (one per group).
+
+    Either wraps a core `hybrid_kv.KVCacheBlocks` (a prefix hit or newly allocated blocks,
+    converted only if vLLM reads them) or a tuple of arrays.
+    """
+
+    __slots__ = ("_core", "_empty", "_ids")
+
+    def __init__(
+        self,
+        core: hk.KVCacheBlocks | None = None,
+        ids: tuple[np.ndarray, ...] | None = None,
+        empty: bool | None = None,
+    ) -> None:
+        self._core = core
+        self._ids = ids
+        # None: not known yet. The scheduler asks every running request's new blocks whether
+        # they are empty on every step: the manager's shared empty instance answers at once.
+        self._empty = empty
+
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        if self._ids is None:
+            assert self._core is not None
+            self._ids = self._core.get_block_ids()
+        return self._ids
+
+    def get_block_ids(
+        self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None
+    ) -> tuple[list[int], ...] | None:
+        """Block ids per group as lists (vLLM's types); None if empty and `allow_none`."""
+        if allow_none and self._empty:
+            return None
+        arrays = self._arrays()
+        if group_ids is not None:
+            arrays = tuple(arrays[g] for g in group_ids)
+        if allow_none and all(len(a) == 0 for a in arrays):
+            return None
+        return tuple(a.tolist() for a in arrays)
+
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        return KVCacheBlocks(
+            ids=tuple(
+                np.concatenate((a, b)) for a, b in zip(self._arrays(), other._arrays(), strict=True)
+            )
+        )
+
+    def new_empty(self) -> KVCacheBlocks:
+        return KVCacheBlocks(ids=tuple(_EMPTY_IDS for _ in self._arrays()), empty=True)
+
+    def is_empty(self) -> bool:
+        return all(len(a) == 0 for a in self._arrays())
+
+    @property
+    def blocks(self) -> Any:
+        raise Unsupported("hybrid-kv keeps no per-block objects (KVCacheBlocks.blocks)")
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        raise Unsupported("get_unhashed_block_ids is only used by KV connectors")
+
+    def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
+        raise Unsupported("get_unhashed_block_ids_all_groups is only used by KV connectors")
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlocks({[a.tolist() for a in self._arrays()]})"
+
+
+class SingleTypeManagerView:
+    """What vLLM reads of a per-group manager: `block_size`, `kv_cache_spec`, its group id."""
+
+    __slots__ = ("block_size", "kv_cache_group_id", "kv_cache_spec")
+
+    def __init__(self, group_id: int, spec: KVCacheSpec) -> None:
+        self.kv_cache_group_id = group_id
+        self.kv_cache_spec = spec
+        self.block_size = spec.block_size
+
+    @property
+    def records_new_block_ids(self) -> bool:
+        return False
+
+
+class CoordinatorView:
+    """What vLLM's scheduler and engine core read of the coordinator."""
+
+    def __init__(self, kv_cache_config: KVCacheConfig) -> None:
+        self.single_type_managers = [
+            SingleTypeManagerView(i, group.kv_cache_spec)
+            for i, group in enumerate(kv_cache_config.kv_cache_groups)
+        ]
+        self.enable_partial_hash_hits = False
+        self.eagle_group_ids: tuple[int, ...] = ()
+        self.num_reprefillable_tokens = 0
+        self.full_attention_group_id = next(
+            (
+                i
+                for i, m in enumerate(self.single_type_managers)
+                if GROUP_KINDS.get(type(m.kv_cache_spec)) == "full"
+            ),
+            None,
+        )
+
+    def get_num_blocks_to_allocate(self, *args: Any, **kwargs: Any) -> int:
+        raise Unsupported("coordinator.get_num_blocks_to_allocate is only used by KV connectors")
+
+
+def _group_spec(index: int, spec: KVCacheSpec) -> dict[str, Any]:
+    kind = GROUP_KINDS.get(type(spec))
+    if kind is None:
+        raise Unsupported(f"group {index}: {type(spec).__name__} is not served by hybrid-kv")
+    group: dict[str, Any] = {"kind": kind, "block_size": spec.block_size}
+    if kind == "sliding_window":
+        group["sliding_window"] = spec.sliding_window  # type: ignore[attr-defined]
+    elif kind == "chunked_local":
+        group["attention_chunk_size"] = spec.attention_chunk_size  # type: ignore[attr-defined]
+    elif kind == "mamba":
+        group["mamba_cache_mode"] = spec.mamba_cache_mode  # type: ignore[attr-defined]
+        group["num_speculative_blocks"] = spec.num_speculative_blocks  # type: ignore[attr-defined]
+    return group
+
+
+class HybridKVCacheManager:
+    """vLLM 0.33's `KVCacheManager`, served by hybrid-kv's Rust manager.
+
+    Built with the same arguments as vLLM's (the scheduler passes them); a configuration this
+    class cannot serve is refused by `hybrid_kv.vllm._support.fallback_reason` before it is built.
+    """
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        scheduler_block_size: int,
+        hash_block_size: int,
+        max_in_flight_tokens: int | None = None,
+        enable_caching: bool = True,
+        use_eagle: bool = False,
+        num_hash_lookahead_tokens: int = 0,
+        num_prefill_lookahead: int = 0,
+        log_stats: bool = False,
+        enable_kv_cache_events: bool = False,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        metrics_collector: Any = None,
+        watermark: float = 0.0,
+        enable_mamba_shared_prefix_checkpoint: bool = False,
+    ) -> None:
+        if dcp_world_size != 1 or pcp_world_size != 1:
+            raise Unsupported("context parallelism")
+        if metrics_collector is not None:
+            raise Unsupported("kv_cache_metrics")
+        if watermark < 0:
+            raise ValueError("watermark must be non-negative")
+        groups = kv_cache_config.kv_cache_groups
+        self.kv_cache_config = kv_cache_config
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.use_eagle = use_eagle
+        self.log_stats = log_stats
+        self.metrics_collector = None
+        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        self.num_kv_cache_groups = len(groups)
+        self.mamba_shared_prefix_checkpoint = False
+        self.retained_hit_group_ids: tuple[int, ...] = ()
+        self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
+        self.coordinator = CoordinatorView(kv_cache_config)
+        eagle_groups = [i for i, g in enumerate(groups) if g.is_eagle_group]
+        self.core = hk.KVCacheManager(
+            [_group_spec(i, g.kv_cache_spec) for i, g in enumerate(groups)],
+            kv_cache_config.num_blocks,
+            max_model_len,
+            enable_caching=enable_caching,
+            enable_kv_events=enable_kv_cache_events,
+            watermark=watermark,
+            max_in_flight_tokens=max_in_flight_tokens,
+            prefix_cache_retention_interval=kv_cache_config.prefix_cache_retention_interval,
+            use_eagle=use_eagle,
+            eagle_groups=eagle_groups or None,
+            num_hash_lookahead_tokens=num_hash_lookahead_tokens,
+            num_prefill_lookahead=num_prefill_lookahead,
+        )
+        if self.core.hash_block_size != hash_block_size:
+            raise Unsupported(
+                f"hash block size {hash_block_size} (hybrid-kv derives {self.core.hash_block_size})"
+            )
+        self.hash_block_size = hash_block_size
+        self.empty_kv_cache_blocks = KVCacheBlocks(
+            ids=tuple(_EMPTY_IDS for _ in groups), empty=True
+        )
+        # Per-manager key of the companion request in a vLLM request's __dict__.
+        self._key = f"_hybrid_kv_{next(_ids_counter)}"
+        self._events: EventTranslator | None = None
+        if enable_kv_cache_events:
+            self._events = EventTranslator(
+                self.core,
+                [
+                    (
+                        get_kv_cache_spec_kind(g.kv_cache_spec).value,
+                        get_kv_cache_spec_sliding_window(g.kv_cache_spec),
+                    )
+                    for g in groups
+                ],
+                [g.kv_cache_spec.block_size for g in groups],
+                hash_block_size,
+            )
+
+    # ------------------------------------------------------------------ companion requests
+
+    def _companion(self, request: Request) -> hk.Request:
+        """The request's `hybrid_kv.Request`, brought up to date with vLLM's."""
+        slot = request.__dict__.get(self._key)
+        num_tokens = len(request._all_token_ids)
+        if slot is None:
+            lora = request.lora_request
+            slot = [
+                hk.Request(
+                    request.request_id,
+                    request.prompt_token_ids,
+                    request.cache_salt,
+                    # vLLM keys LoRA blocks by name and path.
+                    f"{lora.lora_name}\0{lora.lora_path}" if lora is not None else None,
+                    [
+                        (f.identifier, f.mm_position.offset, f.mm_position.length)
+                        for f in request.mm_features
+                    ]
+                    or None,
+                    block_size=self.hash_block_size,
+                ),
+                request.num_prompt_tokens,
+                0,
+            ]
+            if request.skip_reading_prefix_cache:
+                slot[0].skip_reading_prefix_cache = True
+            request.__dict__[self._key] = slot
+        companion, synced, in_flight = slot
+        if synced != num_tokens:
+            if num_tokens < synced:
+                raise Unsupported(
+                    f"request {request.request_id!r} lost tokens ({synced} -> {num_tokens}); "
+                    "streaming-input sessions are not served by hybrid-kv"
+                )
+            if num_tokens == synced + 1:
+                # One sampled token per step: an int crosses faster than a one-item list.
+                companion.append_output_token_ids(request._all_token_ids[-1])
+            else:
+                companion.append_output_token_ids(
+                    request._output_token_ids[synced - request.num_prompt_tokens :]
+                )
+            slot[1] = num_tokens
+        companion.num_computed_tokens = request.num_computed_tokens
+        if request.num_in_flight_tokens != in_flight:
+            companion.num_in_flight_tokens = slot[2] = request.num_in_flight_tokens
+        return companion
+
+    # ------------------------------------------------------------------ the scheduler's calls
+
+    @property
+    def usage(self) -> float:
+        return self.core.usage
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        if not self.log_stats:
+            return None
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = PrefixCacheStats()
+        return stats
+
+    def prefix_cache_lookup_enabled(self, request: Request) -> bool:
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
+            return
+        assert self.prefix_cache_stats is not None
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens,
+            num_hits=num_hits,
+            preempted=request.num_preemptions > 0,
+        )
+
+    def get_computed_blocks(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int]:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return self.empty_kv_cache_blocks, 0, 0
+        blocks, num_hit = self.core.get_computed_blocks(
+            self._companion(request), max_cache_hit_length
+        )
+        if self._events is not None and num_hit and request.kv_cache_report_mode == "full":
+            raise Unsupported("kv_cache_report_mode='full'")
+        if len(blocks) == 0:
+            return self.empty_kv_cache_blocks, num_hit, blocks.shared_prefix_boundary
+        return KVCacheBlocks(blocks), num_hit, blocks.shared_prefix_boundary
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
+    ) -> KVCacheBlocks | None:
+        if (
+            num_new_tokens == 0
+            and num_external_computed_tokens == 0
+            and not num_new_computed_tokens
+        ):
+            raise ValueError(
+                "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
+            )
+        if num_external_computed_tokens or num_encoder_tokens or reserved_blocks:
+            raise Unsupported("external computed tokens, encoder tokens or reserved blocks")
+        companion = self._companion(request)
+        hit = None
+        if (
+            new_computed_blocks is not None
+            and new_computed_blocks is not self.empty_kv_cache_blocks
+        ):
+            hit = new_computed_blocks._core
+        new = self.core.allocate_slots(
+            companion,
+            num_new_tokens,
+            num_new_computed_tokens,
+            hit,
+            num_lookahead_tokens,
+            delay_cache_blocks=delay_cache_blocks,
+            full_sequence_must_fit=full_sequence_must_fit,
+            has_scheduled_reqs=has_scheduled_reqs,
+        )
+        if self._events is not None:
+            self._events.collect(request)
+        if new is None:
+            return None
+        if len(new) == 0:
+            return self.empty_kv_cache_blocks
+        return KVCacheBlocks(new, empty=False)
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Caches the request's full blocks up to `num_computed_tokens`."""
+        if not self.enable_caching:
+            return
+        self.core.cache_blocks(self._companion(request), num_computed_tokens)
+        if self._events is not None:
+            self._events.collect(request)
+
+    def free(self, request: Request) -> None:
+        slot = request.__dict__.get(self._key)
+        if slot is None:
+            return
+        self.core.free(slot[0])
+        if request.is_finished():
+            # Dropping the companion removes the request from the core.
+            del request.__dict__[self._key]
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        try:
+            ids = self.core.get_block_ids(request_id)
+        except hk.HybridKvError:
+            return self.empty_kv_cache_blocks
+        return KVCacheBlocks(ids=ids)
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        ids = self.get_blocks(request_id).get_block_ids()
+        assert ids is not None
+        return ids
+
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> tuple[list[int], ...]:
+        ids = self.core.get_block_ids_for_computed_tokens(request_id, num_computed_tokens)
+        return tuple(a.tolist() for a in ids)
+
+    def estimate_cached_tokens(self, request: Request) -> int:
+        """Tokens of the request's own blocks in the prefix cache, the least over groups."""
+        if request.__dict__.get(self._key) is None:
+            return 0
+        return self.core.estimate_cached_tokens(self._companion(request))
+
+    def take_events(self) -> list[Any]:
+        if self._events is None:
+            return []
+        return self._events.take()
+
+    def reset_prefix_cache(self) -> bool:
+        if not self.core.reset_prefix_cache():
+            return False
+        if self._events is not None:
+            self._events.collect(None)
+        if self.log_stats:
+            assert self.prefix_cache_stats is not None
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def new_step_starts(self) -> None:
+        self.core.new_step_starts()
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        return [0] * self.num_kv_cache_groups
+
+    def take_new_block_ids(self) -> list[int]:
+        return self.core.take_new_block_ids().tolist()
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        self.core.record_blocks_for_zeroing(request_id, start_token)
+
+    def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[Any]]:
+        copies, retained = self.core.take_kv_cache_block_copies()
+        if copies or len(retained):
+            # vLLM frees the retained blocks through its block pool, which hybrid-kv replaces.
+            raise Unsupported("copy-on-write block copies (fine-grained partial hash hits)")
+        return [], []
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        return self.core.take_boundary_state_offloads()
+
+    def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
+        slot = request.__dict__.get(self._key)
+        return [] if slot is None else self.core.finalize_partial_tail_offloads(slot[0])
+
+    def create_kv_cache_blocks(self, blocks: Any) -> KVCacheBlocks:
+        raise Unsupported("create_kv_cache_blocks takes vLLM block objects")
+
+    # ------------------------------------------------------------------ connector-only calls
+
+    @property
+    def block_pool(self) -> Any:
+        raise Unsupported("block_pool is only used by KV connectors (they use vLLM's manager)")
+
+    def get_computed_blocks_for_connector(self, *args: Any, **kwargs: Any) -> Any:
+        raise Unsupported("get_computed_blocks_for_connector is only used by KV connectors")
+
+    def truncate_computed_blocks(self, *args: Any, **kwargs: Any) -> Any:
+        raise Unsupported("truncate_computed_blocks is only used by KV connectors")
+
+    def remove_skipped_blocks(self, *args: Any, **kwargs: Any) -> None:
+        raise Unsupported("remove_skipped_blocks is only used by KV connectors")
+
+    def pop_blocks_for_free(self, request: Request) -> list[Any]:
+        raise Unsupported("pop_blocks_for_free is only used by KV connectors")
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        raise Unsupported("evict_blocks is only used by KV connectors")

@@ -1,0 +1,217 @@
+"""Which vLLM configurations hybrid-kv's manager serves, in one table.
+
+Each entry names a vLLM option (or a kind of KV cache group) that hybrid-kv's manager does not
+implement with vLLM 0.33's semantics yet, and the reason. When the scheduler is built, the first
+matching entry makes `hybrid_kv.vllm.Scheduler` keep vLLM's own `KVCacheManager` and log that
+reason once; no configuration is served with different semantics. The table shrinks as the core
+gains features: an entry whose feature lands is deleted (or its predicate reads the capability
+from the core, as `_overlap_needs_core` does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupRole,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+
+import hybrid_kv as hk
+
+# vLLM spec types served by hybrid-kv, matched by exact type (vLLM's subclasses such as RSWASpec,
+# SlidingWindowMLASpec or SinkFullAttentionSpec have other managers) -> the core's group kind.
+GROUP_KINDS: Mapping[type[KVCacheSpec], str] = {
+    FullAttentionSpec: "full",
+    MLAAttentionSpec: "full",
+    SlidingWindowSpec: "sliding_window",
+    ChunkedLocalAttentionSpec: "chunked_local",
+    MambaSpec: "mamba",
+}
+
+
+def core_has_method(name: str) -> bool:
+    return hasattr(hk.KVCacheManager, name)
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What the scheduler knows when it builds its KV cache manager."""
+
+    vllm_config: VllmConfig
+    kv_cache_config: KVCacheConfig
+    manager_kwargs: Mapping[str, Any]
+
+    @property
+    def specs(self) -> list[KVCacheSpec]:
+        return [group.kv_cache_spec for group in self.kv_cache_config.kv_cache_groups]
+
+    def has(self, *types: type[KVCacheSpec]) -> bool:
+        return any(type(spec) in types for spec in self.specs)
+
+    @property
+    def caching(self) -> bool:
+        return bool(self.manager_kwargs.get("enable_caching", True))
+
+    @property
+    def overlapping_steps(self) -> bool:
+        """Steps are scheduled before the previous one's output arrives (async or PP)."""
+        return self.vllm_config.max_concurrent_batches > 1
+
+    @property
+    def spec_decode(self) -> bool:
+        return self.vllm_config.num_speculative_tokens > 0
+
+
+def _unknown_group(ctx: BuildContext) -> str | None:
+    for index, group in enumerate(ctx.kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if type(spec) not in GROUP_KINDS:
+            return f"group {index} is a {type(spec).__name__}"
+        if group.role != KVCacheGroupRole.DEFAULT:
+            return f"group {index} has role {group.role.value}"
+        if spec.prefix_replay_tokens > 0:
+            return f"group {index} replays {spec.prefix_replay_tokens} tokens after a hit"
+    return None
+
+
+def _mixed_block_sizes(ctx: BuildContext) -> str | None:
+    sizes = {spec.block_size for spec in ctx.specs}
+    hash_block_size = ctx.manager_kwargs.get("hash_block_size")
+    scheduler_block_size = ctx.manager_kwargs.get("scheduler_block_size")
+    if len(sizes) > 1 or sizes != {hash_block_size} or sizes != {scheduler_block_size}:
+        return (
+            f"block sizes {sorted(sizes)} with hash_block_size={hash_block_size} and "
+            f"scheduler_block_size={scheduler_block_size} (partial hash hits)"
+        )
+    return None
+
+
+def _overlap_needs_core(ctx: BuildContext) -> str | None:
+    # With overlapping steps vLLM frees out-of-window blocks on the processed-token basis
+    # (num_in_flight_tokens), and with overlap or speculative decoding it caches blocks in
+    # update_from_output (cache_blocks); both change which blocks sliding-window, chunked-local
+    # and Mamba groups hold. Full attention is unaffected by the first and served by a
+    # zero-token allocation for the second.
+    if not (ctx.overlapping_steps or ctx.spec_decode):
+        return None
+    if not ctx.has(SlidingWindowSpec, ChunkedLocalAttentionSpec, MambaSpec):
+        return None
+    missing = [
+        what
+        for what, present in (
+            ("Request.num_in_flight_tokens", hasattr(hk.Request, "num_in_flight_tokens")),
+            ("cache_blocks()", core_has_method("cache_blocks")),
+        )
+        if not present
+    ]
+    if not missing:
+        return None
+    mode = "async scheduling / pipeline parallelism" if ctx.overlapping_steps else "spec decoding"
+    return f"{mode} on window or Mamba groups needs the core's {' and '.join(missing)}"
+
+
+Check = Callable[[BuildContext], "str | bool | None"]
+
+# (vLLM option or feature, check, why hybrid-kv cannot serve it yet). A check returns a truthy
+# value (True or a detail string) when the configuration has that feature.
+FALLBACKS: tuple[tuple[str, Check, str], ...] = (
+    (
+        "kv_transfer_config (KV connectors, P/D disaggregation, offloading)",
+        lambda ctx: ctx.vllm_config.kv_transfer_config is not None,
+        "connectors need external computed tokens, block_pool access and delayed caching",
+    ),
+    (
+        "EAGLE / MTP speculative decoding",
+        lambda ctx: bool(
+            ctx.manager_kwargs.get("use_eagle")
+            or ctx.manager_kwargs.get("num_hash_lookahead_tokens")
+            or ctx.manager_kwargs.get("num_prefill_lookahead")
+        ),
+        "EAGLE block drops and lookahead hashes are not yet checked against vLLM here (the "
+        "offline tests have no drafter model)",
+    ),
+    (
+        "KV cache group kind",
+        _unknown_group,
+        "only full, MLA, sliding-window, chunked-local and Mamba groups are implemented",
+    ),
+    (
+        "block sizes",
+        _mixed_block_sizes,
+        "hybrid-kv's manager is checked against vLLM with one block size for all groups",
+    ),
+    (
+        "async scheduling or speculative decoding",
+        _overlap_needs_core,
+        "the core's Python API lacks what these need on window and Mamba groups",
+    ),
+    (
+        "enable_mamba_shared_prefix_checkpoint",
+        lambda ctx: bool(ctx.manager_kwargs.get("enable_mamba_shared_prefix_checkpoint")),
+        "shared-prefix Mamba checkpoints for EAGLE siblings are not implemented",
+    ),
+    (
+        "decode/prefill context parallelism",
+        lambda ctx: (
+            ctx.manager_kwargs.get("dcp_world_size", 1) > 1
+            or ctx.manager_kwargs.get("pcp_world_size", 1) > 1
+        ),
+        "context-parallel block sizes are not implemented",
+    ),
+    (
+        "kv_cache_metrics (observability)",
+        lambda ctx: ctx.manager_kwargs.get("metrics_collector") is not None,
+        "per-block residency metrics need vLLM's block objects",
+    ),
+    (
+        "HiSparse host tier",
+        lambda ctx: ctx.kv_cache_config.hisparse_host_num_blocks is not None,
+        "host-resident block pools are not implemented",
+    ),
+    (
+        "cache_hit_alignment_tokens",
+        lambda ctx: (
+            ctx.kv_cache_config.cache_hit_alignment_tokens
+            not in (
+                None,
+                ctx.manager_kwargs.get("scheduler_block_size"),
+            )
+        ),
+        "hits aligned to other than the scheduler block size are not implemented",
+    ),
+    (
+        "enable_prompt_embeds",
+        lambda ctx: ctx.vllm_config.model_config.enable_prompt_embeds,
+        "block hashes of prompt embeddings are not computed by hybrid-kv",
+    ),
+    (
+        "aux_output_config",
+        lambda ctx: ctx.vllm_config.aux_output_config.enabled,
+        "auxiliary-output connectors cap cache hits (max_cache_hit_length)",
+    ),
+    (
+        "encoder-decoder models",
+        lambda ctx: ctx.vllm_config.model_config.is_encoder_decoder,
+        "cross-attention blocks (num_encoder_tokens) are not implemented",
+    ),
+)
+
+
+def fallback_reason(ctx: BuildContext) -> str | None:
+    """The reason vLLM's own manager must serve this configuration, or None."""
+    for option, check, why in FALLBACKS:
+        found = check(ctx)
+        if found:
+            detail = f" ({found})" if isinstance(found, str) else ""
+            return f"{option}{detail}: {why}"
+    return None

@@ -1,0 +1,464 @@
+"""vLLM's real scheduler driven offline on CPU: the harness of the differential tests and of
+`benches/vllm_scheduler.py`.
+
+`build_scheduler` makes vLLM's `Scheduler` (or `hybrid_kv.vllm.Scheduler`) from a tiny local
+`config.json` (no tokenizer, no weights), a hand-built `KVCacheConfig` for one of `LAYOUTS`, and
+the scheduler options of a test. `Driver` feeds it a workload and plays the model runner: every
+scheduled request samples one token per step (more with speculative decoding), chosen by a
+deterministic rule so that two schedulers given the same decisions produce the same tokens.
+`summarize` reduces a `SchedulerOutput` to plain values, so two runs compare step by step.
+
+On a machine without a GPU, set `VLLM_TARGET_DEVICE=cpu` in the environment before vLLM is
+imported (vLLM resolves its platform once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import tempfile
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.config import (
+    CacheConfig,
+    KVEventsConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    VllmConfig,
+)
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+BLOCK_SIZE = 16
+VOCAB = 32000
+
+_MODEL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 131072,
+    "torch_dtype": "float16",
+    "rms_norm_eps": 1e-5,
+}
+
+
+@cache
+def model_dir() -> str:
+    """A directory holding a tiny llama-like `config.json` (the scheduler reads no weights)."""
+    path = Path(tempfile.mkdtemp(prefix="hybrid-kv-vllm-"))
+    (path / "config.json").write_text(json.dumps(_MODEL_CONFIG))
+    return str(path)
+
+
+def _attention(block_size: int) -> dict[str, Any]:
+    return {"block_size": block_size, "num_kv_heads": 8, "head_size": 128, "dtype": torch.float16}
+
+
+def _mamba(block_size: int) -> MambaSpec:
+    return MambaSpec(
+        block_size=block_size,
+        shapes=((2, 64), (16, 64)),
+        dtypes=(torch.float16, torch.float16),
+        mamba_type="mamba2",
+    )
+
+
+# Layout -> the KV cache groups' specs (layers per group do not matter to the manager).
+LAYOUTS: dict[str, Callable[[int], list[KVCacheSpec]]] = {
+    # 32 full-attention layers: one group.
+    "full": lambda bs: [FullAttentionSpec(**_attention(bs))],
+    # gpt-oss: sliding window 128 + full attention, 1:1.
+    "gpt-oss": lambda bs: [
+        FullAttentionSpec(**_attention(bs)),
+        SlidingWindowSpec(**_attention(bs), sliding_window=128),
+    ],
+    # Gemma-3-27B: 10 full + 52 sliding-window (1024) layers in groups of 10: 1 + 6 groups.
+    "gemma3": lambda bs: (
+        [FullAttentionSpec(**_attention(bs))]
+        + [SlidingWindowSpec(**_attention(bs), sliding_window=1024) for _ in range(6)]
+    ),
+    # Llama-4: chunked local attention (8192) 3 : 1 full.
+    "llama4": lambda bs: (
+        [FullAttentionSpec(**_attention(bs))]
+        + [ChunkedLocalAttentionSpec(**_attention(bs), attention_chunk_size=8192) for _ in range(3)]
+    ),
+    # Jamba-like: Mamba + full attention.
+    "jamba": lambda bs: [FullAttentionSpec(**_attention(bs)), _mamba(bs)],
+}
+
+
+@dataclass(frozen=True)
+class Options:
+    """One scheduler configuration of the differential tests and the benchmark."""
+
+    layout: str = "full"
+    num_blocks: int = 2048
+    prefix_caching: bool = True
+    dense_retention: bool = True
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 16384
+    async_scheduling: bool = False
+    ngram_tokens: int = 0
+    kv_events: bool = False
+    log_stats: bool = True
+    block_size: int = BLOCK_SIZE
+
+
+def kv_cache_config(options: Options) -> KVCacheConfig:
+    specs = [
+        # vLLM's Mamba managers prefix-cache in "align" mode only.
+        dataclasses.replace(spec, mamba_cache_mode="align" if options.prefix_caching else "none")
+        if isinstance(spec, MambaSpec)
+        else spec
+        for spec in LAYOUTS[options.layout](options.block_size)
+    ]
+    return KVCacheConfig(
+        num_blocks=options.num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec([f"layers.{g}"], spec) for g, spec in enumerate(specs)],
+        prefix_cache_retention_interval=None if options.dense_retention else 0,
+    )
+
+
+def vllm_config(options: Options) -> VllmConfig:
+    model = ModelConfig(
+        model=model_dir(),
+        skip_tokenizer_init=True,
+        max_model_len=options.max_model_len,
+        dtype="float16",
+        seed=0,
+    )
+    scheduler = SchedulerConfig(
+        max_num_seqs=options.max_num_seqs,
+        max_num_batched_tokens=options.max_num_batched_tokens,
+        max_model_len=options.max_model_len,
+        is_encoder_decoder=False,
+        async_scheduling=options.async_scheduling,
+        enable_chunked_prefill=True,
+    )
+    cache = CacheConfig(
+        block_size=options.block_size,
+        enable_prefix_caching=options.prefix_caching,
+        prefix_cache_retention_interval=None if options.dense_retention else 0,
+        # vLLM derives this from the model's Mamba layers; the tiny model here has none.
+        mamba_cache_mode="align"
+        if options.prefix_caching and options.layout == "jamba"
+        else "none",
+    )
+    cache.num_gpu_blocks = options.num_blocks
+    speculative = None
+    if options.ngram_tokens:
+        speculative = SpeculativeConfig(
+            method="ngram",
+            num_speculative_tokens=options.ngram_tokens,
+            prompt_lookup_max=3,
+            prompt_lookup_min=2,
+        )
+    events = None
+    if options.kv_events:
+        events = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    config = VllmConfig(
+        model_config=model,
+        scheduler_config=scheduler,
+        cache_config=cache,
+        speculative_config=speculative,
+        kv_events_config=events,
+    )
+    # vLLM's CPU platform turns async scheduling off ("not required on CPU"); the scheduler
+    # itself runs the same on any platform, so put it back as a GPU engine would have it.
+    config.scheduler_config.async_scheduling = options.async_scheduling
+    return config
+
+
+def build_scheduler(options: Options, scheduler_cls: type[Any] | None = None) -> Any:
+    """`scheduler_cls` (default: the class vLLM picks, Scheduler or AsyncScheduler) built
+    offline for `options`."""
+    config = vllm_config(options)
+    if scheduler_cls is None:
+        scheduler_cls = config.scheduler_config.get_scheduler_cls()
+    return scheduler_cls(
+        vllm_config=config,
+        kv_cache_config=kv_cache_config(options),
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=options.block_size,
+        log_stats=options.log_stats,
+    )
+
+
+# ----------------------------------------------------------------------------------- workload
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    request_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    arrival_step: int
+    cache_salt: str | None = None
+
+
+def chat_workload(
+    num_requests: int,
+    *,
+    seed: int = 0,
+    num_system_prompts: int = 4,
+    system_len: tuple[int, int] = (200, 1200),
+    user_len: tuple[int, int] = (20, 400),
+    max_tokens: tuple[int, int] = (8, 96),
+    arrivals_per_step: int = 4,
+    salts: Sequence[str | None] = (None,),
+) -> list[RequestSpec]:
+    """Chat requests sharing a few system prompts (prefix hits), arriving a few per step."""
+    rng = random.Random(seed)
+    systems = [
+        tuple(rng.randrange(VOCAB) for _ in range(rng.randint(*system_len)))
+        for _ in range(num_system_prompts)
+    ]
+    specs = []
+    for i in range(num_requests):
+        user = tuple(rng.randrange(VOCAB) for _ in range(rng.randint(*user_len)))
+        specs.append(
+            RequestSpec(
+                request_id=f"req-{i}",
+                prompt=rng.choice(systems) + user,
+                max_tokens=rng.randint(*max_tokens),
+                arrival_step=i // arrivals_per_step,
+                cache_salt=rng.choice(list(salts)),
+            )
+        )
+    return specs
+
+
+@cache
+def _block_hasher(block_size: int) -> Callable[[Request], list[Any]]:
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    return get_request_block_hasher(block_size, hash_fn)
+
+
+def make_request(spec: RequestSpec, block_size: int = BLOCK_SIZE) -> Request:
+    return Request(
+        request_id=spec.request_id,
+        prompt_token_ids=list(spec.prompt),
+        sampling_params=SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True),
+        pooling_params=None,
+        cache_salt=spec.cache_salt,
+        block_hasher=_block_hasher(block_size),
+        arrival_time=0.0,
+    )
+
+
+def _stable_hash(*parts: object) -> int:
+    return zlib.crc32(repr(parts).encode())
+
+
+def next_token(request_id: str, position: int) -> int:
+    """The token the fake model samples for a request at a position (any scheduler)."""
+    return _stable_hash(request_id, position) % VOCAB
+
+
+# ----------------------------------------------------------------------------- fake execution
+
+
+@dataclass
+class Driver:
+    """Plays the engine core loop around a scheduler: adds requests, executes steps."""
+
+    scheduler: Any
+    workload: list[RequestSpec]
+    block_size: int = BLOCK_SIZE
+    step: int = 0
+    _next: int = 0
+    _in_flight: deque[tuple[SchedulerOutput, set[str]]] = field(default_factory=deque)
+
+    def _admit(self) -> None:
+        while (
+            self._next < len(self.workload) and self.workload[self._next].arrival_step <= self.step
+        ):
+            self.scheduler.add_request(make_request(self.workload[self._next], self.block_size))
+            self._next += 1
+
+    @property
+    def done(self) -> bool:
+        return (
+            self._next == len(self.workload)
+            and not self._in_flight
+            and not self.scheduler.has_requests()
+        )
+
+    def schedule(self) -> SchedulerOutput:
+        self._admit()
+        self.step += 1
+        output = self.scheduler.schedule()
+        chunks = {
+            rid
+            for rid in output.num_scheduled_tokens
+            if self.scheduler.requests[rid].is_prefill_chunk
+        }
+        self._in_flight.append((output, chunks))
+        return output
+
+    def finish_oldest(self) -> Any:
+        """Runs the fake model on the oldest scheduled step and updates the scheduler."""
+        output, chunks = self._in_flight.popleft()
+        runner = self.fake_model_output(output, chunks)
+        results = self.scheduler.update_from_output(output, runner)
+        drafts = self.fake_drafts(output, chunks)
+        if drafts is not None:
+            self.scheduler.update_draft_token_ids(drafts)
+        return results
+
+    def fake_model_output(self, output: SchedulerOutput, chunks: set[str]) -> ModelRunnerOutput:
+        req_ids = list(output.num_scheduled_tokens)
+        sampled = []
+        for rid in req_ids:
+            if rid in chunks:
+                sampled.append([])
+                continue
+            request = self.scheduler.requests.get(rid)
+            position = request.num_tokens if request is not None else 0
+            drafts = output.scheduled_spec_decode_tokens.get(rid, ())
+            accepted = _stable_hash(rid, position, "accept") % (len(drafts) + 1)
+            sampled.append([next_token(rid, position + k) for k in range(accepted + 1)])
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
+
+    def fake_drafts(self, output: SchedulerOutput, chunks: set[str]) -> DraftTokenIds | None:
+        k = self.scheduler.num_spec_tokens
+        if not k:
+            return None
+        req_ids = [
+            rid
+            for rid in output.num_scheduled_tokens
+            if rid not in chunks and rid in self.scheduler.requests
+        ]
+        drafts = [
+            [next_token(rid, self.scheduler.requests[rid].num_tokens + j) for j in range(k)]
+            for rid in req_ids
+        ]
+        return DraftTokenIds(req_ids=req_ids, draft_token_ids=drafts)
+
+    def timed_step(self) -> tuple[int, int, int]:
+        """One synchronous step: (ns in schedule(), ns in update_from_output(), requests
+        running). Adding arrived requests and playing the model are not timed."""
+        self._admit()
+        self.step += 1
+        t0 = time.perf_counter_ns()
+        output = self.scheduler.schedule()
+        t1 = time.perf_counter_ns()
+        chunks = {
+            rid
+            for rid in output.num_scheduled_tokens
+            if self.scheduler.requests[rid].is_prefill_chunk
+        }
+        runner = self.fake_model_output(output, chunks)
+        running = len(self.scheduler.running)
+        t2 = time.perf_counter_ns()
+        self.scheduler.update_from_output(output, runner)
+        t3 = time.perf_counter_ns()
+        return t1 - t0, t3 - t2, running
+
+    def run(self, max_steps: int = 100_000) -> Iterator[tuple[SchedulerOutput, Any]]:
+        """Yields (scheduler output, engine-core outputs of the step it completes)."""
+        depth = self.scheduler.vllm_config.max_concurrent_batches
+        while not self.done:
+            if self.step >= max_steps:
+                raise RuntimeError(f"workload not finished after {max_steps} steps")
+            output = self.schedule()
+            results = []
+            while self._in_flight and (
+                len(self._in_flight) >= depth or not self.scheduler.has_requests()
+            ):
+                results.append(self.finish_oldest())
+            yield output, results
+
+
+def _ids(block_ids: Any) -> Any:
+    return None if block_ids is None else tuple(list(g) for g in block_ids)
+
+
+def summarize(output: SchedulerOutput) -> dict[str, Any]:
+    """A scheduler output as plain values: what two schedulers must agree on."""
+    cached = output.scheduled_cached_reqs
+    return {
+        "new": [
+            (r.req_id, _ids(r.block_ids), r.num_computed_tokens) for r in output.scheduled_new_reqs
+        ],
+        "cached": [
+            (rid, _ids(ids), n, rid in cached.resumed_req_ids, o)
+            for rid, ids, n, o in zip(
+                cached.req_ids,
+                cached.new_block_ids,
+                cached.num_computed_tokens,
+                cached.num_output_tokens,
+                strict=True,
+            )
+        ],
+        "num_scheduled_tokens": dict(output.num_scheduled_tokens),
+        "total": output.total_num_scheduled_tokens,
+        "spec": {k: list(v) for k, v in output.scheduled_spec_decode_tokens.items()},
+        "finished": sorted(output.finished_req_ids),
+        "preempted": sorted(output.preempted_req_ids or ()),
+        "zero": output.new_block_ids_to_zero,
+        "copies": output.kv_cache_block_copies,
+    }
+
+
+def summarize_results(results: list[Any]) -> list[Any]:
+    """Engine-core outputs of completed steps: per-request outputs, stats, usage."""
+    summary = []
+    for per_client in results:
+        for client, outputs in sorted(per_client.items()):
+            stats = outputs.scheduler_stats
+            summary.append(
+                (
+                    client,
+                    [
+                        (o.request_id, list(o.new_token_ids), o.finish_reason, o.prefill_stats)
+                        for o in outputs.outputs
+                    ],
+                    sorted(outputs.finished_requests or ()),
+                    None
+                    if stats is None
+                    else (
+                        stats.num_running_reqs,
+                        stats.num_waiting_reqs,
+                        stats.kv_cache_usage,
+                        stats.prefix_cache_stats,
+                    ),
+                )
+            )
+    return summary

@@ -1,0 +1,153 @@
+"""KV events: `hybrid_kv.vllm.Scheduler` publishes vLLM's own event objects (BlockStored,
+BlockRemoved, AllBlocksCleared) with the fields and block hashes stock vLLM publishes for the same
+run, and vLLM's ZMQ publisher carries them to a subscriber unchanged."""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (see .ci/run)")
+
+import hybrid_kv.vllm as hkv  # noqa: E402
+import msgspec  # noqa: E402
+import zmq  # noqa: E402
+from hybrid_kv.vllm import testing as harness  # noqa: E402
+from vllm.distributed.kv_events import (  # noqa: E402
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
+
+WORKLOAD = harness.chat_workload(40, seed=2, salts=(None, "tenant-b"))
+
+
+class Recorder:
+    """Stands in for vLLM's event publisher: keeps every published batch."""
+
+    def __init__(self) -> None:
+        self.batches: list[KVEventBatch] = []
+
+    def publish(self, batch: KVEventBatch) -> None:
+        self.batches.append(batch)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def recorded_events(options: harness.Options, scheduler_cls: Any = None) -> list[Any]:
+    scheduler = harness.build_scheduler(options, scheduler_cls)
+    if scheduler_cls is not None:
+        assert scheduler.uses_hybrid_kv
+    recorder = Recorder()
+    scheduler.kv_event_publisher = recorder
+    driver = harness.Driver(scheduler, WORKLOAD)
+    for _ in driver.run():
+        pass
+    events = [event for batch in recorder.batches for event in batch.events]
+    assert scheduler.reset_prefix_cache()
+    # No step follows to publish the reset: take its event from the manager.
+    events.extend(scheduler.kv_cache_manager.take_events())
+    return events
+
+
+@pytest.mark.parametrize(
+    "layout,num_blocks,dense",
+    [
+        ("full", 260, True),
+        ("gpt-oss", 330, True),
+        ("gemma3", 1400, True),
+        ("gpt-oss", 330, False),
+        ("gemma3", 1400, False),
+        ("jamba", 700, False),
+    ],
+)
+def test_events_equal_stock_vllms(layout: str, num_blocks: int, dense: bool) -> None:
+    options = harness.Options(
+        layout=layout, num_blocks=num_blocks, kv_events=True, dense_retention=dense
+    )
+    expected = recorded_events(options)
+    got = recorded_events(options, hkv.Scheduler)
+    kinds = {type(e) for e in expected}
+    assert {BlockStored, BlockRemoved, AllBlocksCleared} <= kinds, "the run should evict"
+    assert len(got) == len(expected)
+    for i, (ours, theirs) in enumerate(zip(got, expected, strict=True)):
+        assert ours == theirs, f"event {i} differs"
+    # vLLM's hashes (the low 64 bits of its SHA-256 chain, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES),
+    # not the core's XXH3 ones.
+    stored = [e for e in got if isinstance(e, BlockStored)]
+    assert all(0 <= h < 2**64 for e in stored for h in e.block_hashes)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _replay_all(endpoint: str, expected_batches: int, timeout_s: float = 20.0) -> list[Any]:
+    """Asks the publisher's replay socket for every batch from sequence 0 and decodes them."""
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    context = zmq.Context.instance()
+    deadline = time.monotonic() + timeout_s
+    batches: list[KVEventBatch] = []
+    while time.monotonic() < deadline:
+        dealer = context.socket(zmq.DEALER)
+        dealer.connect(endpoint)
+        try:
+            dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+            batches = []
+            while dealer.poll(int((deadline - time.monotonic()) * 1000)):
+                _, topic, seq, payload = dealer.recv_multipart()
+                if payload == b"":  # end of the replay
+                    break
+                assert int.from_bytes(seq, "big") == len(batches)
+                batches.append(decoder.decode(payload))
+        finally:
+            dealer.close(linger=0)
+        if len(batches) >= expected_batches:
+            return batches
+        time.sleep(0.1)  # the publisher thread has not sent everything yet
+    raise AssertionError(f"replayed {len(batches)} of {expected_batches} batches")
+
+
+def test_events_cross_vllms_zmq_publisher_to_a_subscriber() -> None:
+    options = harness.Options(layout="gpt-oss", num_blocks=330, kv_events=True)
+    expected = recorded_events(options)
+
+    replay = f"tcp://127.0.0.1:{_free_port()}"
+    config = harness.vllm_config(options)
+    config.kv_events_config.publisher = "zmq"
+    config.kv_events_config.endpoint = f"inproc://hybrid-kv-events-{_free_port()}"
+    config.kv_events_config.replay_endpoint = replay
+    scheduler = hkv.Scheduler(
+        vllm_config=config,
+        kv_cache_config=harness.kv_cache_config(options),
+        structured_output_manager=harness.StructuredOutputManager(config),
+        block_size=options.block_size,
+        log_stats=True,
+    )
+    assert scheduler.uses_hybrid_kv
+    published = 0
+    original_publish = scheduler.kv_event_publisher.publish
+
+    def counting_publish(batch: KVEventBatch) -> None:
+        nonlocal published
+        published += 1
+        original_publish(batch)
+
+    scheduler.kv_event_publisher.publish = counting_publish
+    try:
+        for _ in harness.Driver(scheduler, WORKLOAD).run():
+            pass
+        batches = _replay_all(replay, published)
+    finally:
+        scheduler.kv_event_publisher.shutdown()
+    events = [event for batch in batches for event in batch.events]
+    # The stock run also recorded the final reset's AllBlocksCleared; this run has no reset.
+    assert expected[-1] == AllBlocksCleared()
+    assert events == expected[:-1]

@@ -1,0 +1,32 @@
+"""`import hybrid_kv` never imports vLLM; `import hybrid_kv.vllm` does, and names the classes
+`--scheduler-cls` takes."""
+
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (see .ci/run)")
+
+
+def _modules_after(statement: str) -> set[str]:
+    code = f"{statement}\nimport sys\nprint('\\n'.join(sys.modules))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+    ).stdout
+    return set(out.split())
+
+
+def test_import_hybrid_kv_does_not_import_vllm() -> None:
+    modules = _modules_after("import hybrid_kv")
+    assert "hybrid_kv" in modules
+    assert not any(m == "vllm" or m.startswith(("vllm.", "hybrid_kv.vllm")) for m in modules)
+
+
+def test_import_hybrid_kv_vllm_imports_vllm_and_the_scheduler_classes() -> None:
+    modules = _modules_after(
+        "from hybrid_kv.vllm import Scheduler, AsyncScheduler\n"
+        "from vllm.utils.import_utils import resolve_obj_by_qualname\n"
+        "assert resolve_obj_by_qualname('hybrid_kv.vllm.Scheduler') is Scheduler"
+    )
+    assert "vllm.v1.core.sched.scheduler" in modules

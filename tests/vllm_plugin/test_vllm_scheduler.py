@@ -1,0 +1,286 @@
+"""Differential tests: vLLM 0.33's own scheduler with its own KV cache manager against
+`hybrid_kv.vllm.Scheduler` (the same scheduler with hybrid-kv's manager), driven through the same
+workload with the same fake model, must produce identical `SchedulerOutput`s on every step
+(scheduled requests and token counts, block ids of new and cached requests per group, preempted
+and finished requests) and identical engine-core outputs (tokens, finish reasons, prefill stats,
+prefix-cache stats, KV cache usage)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (see .ci/run)")
+
+import hybrid_kv.vllm as hkv  # noqa: E402
+from hybrid_kv.vllm import testing as harness  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler  # noqa: E402
+
+
+@dataclasses.dataclass
+class Run:
+    steps: int = 0
+    preempted: int = 0
+    finished: int = 0
+    spec_tokens: int = 0
+    hits: int = 0
+
+
+def run_both(
+    options: harness.Options, workload: list[harness.RequestSpec], require_hybrid: bool = True
+) -> Run:
+    """Drives stock vLLM and hybrid_kv.vllm.Scheduler in lock step; asserts every step equal."""
+    stock = harness.build_scheduler(options)
+    ours = harness.build_scheduler(options, hkv.Scheduler)
+    assert isinstance(stock.kv_cache_manager, VllmKVCacheManager)
+    if require_hybrid:
+        assert ours.uses_hybrid_kv, "hybrid_kv.vllm fell back to vLLM's manager"
+    run = Run()
+    stock_steps = harness.Driver(stock, workload, options.block_size).run()
+    our_steps = harness.Driver(ours, workload, options.block_size).run()
+    for (stock_out, stock_results), (our_out, our_results) in zip(
+        stock_steps, our_steps, strict=True
+    ):
+        expected = harness.summarize(stock_out)
+        got = harness.summarize(our_out)
+        assert got == expected, f"step {run.steps}: SchedulerOutput differs"
+        assert harness.summarize_results(our_results) == harness.summarize_results(stock_results), (
+            f"step {run.steps}: engine-core outputs differ"
+        )
+        run.steps += 1
+        run.preempted += len(expected["preempted"])
+        run.finished += len(expected["finished"])
+        run.spec_tokens += sum(len(v) for v in expected["spec"].values())
+        run.hits += sum(1 for _, _, n in expected["new"] if n > 0)
+    assert run.finished == len(workload)
+    return run
+
+
+WORKLOAD = harness.chat_workload(48, seed=1, salts=(None, None, "tenant-a"))
+
+# (layout, pool blocks under memory pressure); each pool is small enough to force preemptions.
+DENSE_LAYOUTS = [("full", 260), ("gpt-oss", 330), ("gemma3", 1400), ("llama4", 1200)]
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["caching", "no-caching"])
+@pytest.mark.parametrize("layout", [name for name, _ in DENSE_LAYOUTS])
+def test_same_outputs_as_vllm_with_room(layout: str, prefix_caching: bool) -> None:
+    options = harness.Options(layout=layout, num_blocks=20000, prefix_caching=prefix_caching)
+    run = run_both(options, WORKLOAD)
+    assert run.preempted == 0
+    assert (run.hits > 0) == prefix_caching
+
+
+@pytest.mark.parametrize("layout,num_blocks", DENSE_LAYOUTS)
+def test_same_outputs_as_vllm_under_memory_pressure(layout: str, num_blocks: int) -> None:
+    options = harness.Options(layout=layout, num_blocks=num_blocks)
+    run = run_both(options, WORKLOAD)
+    assert run.preempted > 0, "the pool should be small enough to preempt"
+    assert run.hits > 0
+
+
+def test_same_outputs_as_vllm_without_prefix_caching_under_pressure() -> None:
+    run = run_both(
+        harness.Options(layout="gemma3", num_blocks=1400, prefix_caching=False), WORKLOAD
+    )
+    assert run.preempted > 0
+
+
+def test_same_outputs_as_vllm_with_ngram_speculative_decoding() -> None:
+    options = harness.Options(layout="full", num_blocks=300, ngram_tokens=3)
+    run = run_both(options, WORKLOAD)
+    assert run.spec_tokens > 0
+    assert run.preempted > 0
+
+
+def test_same_outputs_as_vllm_with_async_scheduling() -> None:
+    options = harness.Options(layout="full", num_blocks=260, async_scheduling=True)
+    stock = harness.build_scheduler(options)
+    assert isinstance(stock, VllmAsyncScheduler)
+    run = run_both(options, WORKLOAD)
+    assert run.preempted > 0
+
+
+@pytest.mark.parametrize("layout", ["gpt-oss", "gemma3"])
+def test_same_outputs_as_vllm_with_async_scheduling_on_window_groups(layout: str) -> None:
+    num_blocks = {"gpt-oss": 240, "gemma3": 1400}[layout]
+    run = run_both(
+        harness.Options(layout=layout, num_blocks=num_blocks, async_scheduling=True), WORKLOAD
+    )
+    assert run.preempted > 0
+
+
+def test_same_outputs_as_vllm_with_ngram_on_window_groups() -> None:
+    run = run_both(harness.Options(layout="gpt-oss", num_blocks=330, ngram_tokens=3), WORKLOAD)
+    assert run.spec_tokens > 0 and run.preempted > 0
+
+
+@pytest.mark.parametrize("layout", ["gpt-oss", "gemma3"])
+def test_same_outputs_as_vllm_with_default_retention(layout: str) -> None:
+    # vLLM's default: prefix_cache_retention_interval=0 (sparse checkpoints).
+    num_blocks = {"gpt-oss": 240, "gemma3": 1400}[layout]
+    options = harness.Options(layout=layout, num_blocks=num_blocks, dense_retention=False)
+    run = run_both(options, WORKLOAD)
+    assert run.preempted > 0 and run.hits > 0
+
+
+def test_same_outputs_as_vllm_with_default_retention_async_and_room() -> None:
+    options = harness.Options(
+        layout="gemma3", num_blocks=20000, dense_retention=False, async_scheduling=True
+    )
+    run = run_both(options, WORKLOAD)
+    assert run.hits > 0
+
+
+def test_same_outputs_as_vllm_on_jamba_with_prefix_caching() -> None:
+    # mamba_cache_mode="align": Mamba states cached at block-aligned checkpoints.
+    run = run_both(harness.Options(layout="jamba", num_blocks=700), WORKLOAD)
+    assert run.preempted > 0 and run.hits > 0
+
+
+def test_same_outputs_as_vllm_on_jamba_without_prefix_caching() -> None:
+    run = run_both(harness.Options(layout="jamba", num_blocks=700, prefix_caching=False), WORKLOAD)
+    assert run.preempted > 0
+
+
+# ------------------------------------------------------------------------------ construction
+
+
+def test_scheduler_is_vllms_with_hybrid_kv_manager() -> None:
+    scheduler = harness.build_scheduler(harness.Options(layout="gemma3"), hkv.Scheduler)
+    assert isinstance(scheduler, VllmScheduler)
+    assert not isinstance(scheduler, VllmAsyncScheduler)
+    assert isinstance(scheduler.kv_cache_manager, hkv.HybridKVCacheManager)
+    assert scheduler.kv_cache_manager.core.num_groups == 7
+
+
+def test_async_scheduling_picks_the_async_variant_from_the_same_class_name() -> None:
+    options = harness.Options(layout="full", async_scheduling=True)
+    scheduler = harness.build_scheduler(options, hkv.Scheduler)
+    assert isinstance(scheduler, hkv.AsyncScheduler)
+    assert isinstance(scheduler, VllmAsyncScheduler)
+    assert scheduler.uses_hybrid_kv
+
+
+def test_construction_restores_vllms_manager_class() -> None:
+    from vllm.v1.core.sched import scheduler as vllm_scheduler_module
+
+    harness.build_scheduler(harness.Options(), hkv.Scheduler)
+    assert vllm_scheduler_module.KVCacheManager is VllmKVCacheManager
+    stock = harness.build_scheduler(harness.Options())
+    assert type(stock.kv_cache_manager) is VllmKVCacheManager
+
+
+def _context(options: harness.Options, **config_changes: Any) -> hkv.BuildContext:
+    config = harness.vllm_config(options)
+    for name, value in config_changes.items():
+        object.__setattr__(config, name, value)
+    kv = harness.kv_cache_config(options)
+    scheduler = harness.build_scheduler(options)  # vLLM's own: records the manager's arguments
+    manager = scheduler.kv_cache_manager
+    kwargs = {
+        "kv_cache_config": kv,
+        "max_model_len": options.max_model_len,
+        "scheduler_block_size": options.block_size,
+        "hash_block_size": options.block_size,
+        "enable_caching": manager.enable_caching,
+        "use_eagle": manager.use_eagle,
+        "dcp_world_size": 1,
+        "pcp_world_size": 1,
+    }
+    return hkv.BuildContext(config, kv, kwargs)
+
+
+@pytest.mark.parametrize(
+    "manager_kwargs,option",
+    [
+        ({"use_eagle": True}, "EAGLE"),
+        ({"num_hash_lookahead_tokens": 1}, "EAGLE"),
+        ({"enable_mamba_shared_prefix_checkpoint": True}, "enable_mamba_shared_prefix_checkpoint"),
+        ({"dcp_world_size": 2}, "context parallelism"),
+        ({"metrics_collector": object()}, "kv_cache_metrics"),
+        ({"hash_block_size": 8}, "block sizes"),
+    ],
+)
+def test_unsupported_manager_arguments_have_a_fallback_reason(
+    manager_kwargs: dict[str, Any], option: str
+) -> None:
+    ctx = _context(harness.Options(layout="gpt-oss"))
+    ctx = hkv.BuildContext(
+        ctx.vllm_config, ctx.kv_cache_config, {**ctx.manager_kwargs, **manager_kwargs}
+    )
+    reason = hkv.fallback_reason(ctx)
+    assert reason is not None and option in reason
+
+
+def test_unsupported_configuration_builds_vllms_own_manager() -> None:
+    options = harness.Options(layout="gemma3")
+    config = harness.vllm_config(options)
+    config.observability_config.kv_cache_metrics = True
+    scheduler = hkv.Scheduler(
+        vllm_config=config,
+        kv_cache_config=harness.kv_cache_config(options),
+        structured_output_manager=harness.StructuredOutputManager(config),
+        block_size=options.block_size,
+    )
+    assert type(scheduler.kv_cache_manager) is VllmKVCacheManager
+    assert not scheduler.uses_hybrid_kv
+
+
+def test_kv_connector_falls_back() -> None:
+    from vllm.config import KVTransferConfig
+
+    ctx = _context(
+        harness.Options(),
+        kv_transfer_config=KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both"),
+    )
+    reason = hkv.fallback_reason(ctx)
+    assert reason is not None and reason.startswith("kv_transfer_config")
+
+
+def test_unknown_group_kind_falls_back() -> None:
+    from vllm.v1.kv_cache_interface import CrossAttentionSpec, KVCacheGroupSpec
+
+    options = harness.Options()
+    ctx = _context(options)
+    ctx.kv_cache_config.kv_cache_groups.append(
+        KVCacheGroupSpec(
+            ["cross"],
+            CrossAttentionSpec(
+                block_size=16, num_kv_heads=8, head_size=128, dtype=harness.torch.float16
+            ),
+        )
+    )
+    reason = hkv.fallback_reason(ctx)
+    assert reason is not None and "CrossAttentionSpec" in reason
+
+
+def test_supported_configurations_have_no_fallback_reason() -> None:
+    for layout in ("full", "gpt-oss", "gemma3", "llama4"):
+        assert hkv.fallback_reason(_context(harness.Options(layout=layout))) is None
+    assert (
+        hkv.fallback_reason(_context(harness.Options(layout="jamba", prefix_caching=False))) is None
+    )
+
+
+def test_block_ids_cross_as_lists_of_ints() -> None:
+    scheduler = harness.build_scheduler(harness.Options(layout="gpt-oss"), hkv.Scheduler)
+    driver = harness.Driver(scheduler, WORKLOAD[:4])
+    output = driver.schedule()
+    assert output.scheduled_new_reqs
+    for new in output.scheduled_new_reqs:
+        assert isinstance(new.block_ids, tuple) and len(new.block_ids) == 2
+        for group in new.block_ids:
+            assert type(group) is list and all(type(b) is int for b in group)
+
+
+def test_streaming_input_requests_are_refused_not_diverged() -> None:
+    scheduler = harness.build_scheduler(harness.Options(), hkv.Scheduler)
+    request = harness.make_request(WORKLOAD[0])
+    request.resumable = True
+    with pytest.raises(ValueError, match="streaming-input"):
+        scheduler.add_request(request)
