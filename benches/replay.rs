@@ -46,7 +46,7 @@ fn run(f: &Fixture) -> ReplaySummary {
 
 fn print_table(fixtures: &[Fixture]) {
     println!(
-        "\n{:<24} {:>7} {:>12} {:>12} {:>8} | {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "\n{:<32} {:>7} {:>10} {:>10} {:>8} | {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
         "fixture (manager calls)",
         "calls",
         "ours ms",
@@ -56,7 +56,10 @@ fn print_table(fixtures: &[Fixture]) {
         "vLLM p50",
         "admit p50",
         "vLLM p50",
-        "free p50"
+        "gcb p50",
+        "vLLM p50",
+        "free p50",
+        "vLLM p50"
     );
     for f in fixtures {
         // Best of 3 runs (the machine is shared); one under `cargo test --benches`.
@@ -77,7 +80,7 @@ fn print_table(fixtures: &[Fixture]) {
         let p50 = |op: &str| s.timing.get(op).map_or(0, |t| t.quantile_ns(0.5));
         let vp50 = |op: &str| f.vllm_timing[op]["median_ns"].as_u64().unwrap_or(0);
         println!(
-            "{:<24} {:>7} {:>12.2} {:>12.2} {:>7.1}x | {:>8}ns {:>8}ns {:>8}ns {:>8}ns {:>8}ns",
+            "{:<32} {:>7} {:>10.2} {:>10.2} {:>7.1}x | {:>7}ns {:>7}ns {:>7}ns {:>7}ns {:>7}ns {:>7}ns {:>7}ns {:>7}ns",
             f.name,
             s.num_calls,
             ours_ms,
@@ -87,7 +90,10 @@ fn print_table(fixtures: &[Fixture]) {
             vp50("allocate_slots.decode"),
             p50("allocate_slots.admit"),
             vp50("allocate_slots.admit"),
+            p50("get_computed_blocks"),
+            vp50("get_computed_blocks"),
             p50("free"),
+            vp50("free"),
         );
     }
     println!();
