@@ -77,6 +77,10 @@ pub enum KvEvent {
         /// Per stored block, its extra keys (`None` for a block without any); `None` when no
         /// block was stored.
         extra_keys: Option<Vec<Option<Vec<EventKey>>>>,
+        /// The position (block index) in the request of the first block of the call's range.
+        first_block: usize,
+        /// The positions of the stored blocks (`first_block` plus their index in the call).
+        block_indices: Vec<usize>,
     },
     /// One cache key removed (eviction on reuse, explicit eviction).
     BlockRemoved {
@@ -100,6 +104,8 @@ pub struct StoreInfo<'a> {
     pub lora: Option<(&'a str, Option<u64>)>,
     /// The extra keys of the `i`-th block of the call (by position in `blocks`).
     pub block_extra_keys: Option<&'a dyn Fn(usize) -> Option<Vec<EventKey>>>,
+    /// The position (block index) in the request of `blocks[0]`.
+    pub first_block: usize,
 }
 
 impl std::fmt::Debug for StoreInfo<'_> {

@@ -118,6 +118,14 @@ class BlockStored:
         """Per stored block, its extra keys as vLLM publishes them (the LoRA name,
         `(identifier, offset)` per multimodal input, the cache salt on the first block), None for
         a block without any; None when no block was stored."""
+    @property
+    def first_block(self) -> int:
+        """The position in the request of the first block of the call's range (the block after
+        `parent_block_hash`); 0 for a `BlockPool` call."""
+    @property
+    def block_indices(self) -> list[int]:
+        """The position of each stored block (in the request; in the call for a
+        `BlockPool`)."""
 
 @final
 class BlockRemoved:
@@ -529,6 +537,8 @@ class KVCacheManager:
         reserved_blocks: int = 0,
         has_scheduled_reqs: bool = True,
         skip_zeroing_group_ids: Sequence[int] = (),
+        num_computed_tokens: int | None = None,
+        num_in_flight_tokens: int | None = None,
     ) -> KVCacheBlocks | None:
         """Slots for `num_new_tokens` more tokens, adopting a prefix-cache hit on the request's
         first allocation; caches the request's newly full blocks (vLLM's `allocate_slots`).
@@ -551,6 +561,8 @@ class KVCacheManager:
             has_scheduled_reqs: other requests run this step (the watermark then applies).
             skip_zeroing_group_ids: groups whose external-token blocks an asynchronous load
                 writes (not recorded for zeroing).
+            num_computed_tokens, num_in_flight_tokens: when given, set on the request first
+                (as its setters do), saving a call each.
 
         Returns:
             The blocks handed to the worker per group (for Mamba align, null blocks and

@@ -423,6 +423,7 @@ impl GroupManager {
                 block_size: bs as u32,
                 lora: extra.lora_name.as_deref().map(|n| (n, extra.lora_id)),
                 block_extra_keys: pool.events_enabled().then_some(&keys_of as _),
+                first_block: num_cached,
             };
             pool.cache_full_blocks(blocks, block_hashes, self.id, info)?;
             table.num_cached = Some(num_full);
@@ -513,6 +514,7 @@ impl GroupManager {
             block_size: hash_bs as u32,
             lora: extra.lora_name.as_deref().map(|n| (n, extra.lora_id)),
             block_extra_keys: pool.events_enabled().then_some(&keys_of as _),
+            first_block: idx,
         };
         if pool.block_key(block)?.is_some() {
             // A key for a shorter prefix: the state moved on, the key goes.

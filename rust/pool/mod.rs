@@ -295,6 +295,7 @@ impl BlockPool {
         let events = self.events.as_ref();
         let mut stored = Vec::new();
         let mut extra_keys = Vec::new();
+        let mut block_indices = Vec::new();
         for (i, (&id, &hash)) in blocks.iter().zip(hashes).enumerate() {
             if id == NULL_BLOCK {
                 continue;
@@ -303,6 +304,7 @@ impl BlockPool {
             if self.keys[id as usize].set(key, |key| self.map.insert(key, id)) && events.is_some() {
                 stored.push(hash);
                 extra_keys.push(info.block_extra_keys.and_then(|f| f(i)));
+                block_indices.push(info.first_block + i);
             }
         }
         if let Some(events) = events {
@@ -317,6 +319,8 @@ impl BlockPool {
                     group_id: group,
                     lora: info.lora.map(|(name, id)| (name.to_owned(), id)),
                     extra_keys: (!extra_keys.is_empty()).then_some(extra_keys),
+                    first_block: info.first_block,
+                    block_indices,
                 });
             }
         }

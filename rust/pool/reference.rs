@@ -177,6 +177,7 @@ impl RefBlockPool {
         }
         let mut stored = Vec::new();
         let mut extra_keys = Vec::new();
+        let mut block_indices = Vec::new();
         for (i, (&id, &hash)) in blocks.iter().zip(hashes).enumerate() {
             if id == NULL_BLOCK || self.key[id as usize].is_some() {
                 continue;
@@ -186,6 +187,7 @@ impl RefBlockPool {
             self.map.entry(key).or_default().push(id);
             stored.push(hash);
             extra_keys.push(info.block_extra_keys.and_then(|f| f(i)));
+            block_indices.push(info.first_block + i);
         }
         if let Some(events) = &mut self.events {
             if !blocks.is_empty() {
@@ -197,6 +199,8 @@ impl RefBlockPool {
                     group_id: group,
                     lora: info.lora.map(|(name, id)| (name.to_owned(), id)),
                     extra_keys: (!extra_keys.is_empty()).then_some(extra_keys),
+                    first_block: info.first_block,
+                    block_indices,
                 });
             }
         }

@@ -622,7 +622,7 @@ impl PyKVCacheManager {
     /// Slots for `num_new_tokens` more tokens (plus lookahead tokens, never cached), adopting a
     /// prefix-cache hit on the first allocation. Returns the newly allocated blocks, or None when
     /// the pool cannot supply them (see the stub's docstring for what None may have freed).
-    #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens = UInt(0), new_computed_blocks = None, num_lookahead_tokens = UInt(0), num_external_computed_tokens = UInt(0), delay_cache_blocks = false, num_encoder_tokens = UInt(0), full_sequence_must_fit = false, reserved_blocks = UInt(0), has_scheduled_reqs = true, skip_zeroing_group_ids = Vec::new()), text_signature = "(self, request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None, num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=False, num_encoder_tokens=0, full_sequence_must_fit=False, reserved_blocks=0, has_scheduled_reqs=True, skip_zeroing_group_ids=())")]
+    #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens = UInt(0), new_computed_blocks = None, num_lookahead_tokens = UInt(0), num_external_computed_tokens = UInt(0), delay_cache_blocks = false, num_encoder_tokens = UInt(0), full_sequence_must_fit = false, reserved_blocks = UInt(0), has_scheduled_reqs = true, skip_zeroing_group_ids = Vec::new(), num_computed_tokens = None, num_in_flight_tokens = None), text_signature = "(self, request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None, num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=False, num_encoder_tokens=0, full_sequence_must_fit=False, reserved_blocks=0, has_scheduled_reqs=True, skip_zeroing_group_ids=(), num_computed_tokens=None, num_in_flight_tokens=None)")]
     #[allow(clippy::too_many_arguments)]
     fn allocate_slots(
         &self,
@@ -639,7 +639,26 @@ impl PyKVCacheManager {
         reserved_blocks: Count,
         has_scheduled_reqs: bool,
         skip_zeroing_group_ids: Vec<Count>,
+        num_computed_tokens: Option<Count>,
+        num_in_flight_tokens: Option<Count>,
     ) -> PyResult<Option<Py<PyKVCacheBlocks>>> {
+        if num_computed_tokens.is_some() || num_in_flight_tokens.is_some() {
+            // The scheduler's counts, set on the request as by its setters (one call less).
+            let mut record = lock(&request.record);
+            if let Some(n) = num_computed_tokens {
+                record.set_num_computed_tokens(n.get())?;
+            }
+            if let Some(n) = num_in_flight_tokens {
+                if n.get() > record.num_tokens() {
+                    return Err(OutOfRangeError::new_err(format!(
+                        "num_in_flight_tokens {} exceeds the request's {} tokens",
+                        n.get(),
+                        record.num_tokens()
+                    )));
+                }
+                record.num_in_flight_tokens = n.get();
+            }
+        }
         if let Some(b) = new_computed_blocks {
             if b.manager_id != self.shared.id {
                 return Err(InvalidArgumentError::new_err(

@@ -183,6 +183,11 @@ pub(crate) struct BlockStored {
     /// Per stored block, its extra keys as vLLM publishes them: the LoRA name, `(identifier,
     /// offset)` per multimodal input, the cache salt; None for a block without any.
     extra_keys: Option<Vec<Option<Py<PyTuple>>>>,
+    /// The position in the request of the first block of the call's range (the block after
+    /// `parent_block_hash`); 0 for a `BlockPool` call.
+    first_block: usize,
+    /// The position of each stored block (in the request; in the call for a `BlockPool`).
+    block_indices: Vec<usize>,
 }
 
 #[pymethods]
@@ -242,6 +247,8 @@ pub(crate) fn event_to_py(
             group_id,
             lora,
             extra_keys,
+            first_block,
+            block_indices,
         } => {
             let kind = kinds.get(group_id as usize);
             let extra_keys = extra_keys
@@ -270,6 +277,8 @@ pub(crate) fn event_to_py(
                     lora_id,
                     lora_name,
                     extra_keys,
+                    first_block,
+                    block_indices,
                 },
             )?
             .into_any()

@@ -230,6 +230,8 @@ class HybridKVCacheManager:
                 f"hash block size {hash_block_size} (hybrid-kv derives {self.core.hash_block_size})"
             )
         self.hash_block_size = hash_block_size
+        # The core hands back this shared instance when a call allocated nothing.
+        self._core_empty = self.core.empty_kv_cache_blocks
         self.empty_kv_cache_blocks = KVCacheBlocks(
             ids=tuple(_EMPTY_IDS for _ in groups), empty=True
         )
@@ -247,7 +249,6 @@ class HybridKVCacheManager:
                     for g in groups
                 ],
                 [g.kv_cache_spec.block_size for g in groups],
-                hash_block_size,
             )
 
     # ------------------------------------------------------------------ companion requests
@@ -273,12 +274,11 @@ class HybridKVCacheManager:
                     block_size=self.hash_block_size,
                 ),
                 request.num_prompt_tokens,
-                0,
             ]
             if request.skip_reading_prefix_cache:
                 slot[0].skip_reading_prefix_cache = True
             request.__dict__[self._key] = slot
-        companion, synced, in_flight = slot
+        companion, synced = slot
         if synced != num_tokens:
             if num_tokens < synced:
                 raise Unsupported(
@@ -293,9 +293,6 @@ class HybridKVCacheManager:
                     request._output_token_ids[synced - request.num_prompt_tokens :]
                 )
             slot[1] = num_tokens
-        companion.num_computed_tokens = request.num_computed_tokens
-        if request.num_in_flight_tokens != in_flight:
-            companion.num_in_flight_tokens = slot[2] = request.num_in_flight_tokens
         return companion
 
     # ------------------------------------------------------------------ the scheduler's calls
@@ -370,21 +367,28 @@ class HybridKVCacheManager:
             and new_computed_blocks is not self.empty_kv_cache_blocks
         ):
             hit = new_computed_blocks._core
+        # Positional arguments cross faster; the scheduler's counts travel with the call.
         new = self.core.allocate_slots(
             companion,
             num_new_tokens,
             num_new_computed_tokens,
             hit,
             num_lookahead_tokens,
-            delay_cache_blocks=delay_cache_blocks,
-            full_sequence_must_fit=full_sequence_must_fit,
-            has_scheduled_reqs=has_scheduled_reqs,
+            0,
+            delay_cache_blocks,
+            0,
+            full_sequence_must_fit,
+            0,
+            has_scheduled_reqs,
+            (),
+            request.num_computed_tokens,
+            request.num_in_flight_tokens,
         )
         if self._events is not None:
             self._events.collect(request)
         if new is None:
             return None
-        if len(new) == 0:
+        if new is self._core_empty:
             return self.empty_kv_cache_blocks
         return KVCacheBlocks(new, empty=False)
 
