@@ -156,6 +156,19 @@ def test_prompt_logprobs_requests_read_no_hit_and_are_not_counted() -> None:
     assert m.get_computed_blocks(b)[1] == 16
 
 
+def test_allocate_slots_can_set_the_schedulers_counts() -> None:
+    m = hk.KVCacheManager([SW8], 64, 1024, enable_caching=False)
+    req = hk.Request("a", list(range(16)), block_size=4)
+    m.allocate_slots(req, 16)
+    req.append_output_token_ids(1)
+    m.allocate_slots(req, 1, num_computed_tokens=16, num_in_flight_tokens=0)
+    assert (req.num_computed_tokens, req.num_in_flight_tokens) == (16, 0)
+    assert m.get_block_ids("a")[0].tolist()[0] == 0, "16 computed: block 0 left the window"
+    with pytest.raises(hk.OutOfRangeError):
+        m.allocate_slots(req, 1, num_computed_tokens=18)
+    assert req.num_computed_tokens == 16
+
+
 def test_reserved_blocks_are_left_free() -> None:
     m = hk.KVCacheManager([FULL], 6, 1024)
     req = hk.Request("a", list(range(20)), block_size=4)
@@ -216,6 +229,14 @@ def test_stored_events_carry_vllms_fields() -> None:
         ("adapter", ("img", -2)),
         ("adapter",),
     ]
+    assert (stored.first_block, stored.block_indices) == (0, [0, 1, 2])
+    # The next call's range starts after the cached blocks.
+    req.num_computed_tokens = 12
+    req.append_output_token_ids([5, 6, 7, 8])
+    m.allocate_slots(req, 4)
+    (stored,) = [e for e in m.take_events() if isinstance(e, hk.BlockStored)]
+    assert (stored.first_block, stored.block_indices) == (3, [3])
+    assert stored.parent_block_hash is not None
 
 
 def test_a_masked_out_range_still_publishes_an_empty_stored_event() -> None:
