@@ -20,7 +20,9 @@ import numpy as np
 from hybrid_kv.replay import load_json, manager_from_header, read_header, replay
 
 CONFORMANCE = Path(__file__).resolve().parents[1].parent / "shared" / "conformance"
-FIXTURES = ["gpt-oss.shared-prefix", "full-attn.eviction", "gemma3-27b.eviction"]
+FIXTURES = (
+    (Path(__file__).resolve().parents[1] / "tests" / "conformance_fixtures.txt").read_text().split()
+)
 OPS = ("allocate_slots", "free", "get_computed_blocks", "make_request", "append_token")
 
 

@@ -7,7 +7,7 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use common::{load_trace, load_workload, manager_config, FIXTURES};
+use common::{load_trace, load_workload, manager_config};
 use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
 use hybrid_kv::manager::{AllocateArgs, GroupSpec, KVCacheManager, ManagerConfig};
 use hybrid_kv::replay::{replay, ReplaySummary, Workload};
@@ -23,9 +23,9 @@ struct Fixture {
 }
 
 fn fixtures() -> Vec<Fixture> {
-    FIXTURES
-        .iter()
-        .map(|&name| {
+    common::fixtures()
+        .into_iter()
+        .map(|name| {
             let workload = load_workload(name);
             let trace = load_trace(name);
             let config = manager_config(&trace, &workload);

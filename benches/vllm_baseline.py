@@ -64,17 +64,9 @@ from typing import IO, Any
 import numpy as np
 
 CONFORMANCE = Path(__file__).resolve().parents[1].parent / "shared" / "conformance"
-FIXTURES = [
-    "gpt-oss.shared-prefix",
-    "full-attn.eviction",
-    "gemma3-27b.eviction",
-    "gpt-oss.long-context",
-    "jamba.eviction",
-    "jamba.shared-prefix.default",
-    "gpt-oss.eviction.default",
-    "gemma3-27b.shared-prefix.default",
-    "llama4.long-context.default",
-]
+FIXTURES = (
+    (Path(__file__).resolve().parents[1] / "tests" / "conformance_fixtures.txt").read_text().split()
+)
 OPS = ("allocate_slots", "free", "get_computed_blocks", "make_request", "append_token")
 ALL_OPS = (
     "make_request",

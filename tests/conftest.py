@@ -6,17 +6,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 CONFORMANCE = REPO.parent / "shared" / "conformance"
-FIXTURES = [
-    "gpt-oss.shared-prefix",
-    "full-attn.eviction",
-    "gemma3-27b.eviction",
-    "gpt-oss.long-context",
-    "jamba.eviction",
-    "jamba.shared-prefix.default",
-    "gpt-oss.eviction.default",
-    "gemma3-27b.shared-prefix.default",
-    "llama4.long-context.default",
-]
+# The fixtures of conformance/README.md; the Rust tests and the benches read the same file.
+FIXTURES = (REPO / "tests" / "conformance_fixtures.txt").read_text().split()
 
 
 @pytest.fixture(scope="session")

@@ -9,18 +9,15 @@ use serde_json::Value;
 use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;
 
-/// The fixtures of `conformance/README.md`.
-pub const FIXTURES: [&str; 9] = [
-    "gpt-oss.shared-prefix",
-    "full-attn.eviction",
-    "gemma3-27b.eviction",
-    "gpt-oss.long-context",
-    "jamba.eviction",
-    "jamba.shared-prefix.default",
-    "gpt-oss.eviction.default",
-    "gemma3-27b.shared-prefix.default",
-    "llama4.long-context.default",
-];
+/// The fixtures of `conformance/README.md`, one name a line in `tests/conformance_fixtures.txt`
+/// (the Python tests and benches read the same file).
+pub fn fixtures() -> Vec<&'static str> {
+    include_str!("../conformance_fixtures.txt")
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect()
+}
 
 pub fn fixture_dir() -> PathBuf {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/conformance");
