@@ -13,6 +13,15 @@ pub enum CoreError {
     PoolTooSmall(usize),
     #[error("num_blocks {0} is too large (at most {MAX_BLOCKS})")]
     PoolTooLarge(usize),
+    /// A per-block array of a pool could not be allocated (the pool is not created).
+    #[error(
+        "out of memory: cannot allocate {bytes} bytes for the {what} of a pool of {num_blocks} blocks"
+    )]
+    OutOfMemory {
+        what: &'static str,
+        bytes: usize,
+        num_blocks: usize,
+    },
     #[error("block id {id} is out of range for a pool of {num_blocks} blocks")]
     InvalidBlockId { id: i64, num_blocks: usize },
     #[error("block {0} is the null block and cannot be used here")]

@@ -56,7 +56,7 @@ proptest! {
 
     #[test]
     fn lock_free_pool_matches_reference(
-        num_blocks in 2u32..14,
+        num_blocks in 1u32..14,
         caching in prop::bool::weighted(0.85),
         ops in prop::collection::vec(op(14), 1..120),
     ) {

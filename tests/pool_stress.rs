@@ -1,8 +1,10 @@
 //! Stress test: several threads allocate, free, cache, look up, touch (revive) and evict on one
-//! pool at once. Afterwards no block may be lost, listed twice or have been allocated to two
-//! owners at the same time, and every reference count must be back to zero.
+//! pool at once, and issue frees that must fail (double frees, frees of blocks they do not hold,
+//! out-of-range ids) in the middle of valid batches. Afterwards no block may be lost, listed
+//! twice or have been allocated to two owners at the same time, and every reference count must be
+//! back to zero.
 
-use hybrid_kv::{BlockHash, BlockId, BlockPool, StoreInfo};
+use hybrid_kv::{BlockHash, BlockId, BlockPool, CoreError, StoreInfo};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Barrier};
 
@@ -10,6 +12,11 @@ const THREADS: u32 = 4;
 /// Per thread; `HYBRID_KV_STRESS_OPS` raises it for longer runs (`cargo test --release`).
 const OPS_PER_THREAD: u32 = 250_000;
 const NUM_BLOCKS: usize = 257;
+/// References a thread holds at most, so no block's count can exceed `THREADS * MAX_HELD`.
+const MAX_HELD: usize = 64;
+/// Listing a block this many times in one free is a double free whatever the other threads
+/// hold: validation must reject it (nothing freed), never release part of the batch.
+const OVER_FREE: usize = THREADS as usize * MAX_HELD + 1;
 
 /// xorshift: deterministic per thread, no dependency.
 struct Rng(u64);
@@ -39,11 +46,52 @@ fn worker(pool: &BlockPool, owner: &[AtomicU32], me: u32, start: &Barrier) -> u6
     let mut allocated: Vec<BlockId> = Vec::new(); // exclusive allocations, owner tag set
     let mut shared: Vec<BlockId> = Vec::new(); // references taken by touch
     let mut ops = 0;
+    let mut failed_frees = 0;
     for _ in 0..ops_per_thread() {
         ops += 1;
-        match rng.below(10) {
-            0..=2 => {
-                let n = 1 + rng.below(6) as usize;
+        let room = MAX_HELD - (allocated.len() + shared.len());
+        match rng.below(11) {
+            10 => {
+                // A batch of held references with a bad entry in the middle: it must fail and
+                // free nothing, so the thread still holds everything afterwards.
+                let mut batch: Vec<BlockId> = Vec::new();
+                for list in [&allocated, &shared] {
+                    for &b in list.iter() {
+                        if rng.below(2) == 0 {
+                            batch.push(b);
+                        }
+                    }
+                }
+                let cut = rng.below(batch.len() as u64 + 1) as usize;
+                let expected = match rng.below(3) {
+                    // A double free of a held block.
+                    0 if !allocated.is_empty() => {
+                        let b = allocated[rng.below(allocated.len() as u64) as usize];
+                        batch.splice(cut..cut, std::iter::repeat_n(b, OVER_FREE));
+                        CoreError::DoubleFree(b)
+                    }
+                    // A free of a block this thread does not hold (free or held by others).
+                    1 => {
+                        let b = 1 + rng.below(NUM_BLOCKS as u64 - 1) as BlockId;
+                        if allocated.contains(&b) || shared.contains(&b) {
+                            continue;
+                        }
+                        batch.splice(cut..cut, std::iter::repeat_n(b, OVER_FREE));
+                        CoreError::DoubleFree(b)
+                    }
+                    _ => {
+                        batch.insert(cut, NUM_BLOCKS as BlockId + rng.below(4) as BlockId);
+                        CoreError::InvalidBlockId {
+                            id: batch[cut] as i64,
+                            num_blocks: NUM_BLOCKS,
+                        }
+                    }
+                };
+                assert_eq!(pool.free_blocks(&batch), Err(expected));
+                failed_frees += 1;
+            }
+            0..=2 if room > 0 => {
+                let n = 1 + rng.below(room.min(6) as u64) as usize;
                 if let Ok(blocks) = pool.get_new_blocks(n) {
                     assert_eq!(blocks.len(), n);
                     for &b in &blocks {
@@ -82,7 +130,7 @@ fn worker(pool: &BlockPool, owner: &[AtomicU32], me: u32, start: &Barrier) -> u6
                         .expect("caching an allocated block");
                 }
             }
-            7..=8 => {
+            7..=8 if room > 0 => {
                 let h = BlockHash(rng.below(512) as u128);
                 if let Some(b) = pool.lookup(h, rng.below(2) as u32) {
                     // Revive vs concurrent reuse: either outcome is fine, never corruption.
@@ -91,9 +139,10 @@ fn worker(pool: &BlockPool, owner: &[AtomicU32], me: u32, start: &Barrier) -> u6
                     }
                 }
             }
+            0..=2 | 7..=8 => {}
             _ => {
                 let b = 1 + rng.below(NUM_BLOCKS as u64 - 1) as u32;
-                if rng.below(2) == 0 {
+                if rng.below(2) == 0 || room == 0 {
                     pool.evict_blocks(&[b]).unwrap();
                 } else if pool.touch(&[b]).is_ok() {
                     // Any block, free or not, cached or not: revives uncached free blocks out of
@@ -108,6 +157,7 @@ fn worker(pool: &BlockPool, owner: &[AtomicU32], me: u32, start: &Barrier) -> u6
     }
     allocated.extend(shared);
     pool.free_blocks(&allocated).unwrap();
+    assert!(failed_frees > 0);
     ops
 }
 

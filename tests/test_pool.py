@@ -1,5 +1,8 @@
 """BlockPool through the Python bindings: vLLM 0.33 free order, prefix cache, events, errors."""
 
+import subprocess
+import sys
+import textwrap
 import threading
 
 import hybrid_kv as hk
@@ -76,6 +79,11 @@ def test_events_are_off_by_default() -> None:
     ("call", "exc"),
     [
         (lambda p: p.get_new_blocks(5), hk.NotEnoughFreeBlocksError),
+        (lambda p: p.get_new_blocks(2**40), hk.NotEnoughFreeBlocksError),
+        (lambda p: p.get_new_blocks(2**62), hk.NotEnoughFreeBlocksError),
+        (lambda p: p.free_blocks([1, 2, 1]), hk.DoubleFreeError),
+        (lambda p: p.free_blocks([1] * 100_000), hk.DoubleFreeError),
+        (lambda p: p.free_blocks([2, 4, 1]), hk.DoubleFreeError),
         (lambda p: p.get_new_blocks(-1), hk.HybridKvError),
         (lambda p: p.free_blocks([1, 1]), hk.DoubleFreeError),
         (lambda p: p.free_blocks([3]), hk.DoubleFreeError),
@@ -107,6 +115,65 @@ def test_bad_input_raises_typed_error_and_changes_nothing(call, exc) -> None:
 def test_absurd_pool_sizes_are_rejected(num_blocks: int) -> None:
     with pytest.raises(hk.HybridKvError, match="num_blocks"):
         hk.BlockPool(num_blocks)
+
+
+def test_huge_requests_name_the_shortfall_without_allocating() -> None:
+    pool = hk.BlockPool(16)
+    for n in (2**40, 2**62, 2**63 - 1):
+        with pytest.raises(hk.NotEnoughFreeBlocksError, match=f"requested {n} blocks but only 15"):
+            pool.get_new_blocks(n)
+    assert pool.num_free_blocks == 15
+
+
+def run_under_memory_limit(code: str) -> subprocess.CompletedProcess[str]:
+    """Runs `code` in a fresh interpreter limited to about 4 GB of address space."""
+    script = 'ulimit -v 4000000 && exec "$0" -c "$1"'
+    return subprocess.run(
+        ["bash", "-c", script, sys.executable, textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ulimit -v is Linux-only")
+def test_a_pool_too_large_for_memory_raises_memory_error_naming_the_size() -> None:
+    done = run_under_memory_limit(
+        """
+        import hybrid_kv as hk
+        try:
+            hk.BlockPool(2**31 - 1)
+        except MemoryError as e:
+            print("MemoryError:", e)
+        else:
+            raise SystemExit("no MemoryError")
+        pool = hk.BlockPool(1024)  # the process is fine afterwards
+        assert pool.get_new_blocks(1023).size == 1023
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    assert "MemoryError: out of memory: cannot allocate" in done.stdout
+    assert "bytes for the" in done.stdout and f"of a pool of {2**31 - 1} blocks" in done.stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ulimit -v is Linux-only")
+def test_a_manager_with_a_pool_too_large_for_memory_raises_memory_error() -> None:
+    done = run_under_memory_limit(
+        """
+        import hybrid_kv as hk
+        try:
+            hk.KVCacheManager(
+                [{"kind": "full", "block_size": 16}], num_blocks=2**31 - 1, max_model_len=1024
+            )
+        except MemoryError as e:
+            print("MemoryError:", e)
+        else:
+            raise SystemExit("no MemoryError")
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    assert "MemoryError: out of memory" in done.stdout
 
 
 def test_errors_are_value_errors_with_clear_messages() -> None:

@@ -2,11 +2,23 @@
 //! (vLLM 0.33's `FreeKVCacheBlockQueue` with `prepend_n` / `append_n`).
 //!
 //! Entries are `(epoch << 32) | block_id`. A block that leaves the free order without being popped
-//! (a cached block revived by `touch`) is not searched for: its epoch moves on, so its entry goes
-//! stale and is skipped when it reaches the front (lazy invalidation). Both sides are compacted
-//! when stale entries pile up.
+//! (a free block revived by `touch`) is not searched for: its epoch moves on, so its entry goes
+//! stale and is skipped when it reaches the front (lazy invalidation). Stale entries are removed
+//! by a compaction when the stack has no room for a push or the FIFO grows past its limit.
+//!
+//! Pushes and pops run concurrently with each other (the stack is a tagged Treiber stack, the
+//! FIFO crossbeam's `SegQueue`). A compaction runs alone: it closes a [`Gate`] that every push
+//! and pop passes, waits for the operations already inside to leave, compacts, and opens it again.
+//! So a compaction never races a push (nothing can be dropped, the order of concurrent frees is
+//! kept), and a pop never sees a half-compacted order.
+//!
+//! Progress: an operation inside the gate never waits (its loops retry only when another thread's
+//! CAS succeeded), so a compaction waits for a bounded amount of other threads' work; a compaction
+//! is itself a bounded loop over at most `lifo capacity + FIFO length` entries, so an operation
+//! waiting at the gate waits for bounded work. Waits are `yield`s, not blocking system calls.
 
-use crate::sync::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Fifo, Ordering};
+use super::alloc::{boxed_slice, AllocFailed};
+use crate::sync::{spin_wait, AtomicU32, AtomicU64, AtomicUsize, Fifo, Ordering};
 
 const NIL: u32 = u32::MAX;
 
@@ -33,23 +45,29 @@ pub(crate) struct IndexStack {
 }
 
 impl IndexStack {
-    pub(crate) fn new(capacity: usize) -> Self {
-        IndexStack {
-            head: AtomicU64::new(NIL as u64),
-            next: (0..capacity).map(|_| AtomicU32::new(NIL)).collect(),
-        }
+    /// A stack over `0..capacity` holding `first..end` linked in order, `first` on top (empty
+    /// when `first == end`).
+    fn with_run(
+        what: &'static str,
+        capacity: usize,
+        first: usize,
+        end: usize,
+    ) -> Result<Self, AllocFailed> {
+        let next = boxed_slice(what, capacity, |i| {
+            AtomicU32::new(if i + 1 < end { i as u32 + 1 } else { NIL })
+        })?;
+        let head = if first < end {
+            first as u64
+        } else {
+            NIL as u64
+        };
+        Ok(IndexStack {
+            head: AtomicU64::new(head),
+            next,
+        })
     }
 
-    /// A stack holding `0..capacity`, 0 on top.
-    pub(crate) fn full(capacity: usize) -> Self {
-        let stack = Self::new(capacity);
-        for i in (0..capacity as u32).rev() {
-            stack.push(i);
-        }
-        stack
-    }
-
-    pub(crate) fn push(&self, index: u32) {
+    fn push(&self, index: u32) {
         self.push_chain(index, index);
     }
 
@@ -111,27 +129,6 @@ impl IndexStack {
             }
         }
     }
-
-    pub(crate) fn pop(&self) -> Option<u32> {
-        let mut head = self.head.load(Ordering::Acquire);
-        loop {
-            let index = head as u32;
-            if index == NIL {
-                return None;
-            }
-            let next = self.next[index as usize].load(Ordering::Relaxed);
-            let tag = (head >> 32).wrapping_add(1);
-            match self.head.compare_exchange_weak(
-                head,
-                (tag << 32) | next as u64,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => return Some(index),
-                Err(actual) => head = actual,
-            }
-        }
-    }
 }
 
 /// LIFO of entries: an index stack of slots holding entries, with a second stack of spare slots.
@@ -142,31 +139,20 @@ struct Lifo {
 }
 
 impl Lifo {
-    fn new(capacity: usize) -> Self {
-        Lifo {
-            entries: IndexStack::new(capacity),
-            spare: IndexStack::full(capacity),
-            payload: (0..capacity).map(|_| AtomicU64::new(0)).collect(),
-        }
+    /// A LIFO of `capacity` slots holding `initial(0..n)` (`initial(0)` on top).
+    fn new(capacity: usize, n: usize, initial: impl Fn(usize) -> u64) -> Result<Self, AllocFailed> {
+        let n = n.min(capacity);
+        Ok(Lifo {
+            entries: IndexStack::with_run("free-order stack links", capacity, 0, n)?,
+            spare: IndexStack::with_run("free-order spare-slot links", capacity, n, capacity)?,
+            payload: boxed_slice("free-order stack slots", capacity, |i| {
+                AtomicU64::new(if i < n { initial(i) } else { 0 })
+            })?,
+        })
     }
 
-    /// Pushes an entry; `false` when every slot is taken (time to compact).
-    fn push(&self, entry: u64) -> bool {
-        match self.spare.pop() {
-            Some(slot) => {
-                self.payload[slot as usize].store(entry, Ordering::Relaxed);
-                self.entries.push(slot);
-                true
-            }
-            None => false,
-        }
-    }
-
-    fn pop(&self) -> Option<u64> {
-        let slot = self.entries.pop()?;
-        let entry = self.payload[slot as usize].load(Ordering::Relaxed);
-        self.spare.push(slot);
-        Some(entry)
+    fn capacity(&self) -> usize {
+        self.payload.len()
     }
 
     /// Pushes `entries` with `entries[0]` on top, in two CASes; `false` (nothing pushed) when
@@ -182,8 +168,9 @@ impl Lifo {
         for (&slot, &entry) in slots.iter().zip(entries) {
             self.payload[slot as usize].store(entry, Ordering::Relaxed);
         }
-        let (first, last) = self.entries.link(slots).expect("non-empty");
-        self.entries.push_chain(first, last);
+        if let Some((first, last)) = self.entries.link(slots) {
+            self.entries.push_chain(first, last);
+        }
         true
     }
 
@@ -198,61 +185,178 @@ impl Lifo {
                 .iter()
                 .map(|&slot| self.payload[slot as usize].load(Ordering::Relaxed)),
         );
-        let (first, last) = self.spare.link(slots).expect("non-empty");
-        self.spare.push_chain(first, last);
+        if let Some((first, last)) = self.spare.link(slots) {
+            self.spare.push_chain(first, last);
+        }
     }
 }
 
-/// The free order. `is_valid(entry)` (supplied by the pool) tells whether an entry still stands
-/// for a free block.
+/// Bit 0 of the gate word: a compaction holds (or is about to hold) the free order alone.
+const EXCLUSIVE: usize = 1;
+/// The gate word counts the operations inside in steps of 2.
+const INSIDE: usize = 2;
+
+/// Admits any number of ordinary operations at once, or one exclusive one.
+struct Gate(AtomicUsize);
+
+/// An ordinary operation inside the gate (leaves on drop, panics included).
+struct Shared<'a>(&'a Gate);
+
+/// The exclusive holder of the gate (opens it on drop, panics included).
+struct Exclusive<'a>(&'a Gate);
+
+impl Gate {
+    /// Enters as an ordinary operation, first waiting for an exclusive holder to finish.
+    #[inline]
+    fn enter(&self) -> Shared<'_> {
+        loop {
+            if self.0.fetch_add(INSIDE, Ordering::Acquire) & EXCLUSIVE == 0 {
+                return Shared(self);
+            }
+            self.0.fetch_sub(INSIDE, Ordering::Release);
+            while self.0.load(Ordering::Acquire) & EXCLUSIVE != 0 {
+                spin_wait();
+            }
+        }
+    }
+
+    /// Takes the gate alone, or `None` at once if another thread holds or is taking it. Waits
+    /// for the ordinary operations inside to leave; newcomers wait outside meanwhile.
+    fn try_exclusive(&self) -> Option<Exclusive<'_>> {
+        if self.0.fetch_or(EXCLUSIVE, Ordering::Acquire) & EXCLUSIVE != 0 {
+            return None;
+        }
+        let exclusive = Exclusive(self);
+        while self.0.load(Ordering::Acquire) != EXCLUSIVE {
+            spin_wait();
+        }
+        Some(exclusive)
+    }
+
+    /// Takes the gate alone, waiting for any other exclusive holder to finish first.
+    fn exclusive(&self) -> Exclusive<'_> {
+        loop {
+            if let Some(exclusive) = self.try_exclusive() {
+                return exclusive;
+            }
+            while self.0.load(Ordering::Acquire) & EXCLUSIVE != 0 {
+                spin_wait();
+            }
+        }
+    }
+}
+
+impl Drop for Shared<'_> {
+    #[inline]
+    fn drop(&mut self) {
+        self.0 .0.fetch_sub(INSIDE, Ordering::Release);
+    }
+}
+
+impl Drop for Exclusive<'_> {
+    fn drop(&mut self) {
+        self.0 .0.fetch_and(!EXCLUSIVE, Ordering::Release);
+    }
+}
+
+/// The free order. The pool supplies `revalidate(entry)`: `Some(entry')` if the entry still
+/// stands for a free block (`entry'` then replaces it, see [`FreeOrder::compact`]), `None` if
+/// it is stale.
 pub(crate) struct FreeOrder {
     lifo: Lifo,
     fifo: Fifo,
     fifo_len: AtomicUsize,
     /// FIFO length above which a push compacts.
     fifo_limit: usize,
-    compacting: AtomicBool,
+    gate: Gate,
 }
 
 impl FreeOrder {
-    /// An order holding `initial` entries in the FIFO, first to pop first.
-    pub(crate) fn new(num_blocks: usize, initial: impl IntoIterator<Item = u64>) -> Self {
-        let order = FreeOrder {
-            lifo: Lifo::new(2 * num_blocks + 8),
+    /// The order of a new pool of `num_blocks`: blocks `1..num_blocks` free in id order, a
+    /// stack of `2 * num_blocks + 8` slots, compacted when full or when the FIFO passes as many
+    /// entries.
+    pub(crate) fn new(num_blocks: usize) -> Result<Self, AllocFailed> {
+        let limit = 2 * num_blocks + 8;
+        Self::with_capacity(num_blocks, limit, limit)
+    }
+
+    /// [`FreeOrder::new`] with other limits; `lifo_capacity` must be at least
+    /// `2 * (num_blocks - 1)` (see [`FreeOrder::push_front`]).
+    pub(crate) fn with_capacity(
+        num_blocks: usize,
+        lifo_capacity: usize,
+        fifo_limit: usize,
+    ) -> Result<Self, AllocFailed> {
+        // The initial free blocks are all uncached, so they may start in the stack: the order
+        // is the stack top to bottom, then the FIFO, and frees go on top or at the tail.
+        let free = num_blocks.saturating_sub(1);
+        debug_assert!(free <= lifo_capacity);
+        Ok(FreeOrder {
+            lifo: Lifo::new(lifo_capacity, free, |i| pack_entry(i as u32 + 1, 0))?,
             fifo: Fifo::new(),
             fifo_len: AtomicUsize::new(0),
-            fifo_limit: 2 * num_blocks + 8,
-            compacting: AtomicBool::new(false),
-        };
-        for entry in initial {
-            order.fifo.push(entry);
-            order.fifo_len.fetch_add(1, Ordering::Relaxed);
-        }
-        order
+            fifo_limit,
+            gate: Gate(AtomicUsize::new(0)),
+        })
     }
 
     /// Puts `entries` at the front, `entries[0]` first to pop.
-    pub(crate) fn push_front(&self, entries: &[u64], is_valid: impl Fn(u64) -> bool) {
+    ///
+    /// When the stack is full it is compacted, alone, and the entries pushed in the same
+    /// exclusive section. They fit then: a compaction leaves at most one entry per free block
+    /// (at most `num_blocks - 1`), and `entries` holds at most one per block that this call
+    /// released, so at most `2 * (num_blocks - 1)` slots are used of `2 * num_blocks + 8`.
+    pub(crate) fn push_front(&self, entries: &[u64], revalidate: impl Fn(u64) -> Option<u64>) {
         let mut slots = Vec::with_capacity(entries.len());
-        while !self.lifo.push_many(entries, &mut slots) {
-            self.compact(&is_valid);
+        {
+            let _inside = self.gate.enter();
+            if self.lifo.push_many(entries, &mut slots) {
+                return;
+            }
+        }
+        let _alone = self.gate.exclusive();
+        if self.lifo.push_many(entries, &mut slots) {
+            return;
+        }
+        self.compact_alone(&revalidate);
+        if !self.lifo.push_many(entries, &mut slots) {
+            // Unreachable by the count above. Should it ever be reached, the entries go to the
+            // back rather than be lost (the pool stays exact; only their place in the order
+            // differs).
+            if cfg!(any(debug_assertions, loom)) {
+                panic!("a compacted stack has room for one call's frees");
+            }
+            for &entry in entries {
+                self.fifo.push(entry);
+            }
+            self.fifo_len.fetch_add(entries.len(), Ordering::Relaxed);
         }
     }
 
     /// Puts `entries` at the back, in order.
-    pub(crate) fn push_back(&self, entries: &[u64], is_valid: impl Fn(u64) -> bool) {
-        // Count before pushing, so a concurrent pop never takes the length below zero.
-        let len = self.fifo_len.fetch_add(entries.len(), Ordering::Relaxed) + entries.len();
-        for &entry in entries {
-            self.fifo.push(entry);
-        }
+    pub(crate) fn push_back(&self, entries: &[u64], revalidate: impl Fn(u64) -> Option<u64>) {
+        let len = {
+            let _inside = self.gate.enter();
+            // Counted before pushing, so a concurrent pop never takes the count below zero.
+            let len = self.fifo_len.fetch_add(entries.len(), Ordering::Relaxed) + entries.len();
+            for &entry in entries {
+                self.fifo.push(entry);
+            }
+            len
+        };
         if len > self.fifo_limit {
-            self.compact(&is_valid);
+            // Housekeeping only: if another thread is compacting, its compaction will do.
+            if let Some(_alone) = self.gate.try_exclusive() {
+                if self.fifo_len.load(Ordering::Relaxed) > self.fifo_limit {
+                    self.compact_alone(&revalidate);
+                }
+            }
         }
     }
 
     /// Up to `max` entries from the front (some may be stale: the caller checks and claims).
     pub(crate) fn pop_many(&self, max: usize, out: &mut Vec<u64>, slots: &mut Vec<u32>) {
+        let _inside = self.gate.enter();
         let start = out.len();
         self.lifo.pop_many(max, out, slots);
         let mut popped = 0;
@@ -265,71 +369,80 @@ impl FreeOrder {
                 None => break,
             }
         }
-        // One update per batch: the length only triggers compaction, and `push_back` counts
-        // before it pushes, so the count never drops below the entries actually held.
         if popped > 0 {
             self.fifo_len.fetch_sub(popped, Ordering::Relaxed);
         }
     }
 
-    /// Drops stale entries, keeping the order of the valid ones. Returns at once if another
-    /// thread is compacting (after waiting for it to finish, so a caller that needs room gets it).
-    pub(crate) fn compact(&self, is_valid: &impl Fn(u64) -> bool) {
-        if self
-            .compacting
-            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
-            .is_err()
-        {
-            while self.compacting.load(Ordering::Acquire) {
-                crate::sync::spin_wait();
+    /// Drops stale entries, keeping the order of the valid ones, while holding the gate alone.
+    /// Each kept entry is replaced by what `revalidate` returns: the pool moves the block's epoch
+    /// on, so any other entry of the same block (possible only once its 32-bit epoch has wrapped)
+    /// goes stale and at most one entry per free block remains. No allocation, no panic.
+    fn compact_alone(&self, revalidate: &impl Fn(u64) -> Option<u64>) {
+        // The stack: take its whole chain of slots, unlink the stale ones and push the rest back
+        // as one chain (nothing else pushes or pops meanwhile, and the slots are reused, so the
+        // push cannot run out of room).
+        let stack = &self.lifo.entries;
+        let mut slot = stack.head.load(Ordering::Acquire) as u32;
+        let (mut first, mut last) = (NIL, NIL);
+        let capacity = self.lifo.capacity();
+        let mut seen = 0;
+        while slot != NIL && seen < capacity {
+            seen += 1;
+            let next = stack.next[slot as usize].load(Ordering::Relaxed);
+            let payload = &self.lifo.payload[slot as usize];
+            match revalidate(payload.load(Ordering::Relaxed)) {
+                Some(entry) => {
+                    payload.store(entry, Ordering::Relaxed);
+                    if last == NIL {
+                        first = slot;
+                    } else {
+                        stack.next[last as usize].store(slot, Ordering::Relaxed);
+                    }
+                    last = slot;
+                }
+                None => self.lifo.spare.push(slot),
             }
-            return;
+            slot = next;
         }
-        let mut front = Vec::new();
-        while let Some(slot) = self.lifo.entries.pop() {
-            let entry = self.lifo.payload[slot as usize].load(Ordering::Relaxed);
-            self.lifo.spare.push(slot);
-            if is_valid(entry) {
-                front.push(entry);
+        if last != NIL {
+            stack.next[last as usize].store(NIL, Ordering::Relaxed);
+        }
+        let head = stack.head.load(Ordering::Acquire);
+        let tag = (head >> 32).wrapping_add(1);
+        stack
+            .head
+            .store((tag << 32) | first as u64, Ordering::Release);
+        // The FIFO: cycle through its current length once, re-pushing valid entries at the back.
+        let len = self.fifo_len.load(Ordering::Relaxed);
+        let mut kept = 0;
+        for _ in 0..len {
+            let Some(entry) = self.fifo.pop() else { break };
+            if let Some(entry) = revalidate(entry) {
+                self.fifo.push(entry);
+                kept += 1;
             }
         }
-        for &entry in front.iter().rev() {
-            let pushed = self.lifo.push(entry);
-            debug_assert!(pushed, "compacted LIFO must fit");
-        }
-        let mut back = Vec::new();
-        while let Some(entry) = self.fifo.pop() {
-            self.fifo_len.fetch_sub(1, Ordering::Relaxed);
-            if is_valid(entry) {
-                back.push(entry);
-            }
-        }
-        for &entry in &back {
-            self.fifo.push(entry);
-        }
-        self.fifo_len.fetch_add(back.len(), Ordering::Relaxed);
-        self.compacting.store(false, Ordering::Release);
+        self.fifo_len.store(kept, Ordering::Relaxed);
     }
 
-    /// All entries front to back, stale ones included. Pops and re-pushes everything, so call it
-    /// only while no other thread uses the pool (tests, debugging).
+    /// All entries front to back, stale ones included. Holds the gate alone meanwhile (pushes
+    /// and pops wait), so it may be called at any time.
     pub(crate) fn snapshot(&self) -> Vec<u64> {
-        let mut front = Vec::new();
-        while let Some(entry) = self.lifo.pop() {
-            front.push(entry);
+        let _alone = self.gate.exclusive();
+        let mut out = Vec::new();
+        let mut slot = self.lifo.entries.head.load(Ordering::Acquire) as u32;
+        while slot != NIL && out.len() < self.lifo.capacity() {
+            out.push(self.lifo.payload[slot as usize].load(Ordering::Relaxed));
+            slot = self.lifo.entries.next[slot as usize].load(Ordering::Relaxed);
         }
-        for &entry in front.iter().rev() {
-            self.lifo.push(entry);
-        }
-        let mut back = Vec::new();
-        while let Some(entry) = self.fifo.pop() {
-            back.push(entry);
-        }
-        for &entry in &back {
+        let len = self.fifo_len.load(Ordering::Relaxed);
+        for _ in 0..len {
+            let Some(entry) = self.fifo.pop() else { break };
+            out.push(entry);
             self.fifo.push(entry);
         }
-        front.extend(back);
-        front
+        out
     }
 
     /// Entries physically held (valid and stale).

@@ -20,8 +20,13 @@
 //! a writer's update also sees that writer's odd sequence number on its re-check.
 //!
 //! Grown tables are never freed before the map (a reader may still be probing one; it then
-//! fails its re-check); doubling bounds that to the size of the live table.
+//! fails its re-check); doubling bounds that to the size of the live table. Every table is
+//! allocated fallibly: the first ones when the map is made (an error names their size), later
+//! ones when a shard grows. If a doubling cannot be allocated the shard keeps filling its table,
+//! and once only one empty slot would remain an insert is refused (the block is simply not
+//! cached); lookups and removals need that one empty slot to end their probes.
 
+use super::alloc::{boxed_slice, AllocFailed};
 use crate::sync::{spin_wait, AtomicU64, AtomicUsize, Ordering};
 use crate::types::{BlockId, CacheKey};
 use std::sync::OnceLock;
@@ -94,8 +99,8 @@ fn key_parts(key: &CacheKey) -> (u64, u64) {
 
 type Table = Box<[Slot]>;
 
-fn new_table(slots: usize) -> Table {
-    (0..slots).map(|_| Slot::empty()).collect()
+fn new_table(slots: usize) -> Result<Table, AllocFailed> {
+    boxed_slice("prefix-cache map table", slots, |_| Slot::empty())
 }
 
 #[repr(align(128))]
@@ -112,16 +117,16 @@ struct Shard {
 }
 
 impl Shard {
-    fn new(slots: usize) -> Self {
+    fn new(slots: usize) -> Result<Self, AllocFailed> {
         let tables: Box<[OnceLock<Table>]> = (0..40).map(|_| OnceLock::new()).collect();
-        let _ = tables[0].set(new_table(slots));
-        Shard {
+        let _ = tables[0].set(new_table(slots)?);
+        Ok(Shard {
             seq: AtomicU64::new(0),
             current: AtomicUsize::new(0),
             entries: AtomicUsize::new(0),
             keys: AtomicUsize::new(0),
             tables,
-        }
+        })
     }
 
     #[inline]
@@ -183,7 +188,7 @@ pub(crate) struct CacheMap {
 
 impl CacheMap {
     /// A map for a pool of `num_blocks` blocks (each block holds at most one entry).
-    pub(crate) fn with_capacity(num_blocks: usize) -> Self {
+    pub(crate) fn with_capacity(num_blocks: usize) -> Result<Self, AllocFailed> {
         let shards = (num_blocks / MIN_PER_SHARD).clamp(1, MAX_SHARDS);
         let shards = if shards.is_power_of_two() {
             shards
@@ -192,10 +197,22 @@ impl CacheMap {
         };
         let total = (2 * num_blocks.max(1)).next_power_of_two();
         let per_shard = (total / shards).max(MIN_SLOTS);
-        CacheMap {
-            shards: (0..shards).map(|_| Shard::new(per_shard)).collect(),
+        Ok(CacheMap {
+            shards: (0..shards)
+                .map(|_| Shard::new(per_shard))
+                .collect::<Result<_, _>>()?,
             salt: salt(),
             shard_shift: 64 - shards.trailing_zeros(),
+        })
+    }
+
+    /// One shard of `slots` slots (model checks: growth after a few inserts).
+    #[cfg(test)]
+    fn with_table_slots(slots: usize) -> Self {
+        CacheMap {
+            shards: vec![Shard::new(slots).unwrap()].into_boxed_slice(),
+            salt: salt(),
+            shard_shift: 64,
         }
     }
 
@@ -253,15 +270,19 @@ impl CacheMap {
     }
 
     /// Maps `id` under `key` after any blocks already there (a no-op if it already is).
-    pub(crate) fn insert(&self, key: CacheKey, id: BlockId) {
+    /// `false` (nothing changed) only if the shard's table is full and could not grow.
+    pub(crate) fn insert(&self, key: CacheKey, id: BlockId) -> bool {
         debug_assert_ne!(id, 0, "the null block is never cached");
         let (lo, hi) = key_parts(&key);
         let h = mix(self.salt, lo, hi, key.group);
         let shard = self.shard(h);
         let odd = shard.lock();
         let entries = shard.entries.load(Ordering::Relaxed);
-        if (entries + 1) * 4 > shard.table(Ordering::Relaxed).len() * 3 {
-            self.grow(shard);
+        let len = shard.table(Ordering::Relaxed).len();
+        if (entries + 1) * 4 > len * 3 && !self.grow(shard) && entries + 2 > len {
+            // Keep one empty slot: probes end at an empty slot.
+            shard.unlock(odd);
+            return false;
         }
         let table = shard.table(Ordering::Relaxed);
         let mask = table.len() - 1;
@@ -276,7 +297,7 @@ impl CacheMap {
             if slot_matches(slot, meta, lo, hi, key.group) {
                 if meta_id(meta) == id {
                     shard.unlock(odd);
-                    return;
+                    return true;
                 }
                 duplicate = true;
             }
@@ -292,21 +313,39 @@ impl CacheMap {
             shard.keys.store(keys + 1, Ordering::Relaxed);
         }
         shard.unlock(odd);
+        true
     }
 
-    /// Doubles the shard's table (under its lock), keeping each cluster's order.
+    /// Doubles the shard's table (under its lock), keeping each cluster's order. `false` if the
+    /// new table cannot be allocated (the shard keeps its table).
     #[cold]
-    fn grow(&self, shard: &Shard) {
+    fn grow(&self, shard: &Shard) -> bool {
         let level = shard.current.load(Ordering::Relaxed);
         let old = shard.table(Ordering::Relaxed);
-        let new = shard.tables[level + 1].get_or_init(|| new_table(old.len() * 2));
+        let Some(slot) = shard.tables.get(level + 1) else {
+            return false;
+        };
+        if slot.get().is_none() {
+            match new_table(old.len().saturating_mul(2)) {
+                Ok(table) => {
+                    let _ = slot.set(table);
+                }
+                Err(_) => return false,
+            }
+        }
+        let Some(new) = slot.get() else {
+            return false;
+        };
         let new_mask = new.len() - 1;
         // Start at an empty slot so that every cluster is copied front to back (duplicates of a
-        // key keep their order even where a cluster wraps around the end).
-        let start = old
+        // key keep their order even where a cluster wraps around the end). There is one: an
+        // insert never takes a table's last empty slot.
+        let Some(start) = old
             .iter()
             .position(|s| s.meta.load(Ordering::Relaxed) == EMPTY)
-            .expect("a shard is grown before it fills up");
+        else {
+            return false;
+        };
         for k in 0..old.len() {
             let slot = &old[(start + k) % old.len()];
             let meta = slot.meta.load(Ordering::Relaxed);
@@ -326,6 +365,7 @@ impl CacheMap {
             new[i].meta.store(meta, Ordering::Release);
         }
         shard.current.store(level + 1, Ordering::Release);
+        true
     }
 
     /// Removes `id` from `key`; the key goes when its last block does. Returns whether `id` was
@@ -396,6 +436,7 @@ impl CacheMap {
 
     /// Empties the map (each shard under its lock; lookups meanwhile see a shard before or
     /// after).
+    #[cfg(test)]
     pub(crate) fn clear(&self) {
         for shard in self.shards.iter() {
             let odd = shard.lock();
@@ -494,7 +535,7 @@ mod tests {
     #[test]
     fn map_matches_a_plain_model_under_random_operations() {
         for (num_blocks, num_keys, ids) in [(8, 3, 40), (64, 10, 60), (300, 40, 400)] {
-            let map = CacheMap::with_capacity(num_blocks);
+            let map = CacheMap::with_capacity(num_blocks).unwrap();
             let mut keys = colliding_keys(&map, num_keys / 2);
             keys.extend((0..num_keys as u128).map(|i| CacheKey {
                 hash: BlockHash(i * 7919),
@@ -532,8 +573,39 @@ mod tests {
     }
 
     #[test]
+    fn a_shard_that_cannot_grow_refuses_the_insert_that_would_fill_it() {
+        let map = CacheMap::with_table_slots(4);
+        let keys: Vec<CacheKey> = (1..=4u128)
+            .map(|i| CacheKey {
+                hash: BlockHash(i * 7919),
+                group: 0,
+            })
+            .collect();
+        for (i, &key) in keys[..3].iter().enumerate() {
+            assert!(map.insert(key, i as BlockId + 1));
+        }
+        // The fourth entry needs a bigger table; its allocation fails.
+        crate::pool::alloc::inject::fail_after(Some(0));
+        let inserted = map.insert(keys[3], 4);
+        crate::pool::alloc::inject::fail_after(None);
+        assert!(!inserted, "the last empty slot is kept");
+        assert_eq!(map.first(&keys[3]), None);
+        assert_eq!(map.len(), 3);
+        map.validate();
+        for (i, key) in keys[..3].iter().enumerate() {
+            assert_eq!(map.first(key), Some(i as BlockId + 1));
+        }
+        assert!(map.remove(&keys[0], 1));
+        // With memory available again the table grows.
+        assert!(map.insert(keys[0], 1));
+        assert!(map.insert(keys[3], 4));
+        assert_eq!(map.len(), 4);
+        map.validate();
+    }
+
+    #[test]
     fn removal_shifts_a_colliding_key_back_and_keeps_duplicate_order() {
-        let map = CacheMap::with_capacity(16);
+        let map = CacheMap::with_capacity(16).unwrap();
         let keys = colliding_keys(&map, 2);
         map.insert(keys[0], 1);
         map.insert(keys[1], 2);
@@ -555,14 +627,16 @@ mod tests {
 #[cfg(all(test, loom))]
 mod loom_tests {
     use super::*;
+    use crate::pool::loom_tests::model;
+    use crate::types::BlockHash;
     use loom::sync::Arc;
     use loom::thread;
 
     /// A lookup racing a removal that shifts its key back into the hole still finds the key.
     #[test]
     fn loom_lookup_during_backward_shift_finds_the_moved_key() {
-        loom::model(|| {
-            let map = Arc::new(CacheMap::with_capacity(4));
+        model("map_lookup_during_backward_shift", 5, || {
+            let map = Arc::new(CacheMap::with_capacity(4).unwrap());
             let keys = colliding_keys(&map, 2);
             map.insert(keys[0], 1);
             map.insert(keys[1], 2);
@@ -585,8 +659,8 @@ mod loom_tests {
     /// misses the key, and the distinct-key count ends exact.
     #[test]
     fn loom_lookup_during_duplicate_handover_never_misses() {
-        loom::model(|| {
-            let map = Arc::new(CacheMap::with_capacity(4));
+        model("map_lookup_during_duplicate_handover", 5, || {
+            let map = Arc::new(CacheMap::with_capacity(4).unwrap());
             let key = colliding_keys(&map, 1)[0];
             map.insert(key, 1);
             // Readers run in spawned threads: loom explores their loads against the main
@@ -609,8 +683,8 @@ mod loom_tests {
     /// Two inserts of one key: both kept, counted once.
     #[test]
     fn loom_concurrent_duplicate_inserts_count_one_key() {
-        loom::model(|| {
-            let map = Arc::new(CacheMap::with_capacity(4));
+        model("map_concurrent_duplicate_inserts", 5, || {
+            let map = Arc::new(CacheMap::with_capacity(4).unwrap());
             let key = colliding_keys(&map, 1)[0];
             let m2 = map.clone();
             let t = thread::spawn(move || m2.insert(key, 1));
@@ -621,6 +695,42 @@ mod loom_tests {
             let other = 3 - first;
             assert!(map.remove(&key, first));
             assert_eq!(map.first(&key), Some(other));
+            map.validate();
+        });
+    }
+
+    /// Issue 9 B.4, map growth: a lookup racing an insert that doubles the shard's table finds
+    /// every key that was there throughout, in the old table or the new one.
+    #[test]
+    fn loom_lookup_during_growth_finds_every_key() {
+        model("map_lookup_during_growth", 5, || {
+            let map = Arc::new(CacheMap::with_table_slots(4));
+            let keys: Vec<CacheKey> = (1..=4u128)
+                .map(|i| CacheKey {
+                    hash: BlockHash(i.wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835)),
+                    group: 0,
+                })
+                .collect();
+            for (i, &key) in keys[..3].iter().enumerate() {
+                map.insert(key, i as BlockId + 1);
+            }
+            let m2 = map.clone();
+            let (k0, k2) = (keys[0], keys[2]);
+            let reader = thread::spawn(move || {
+                assert_eq!(m2.first(&k0), Some(1));
+                assert_eq!(m2.first(&k2), Some(3));
+            });
+            let m3 = map.clone();
+            let k3 = keys[3];
+            // The fourth entry passes 3/4 of four slots: the table doubles under the reader.
+            let writer = thread::spawn(move || assert!(m3.insert(k3, 4)));
+            reader.join().unwrap();
+            writer.join().unwrap();
+            assert_eq!(map.shards[0].table(Ordering::Acquire).len(), 8, "grown");
+            for (i, key) in keys.iter().enumerate() {
+                assert_eq!(map.first(key), Some(i as BlockId + 1));
+            }
+            assert_eq!(map.len(), 4);
             map.validate();
         });
     }

@@ -1,11 +1,72 @@
 //! The block pool: fixed-size KV blocks with reference counts, an LRU free order, the
-//! prefix-cache map and KV events, with vLLM 0.33's semantics and no lock on the hot path.
+//! prefix-cache map and KV events, with vLLM 0.33's semantics and no global lock.
 //!
 //! Free order (front = next to allocate or evict): blocks freed without a hash are put in front
 //! (given order kept, reused first), cached blocks at the back (least recently used first);
 //! `touch` takes cached blocks out of the order again. See [`reference::RefBlockPool`] for the
 //! same semantics written plainly; the two are compared by a differential test.
+//!
+//! # Progress: what is lock-free and what waits
+//!
+//! Lock-free (a thread retries only when another thread's atomic step succeeded):
+//! - reference counts: `touch`, `ref_count`, the validation and releases of `free_blocks`, and
+//!   the reservation of `get_new_blocks` (one CAS loop on the free counter, all or nothing);
+//! - the claim of reserved blocks (revive and claim race on one CAS per block; exactly one
+//!   wins) and the stack of uncached frees (a tagged Treiber stack, one CAS per batch);
+//! - key slots (`cache_full_blocks` and evictions never wait on a key slot: a slot being
+//!   written or cleared by another thread is skipped).
+//!
+//! Not lock-free:
+//! - The free order's gate. The pushes of `free_blocks` and the pops of `get_new_blocks` pass
+//!   a gate that a compaction closes: while stale entries are compacted away (when the stack
+//!   is full, or the FIFO of cached frees passes `2 × num_blocks + 8` entries) frees and claims
+//!   wait. `free_order` takes the gate alone too. The FIFO is crossbeam's `SegQueue`,
+//!   non-blocking in practice but not strictly lock-free.
+//! - The prefix-cache map. With caching on, `cache_full_blocks`, `get_new_blocks` (which evicts
+//!   the keys of the cached blocks it reuses), `evict_blocks` and `reset_prefix_cache` take a
+//!   per-shard spin lock (up to 256 shards; no global lock). Lookups (`lookup`,
+//!   `get_cached_block`) take no lock and write no shared memory; they retry while a writer of
+//!   their shard is mid-update.
+//!
+//! Progress. Nothing in the pool waits while holding something another waiter needs, and every
+//! wait is for a bounded piece of work by a thread that is not itself waiting: a compaction waits
+//! for the pushes and pops already inside the gate (each a few CAS loops, none of which waits);
+//! pushes and pops wait for one compaction (one pass over at most `stack capacity + FIFO length`
+//! entries, no allocation); a shard's writers and readers wait for one probe sequence or one
+//! table doubling. Retries happen only after another thread's step succeeded: a CAS loop retries
+//! when another CAS won, a lookup when a writer entered its shard, a claim when an entry it
+//! popped was stale or had just been revived. So the pool as a whole always makes progress (no
+//! deadlock, no livelock) while its threads are scheduled, and a call can only keep waiting or
+//! retrying while other calls keep completing. A claim that has reserved its blocks never waits
+//! for blocks to appear (the counting argument in `states.rs`); its only wait is at the gate.
+//! Waits yield the CPU (`std::thread::yield_now`) and never sleep in the kernel, so a thread
+//! preempted inside a compaction or a shard update delays the others until it runs again.
+//!
+//! Each method is atomic on its own; a sequence of them is not. In particular a `lookup`
+//! followed by `touch` can race an allocation that claims the block in between (its key is
+//! evicted just after the claim), and the `touch` then takes a reference to the new owner's
+//! block. The manager makes hits and allocations under one lock; direct users of the pool who
+//! take prefix hits from several threads must do the same.
+//!
+//! # Failing frees
+//!
+//! `free_blocks` validates the whole batch before releasing anything: every block must have at
+//! least as many references as the batch lists it (a double free changes nothing). A reference
+//! a caller holds cannot be dropped by another thread, so a batch of references the caller holds
+//! always passes and is released in full. The only failure left after validation is a block
+//! the caller does not hold whose holders free it meanwhile (a double free racing the real
+//! frees, which no check can prevent); then every other block of the batch is still released,
+//! the block that reached zero is reported as `DoubleFree`, and no count is ever undone, so no
+//! block gets two owners and the free counter stays exact.
+//!
+//! # Memory
+//!
+//! Every per-block array (reference counts, key slots, map tables, the free-order stack) is
+//! allocated fallibly: a pool too large for the memory available is
+//! [`CoreError::OutOfMemory`] naming the array and its size. No size a caller passes to a
+//! method is allocated before it is validated against the pool.
 
+mod alloc;
 mod free_order;
 mod map;
 pub mod reference;
@@ -14,6 +75,7 @@ pub(crate) mod states;
 use crate::error::{CoreError, Result};
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
 use crate::types::{BlockHash, BlockId, CacheKey, GroupId, KvEvent, StoreInfo, NULL_BLOCK};
+use alloc::AllocFailed;
 use crossbeam_queue::SegQueue;
 use map::CacheMap;
 use states::BlockStates;
@@ -44,9 +106,10 @@ impl KeySlot {
         }
     }
 
-    /// Sets the key if the block has none; `false` if it already has one. `publish` runs before
-    /// the key can be taken again, so a map entry is inserted before it can be removed.
-    fn set(&self, key: CacheKey, publish: impl FnOnce(CacheKey)) -> bool {
+    /// Sets the key if the block has none; `false` if it already has one or `publish` refuses
+    /// (the map had no room). `publish` runs before the key can be taken again, so a map entry is
+    /// inserted before it can be removed.
+    fn set(&self, key: CacheKey, publish: impl FnOnce(CacheKey) -> bool) -> bool {
         if self
             .state
             .compare_exchange(KEY_NONE, KEY_WRITING, Ordering::Acquire, Ordering::Relaxed)
@@ -58,7 +121,10 @@ impl KeySlot {
         self.lo.store(lo, Ordering::Relaxed);
         self.hi.store(hi, Ordering::Relaxed);
         self.group.store(key.group, Ordering::Relaxed);
-        publish(key);
+        if !publish(key) {
+            self.state.store(KEY_NONE, Ordering::Release);
+            return false;
+        }
         self.state.store(KEY_SET, Ordering::Release);
         true
     }
@@ -128,12 +194,19 @@ impl BlockPool {
         if num_blocks > MAX_BLOCKS {
             return Err(CoreError::PoolTooLarge(num_blocks));
         }
+        let oom = |e: AllocFailed| CoreError::OutOfMemory {
+            what: e.what,
+            bytes: e.bytes,
+            num_blocks,
+        };
         Ok(BlockPool {
             num_blocks,
             enable_caching,
-            states: BlockStates::new(num_blocks),
-            keys: (0..num_blocks).map(|_| KeySlot::new()).collect(),
-            map: CacheMap::with_capacity(if enable_caching { num_blocks } else { 0 }),
+            states: BlockStates::new(num_blocks).map_err(oom)?,
+            keys: alloc::boxed_slice("cache-key slots", num_blocks, |_| KeySlot::new())
+                .map_err(oom)?,
+            map: CacheMap::with_capacity(if enable_caching { num_blocks } else { 0 })
+                .map_err(oom)?,
             events: enable_events.then(SegQueue::new),
         })
     }
@@ -196,7 +269,8 @@ impl BlockPool {
     }
 
     /// Takes `n` blocks from the front of the free order, evicting their cache entries.
-    /// All or nothing: when fewer than `n` are free, nothing changes.
+    /// All or nothing: when fewer than `n` are free, nothing changes (and nothing is allocated,
+    /// whatever `n` is).
     pub fn get_new_blocks(&self, n: usize) -> Result<Vec<BlockId>> {
         // No capacity before the reservation: `n` is the caller's and may be anything.
         let mut out = Vec::new();
@@ -209,6 +283,7 @@ impl BlockPool {
         if n == 0 {
             return Ok(());
         }
+        // Reserve before sizing anything by `n`: a reservation bounds `n` by the free blocks.
         self.states
             .reserve(n)
             .map_err(|free| CoreError::NotEnoughFreeBlocks { requested: n, free })?;
@@ -223,13 +298,21 @@ impl BlockPool {
     }
 
     /// Drops one reference to each block (null blocks skipped). Blocks that reach zero join the
-    /// free order: uncached ones in front in the given order, cached ones at the back. A double
-    /// free is an error and changes nothing.
+    /// free order: uncached ones in front in the given order, cached ones at the back.
+    ///
+    /// A double free (a block listed more often than it is referenced) is an error and changes
+    /// nothing: the whole batch is validated before anything is released. A batch of references
+    /// the caller holds always passes. See the module docs for the one race validation cannot
+    /// see (freeing a block the caller does not hold while its holders free it).
     pub fn free_blocks(&self, ordered: &[BlockId]) -> Result<()> {
         self.check_ids(ordered)?;
-        let mut front = Vec::with_capacity(ordered.len());
-        let mut back = Vec::with_capacity(ordered.len());
-        for (k, &id) in ordered.iter().enumerate() {
+        self.check_releasable(ordered)?;
+        // At most one entry per distinct block reaches zero.
+        let most = ordered.len().min(self.num_blocks);
+        let mut front = Vec::with_capacity(most);
+        let mut back = Vec::with_capacity(if self.enable_caching { most } else { 0 });
+        let mut failed = None;
+        for &id in ordered {
             if id == NULL_BLOCK {
                 continue;
             }
@@ -242,16 +325,72 @@ impl BlockPool {
                         front.push(entry)
                     }
                 }
+                // Only when the caller frees a reference it does not hold while its holders free
+                // it: nothing this call released is undone (an undo could give a block that
+                // another thread freed and reallocated meanwhile a second owner).
                 Err(err) => {
-                    for &undo in ordered[..k].iter().filter(|&&b| b != NULL_BLOCK) {
-                        self.states.unrelease(undo);
-                    }
-                    return Err(err);
+                    failed.get_or_insert(err);
                 }
             }
         }
         self.states.publish(&front, &back);
-        Ok(())
+        failed.map_or(Ok(()), Err)
+    }
+
+    /// Every non-null block of `ids` has at least as many references as `ids` lists it;
+    /// otherwise `DoubleFree` of the block whose count runs out first in batch order (as a
+    /// sequential release would report). Allocates only for blocks that may repeat.
+    fn check_releasable(&self, ids: &[BlockId]) -> Result<()> {
+        // One pass: every block is referenced, and which of a small bitmap's buckets (block id
+        // modulo its size) are hit twice. Only blocks in those buckets can be listed twice.
+        const WORDS: usize = 64;
+        let mut seen = [0u64; WORDS];
+        let mut twice = [0u64; WORDS];
+        let mut any_twice = false;
+        let mut first_bad: Option<(usize, BlockId)> = None;
+        for (k, &id) in ids.iter().enumerate() {
+            if id == NULL_BLOCK {
+                continue;
+            }
+            if self.states.ref_count(id) == 0 {
+                first_bad = Some((k, id));
+                break;
+            }
+            let bit = id as usize % (WORDS * 64);
+            let (word, mask) = (bit / 64, 1u64 << (bit % 64));
+            if seen[word] & mask != 0 {
+                twice[word] |= mask;
+                any_twice = true;
+            }
+            seen[word] |= mask;
+        }
+        if any_twice {
+            // Positions of the blocks that may repeat, sorted by block: for each block, its
+            // (count + 1)-th listing is where a sequential release would fail.
+            let limit = first_bad.map_or(ids.len(), |(k, _)| k);
+            let mut maybe: Vec<(BlockId, usize)> = ids[..limit]
+                .iter()
+                .enumerate()
+                .filter(|&(_, &id)| {
+                    let bit = id as usize % (WORDS * 64);
+                    id != NULL_BLOCK && twice[bit / 64] & (1u64 << (bit % 64)) != 0
+                })
+                .map(|(k, &id)| (id, k))
+                .collect();
+            maybe.sort_unstable();
+            for run in maybe.chunk_by(|a, b| a.0 == b.0) {
+                let refs = self.states.ref_count(run[0].0) as usize;
+                if let Some(&(id, k)) = run.get(refs) {
+                    if first_bad.is_none_or(|(bad, _)| k < bad) {
+                        first_bad = Some((k, id));
+                    }
+                }
+            }
+        }
+        match first_bad {
+            Some((_, id)) => Err(CoreError::DoubleFree(id)),
+            None => Ok(()),
+        }
     }
 
     /// Takes one more reference to each block (null blocks skipped), reviving free cached blocks
@@ -360,14 +499,18 @@ impl BlockPool {
     }
 
     /// Clears the whole prefix cache. Refused (returns `false`) while any block is in use.
+    ///
+    /// Each block's key leaves its slot and the map together, as an eviction does, so a block
+    /// allocated and cached by another thread while the reset runs stays findable.
     pub fn reset_prefix_cache(&self) -> bool {
         if self.num_free_blocks() != self.num_blocks - 1 {
             return false;
         }
-        for slot in self.keys.iter() {
-            slot.take(|_| {});
+        for (id, slot) in self.keys.iter().enumerate() {
+            slot.take(|key| {
+                self.map.remove(&key, id as BlockId);
+            });
         }
-        self.map.clear();
         if let Some(events) = &self.events {
             events.push(KvEvent::AllBlocksCleared);
         }
@@ -385,8 +528,8 @@ impl BlockPool {
         out
     }
 
-    /// Free blocks front to back (the order `get_new_blocks` hands them out). Only while no other
-    /// thread uses the pool: it briefly takes the queues apart.
+    /// Free blocks front to back (the order `get_new_blocks` hands them out). Frees and
+    /// allocations wait while it reads the order; under concurrent use the result is a snapshot.
     pub fn free_order(&self) -> Vec<BlockId> {
         self.states.free_order()
     }

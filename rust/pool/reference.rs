@@ -1,19 +1,36 @@
 //! A plain single-owner block pool with the same semantics as [`super::BlockPool`], written as
-//! directly as vLLM 0.33 describes it (a doubly ended free list, a hash map of lists). It is the
-//! oracle of the differential tests, not something to serve from.
+//! directly as vLLM 0.33 describes it: a doubly linked free list threaded through the blocks
+//! (`FreeKVCacheBlockQueue`: O(1) append, prepend, pop and removal from the middle) and a hash
+//! map of block lists. It is the oracle of the differential tests and, behind a `Mutex`, the
+//! baseline of the concurrency benchmark (`benches/pool.rs`); it takes `&mut self` and is not
+//! meant to serve from.
 
+use super::alloc::{boxed_slice, AllocFailed};
 use crate::error::{CoreError, Result};
-use crate::types::{BlockHash, BlockId, CacheKey, GroupId, KvEvent, StoreInfo, NULL_BLOCK};
-use std::collections::{HashMap, VecDeque};
+use crate::types::{
+    BlockHash, BlockId, CacheKey, GroupId, KvEvent, StoreInfo, MAX_BLOCKS, NULL_BLOCK,
+};
+use std::collections::HashMap;
+
+/// End of the free list.
+const NIL: u32 = u32::MAX;
 
 pub struct RefBlockPool {
     num_blocks: usize,
     enable_caching: bool,
-    ref_cnt: Vec<u32>,
-    key: Vec<Option<CacheKey>>,
-    free: VecDeque<BlockId>,
+    ref_cnt: Box<[u32]>,
+    key: Box<[Option<CacheKey>]>,
+    /// The free list, front to back, linked through `prev` / `next` (`NIL` at the ends). A block
+    /// is in it exactly when its reference count is 0 (the null block never is).
+    prev: Box<[u32]>,
+    next: Box<[u32]>,
+    head: u32,
+    tail: u32,
+    num_free: usize,
     map: HashMap<CacheKey, Vec<BlockId>>,
     events: Option<Vec<KvEvent>>,
+    /// `free_blocks` scratch: releases counted per block during validation, zero between calls.
+    pending: Box<[u32]>,
 }
 
 impl RefBlockPool {
@@ -21,18 +38,80 @@ impl RefBlockPool {
         if num_blocks < 1 {
             return Err(CoreError::PoolTooSmall(num_blocks));
         }
-        if num_blocks > super::MAX_BLOCKS {
+        if num_blocks > MAX_BLOCKS {
             return Err(CoreError::PoolTooLarge(num_blocks));
         }
+        let oom = |e: AllocFailed| CoreError::OutOfMemory {
+            what: e.what,
+            bytes: e.bytes,
+            num_blocks,
+        };
+        // Blocks 1..num_blocks free in id order (none in a pool of just the null block).
+        let last = num_blocks as u32 - 1;
+        let (head, tail) = if last == 0 { (NIL, NIL) } else { (1, last) };
         Ok(RefBlockPool {
             num_blocks,
             enable_caching,
-            ref_cnt: vec![0; num_blocks],
-            key: vec![None; num_blocks],
-            free: (1..num_blocks as BlockId).collect(),
+            ref_cnt: boxed_slice("reference counts", num_blocks, |_| 0).map_err(oom)?,
+            key: boxed_slice("cache keys", num_blocks, |_| None).map_err(oom)?,
+            prev: boxed_slice("free-list links", num_blocks, |i| {
+                if i <= 1 {
+                    NIL
+                } else {
+                    i as u32 - 1
+                }
+            })
+            .map_err(oom)?,
+            next: boxed_slice("free-list links", num_blocks, |i| {
+                if i == 0 || i as u32 == last {
+                    NIL
+                } else {
+                    i as u32 + 1
+                }
+            })
+            .map_err(oom)?,
+            head,
+            tail,
+            num_free: num_blocks - 1,
             map: HashMap::new(),
             events: enable_events.then(Vec::new),
+            pending: boxed_slice("free scratch", num_blocks, |_| 0).map_err(oom)?,
         })
+    }
+
+    fn unlink(&mut self, id: BlockId) {
+        let (p, n) = (self.prev[id as usize], self.next[id as usize]);
+        match p {
+            NIL => self.head = n,
+            p => self.next[p as usize] = n,
+        }
+        match n {
+            NIL => self.tail = p,
+            n => self.prev[n as usize] = p,
+        }
+        self.num_free -= 1;
+    }
+
+    fn push_back(&mut self, id: BlockId) {
+        self.prev[id as usize] = self.tail;
+        self.next[id as usize] = NIL;
+        match self.tail {
+            NIL => self.head = id,
+            t => self.next[t as usize] = id,
+        }
+        self.tail = id;
+        self.num_free += 1;
+    }
+
+    fn push_front(&mut self, id: BlockId) {
+        self.next[id as usize] = self.head;
+        self.prev[id as usize] = NIL;
+        match self.head {
+            NIL => self.tail = id,
+            h => self.prev[h as usize] = id,
+        }
+        self.head = id;
+        self.num_free += 1;
     }
 
     fn check_ids(&self, ids: &[BlockId]) -> Result<()> {
@@ -46,14 +125,14 @@ impl RefBlockPool {
     }
 
     pub fn num_free_blocks(&self) -> usize {
-        self.free.len()
+        self.num_free
     }
 
     pub fn usage(&self) -> f64 {
         if self.num_blocks <= 1 {
             return 0.0;
         }
-        1.0 - self.free.len() as f64 / (self.num_blocks - 1) as f64
+        1.0 - self.num_free as f64 / (self.num_blocks - 1) as f64
     }
 
     pub fn num_cached_keys(&self) -> usize {
@@ -71,7 +150,13 @@ impl RefBlockPool {
     }
 
     pub fn free_order(&self) -> Vec<BlockId> {
-        self.free.iter().copied().collect()
+        let mut out = Vec::with_capacity(self.num_free);
+        let mut id = self.head;
+        while id != NIL {
+            out.push(id);
+            id = self.next[id as usize];
+        }
+        out
     }
 
     fn evict(&mut self, id: BlockId) {
@@ -92,47 +177,55 @@ impl RefBlockPool {
     }
 
     pub fn get_new_blocks(&mut self, n: usize) -> Result<Vec<BlockId>> {
-        if n > self.free.len() {
+        if n > self.num_free {
             return Err(CoreError::NotEnoughFreeBlocks {
                 requested: n,
-                free: self.free.len(),
+                free: self.num_free,
             });
         }
-        let blocks: Vec<BlockId> = self.free.drain(..n).collect();
-        for &id in &blocks {
+        let mut blocks = Vec::with_capacity(n);
+        for _ in 0..n {
+            let id = self.head;
+            self.unlink(id);
             if self.enable_caching {
                 self.evict(id);
             }
             self.ref_cnt[id as usize] = 1;
+            blocks.push(id);
         }
         Ok(blocks)
     }
 
     pub fn free_blocks(&mut self, ordered: &[BlockId]) -> Result<()> {
         self.check_ids(ordered)?;
-        let mut pending: HashMap<BlockId, u32> = HashMap::new();
+        let mut bad = None;
         for &id in ordered.iter().filter(|&&id| id != NULL_BLOCK) {
-            let count = pending.entry(id).or_insert(0);
-            *count += 1;
-            if *count > self.ref_cnt[id as usize] {
-                return Err(CoreError::DoubleFree(id));
+            self.pending[id as usize] += 1;
+            if self.pending[id as usize] > self.ref_cnt[id as usize] {
+                bad = Some(id);
+                break;
             }
         }
-        let (mut front, mut back) = (Vec::new(), Vec::new());
+        for &id in ordered {
+            self.pending[id as usize] = 0;
+        }
+        if let Some(id) = bad {
+            return Err(CoreError::DoubleFree(id));
+        }
+        let mut front = Vec::new();
         for &id in ordered.iter().filter(|&&id| id != NULL_BLOCK) {
             self.ref_cnt[id as usize] -= 1;
             if self.ref_cnt[id as usize] == 0 {
                 if self.enable_caching && self.key[id as usize].is_some() {
-                    back.push(id);
+                    self.push_back(id);
                 } else {
                     front.push(id);
                 }
             }
         }
         for &id in front.iter().rev() {
-            self.free.push_front(id);
+            self.push_front(id);
         }
-        self.free.extend(back);
         Ok(())
     }
 
@@ -140,12 +233,7 @@ impl RefBlockPool {
         self.check_ids(blocks)?;
         for &id in blocks.iter().filter(|&&id| id != NULL_BLOCK) {
             if self.ref_cnt[id as usize] == 0 {
-                let pos = self
-                    .free
-                    .iter()
-                    .position(|&b| b == id)
-                    .expect("free block in queue");
-                self.free.remove(pos);
+                self.unlink(id);
             }
             self.ref_cnt[id as usize] += 1;
         }
@@ -226,7 +314,7 @@ impl RefBlockPool {
     }
 
     pub fn reset_prefix_cache(&mut self) -> bool {
-        if self.free.len() != self.num_blocks - 1 {
+        if self.num_free != self.num_blocks - 1 {
             return false;
         }
         self.map.clear();

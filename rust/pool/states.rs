@@ -7,9 +7,14 @@
 //!
 //! `free_count` counts free blocks that nobody has reserved. Allocations reserve first (all or
 //! nothing) and then claim that many entries; a revive reserves one unit. A freed block's entry is
-//! pushed before its unit is published, so the valid entries in the free order always number at
-//! least `free_count` plus the outstanding reservations: a reserving thread always finds its blocks.
+//! pushed before its unit is published, so the valid entries in the free order (plus those a
+//! claimer has popped and not yet tried) always number at least `free_count` plus the outstanding
+//! reservations. Hence a claimer that still needs a block finds at least one valid entry whenever
+//! it pops: claims never wait for a block to appear. Each pass of its loop removes at least one
+//! entry from the order; it only loops again when an entry it popped was stale or a revive won
+//! the block first, that is, when another thread made progress.
 
+use super::alloc::{boxed_slice, AllocFailed};
 use super::free_order::{entry_epoch, entry_id, pack_entry, FreeOrder};
 use crate::error::{CoreError, Result};
 use crate::sync::{spin_wait, AtomicU64, AtomicUsize, Ordering};
@@ -38,14 +43,21 @@ pub(crate) struct BlockStates {
 
 impl BlockStates {
     /// Block 0 is the null block (never free); blocks `1..num_blocks` start free in id order.
-    pub(crate) fn new(num_blocks: usize) -> Self {
-        BlockStates {
-            state: (0..num_blocks).map(|_| AtomicU64::new(0)).collect(),
+    pub(crate) fn new(num_blocks: usize) -> Result<Self, AllocFailed> {
+        Ok(BlockStates {
+            state: boxed_slice("reference counts", num_blocks, |_| AtomicU64::new(0))?,
             free_count: AtomicUsize::new(num_blocks.saturating_sub(1)),
-            order: FreeOrder::new(
-                num_blocks,
-                (1..num_blocks as u32).map(|id| pack_entry(id, 0)),
-            ),
+            order: FreeOrder::new(num_blocks)?,
+        })
+    }
+
+    /// A small free order for model checks (compaction after a few pushes).
+    #[cfg(loom)]
+    pub(crate) fn with_lifo_capacity(num_blocks: usize, lifo_capacity: usize) -> Self {
+        BlockStates {
+            state: boxed_slice("reference counts", num_blocks, |_| AtomicU64::new(0)).unwrap(),
+            free_count: AtomicUsize::new(num_blocks.saturating_sub(1)),
+            order: FreeOrder::with_capacity(num_blocks, lifo_capacity, lifo_capacity).unwrap(),
         }
     }
 
@@ -65,7 +77,25 @@ impl BlockStates {
         state[entry_id(entry) as usize].load(Ordering::Acquire) == pack(0, entry_epoch(entry))
     }
 
-    /// Reserves `n` free blocks, or reports how many are free.
+    /// For a compaction: if `entry` still stands for a free block, moves the block's epoch on
+    /// (ref stays 0) and returns the entry for the new epoch, so any other entry of the block
+    /// goes stale. A revive racing this CAS wins or retries; nothing else changes a free block.
+    fn revalidate(state: &[AtomicU64], entry: u64) -> Option<u64> {
+        let (id, e) = (entry_id(entry), entry_epoch(entry));
+        let next = e.wrapping_add(1);
+        state[id as usize]
+            .compare_exchange(
+                pack(0, e),
+                pack(0, next),
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            )
+            .ok()
+            .map(|_| pack_entry(id, next))
+    }
+
+    /// Reserves `n` free blocks, or reports how many are free. Changes nothing on failure, so a
+    /// huge `n` costs nothing.
     pub(crate) fn reserve(&self, n: usize) -> std::result::Result<(), usize> {
         self.free_count
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |free| {
@@ -76,6 +106,7 @@ impl BlockStates {
 
     /// Claims `n` previously reserved blocks from the front of the free order (ref 0 → 1).
     pub(crate) fn claim_reserved(&self, n: usize, out: &mut Vec<BlockId>) {
+        // `n` was reserved, so it is at most the pool's size.
         let mut claimed = 0;
         out.reserve(n);
         let mut entries = Vec::with_capacity(n);
@@ -84,8 +115,8 @@ impl BlockStates {
             entries.clear();
             self.order.pop_many(n - claimed, &mut entries, &mut slots);
             if entries.is_empty() {
-                // Valid entries exist (see the module comment); they are either being pushed
-                // or briefly held by a compaction.
+                // Not reached: while this claimer holds a reservation the order holds a valid
+                // entry (module comment). Yield rather than fail if it ever were.
                 spin_wait();
                 continue;
             }
@@ -206,33 +237,22 @@ impl BlockStates {
         }
     }
 
-    /// Undoes a `release` of the same call (used when a later block of a batch is rejected).
-    pub(crate) fn unrelease(&self, id: BlockId) {
-        let cell = &self.state[id as usize];
-        let mut s = cell.load(Ordering::Acquire);
-        while let Err(actual) =
-            cell.compare_exchange_weak(s, s + 1, Ordering::AcqRel, Ordering::Acquire)
-        {
-            s = actual;
-        }
-    }
-
     /// Publishes released blocks: `front` ahead of everything (given order kept), `back` at the
     /// tail, then makes them available to reservations.
     pub(crate) fn publish(&self, front: &[u64], back: &[u64]) {
         let state = &self.state[..];
-        let valid = |entry| Self::is_valid(state, entry);
+        let revalidate = |entry| Self::revalidate(state, entry);
         if !front.is_empty() {
-            self.order.push_front(front, valid);
+            self.order.push_front(front, revalidate);
         }
         if !back.is_empty() {
-            self.order.push_back(back, valid);
+            self.order.push_back(back, revalidate);
         }
         self.free_count
             .fetch_add(front.len() + back.len(), Ordering::AcqRel);
     }
 
-    /// Free blocks front to back. Only while no other thread uses the pool.
+    /// Free blocks front to back (pushes and pops wait while it reads the order).
     pub(crate) fn free_order(&self) -> Vec<BlockId> {
         self.order
             .snapshot()

@@ -254,6 +254,150 @@ fn stale_entries_are_compacted_and_order_is_kept() {
 }
 
 #[test]
+fn huge_allocation_requests_are_refused_before_anything_is_allocated() {
+    let pool = BlockPool::new(16).unwrap();
+    for n in [16, 1 << 40, 1 << 62, usize::MAX] {
+        assert_eq!(
+            pool.get_new_blocks(n),
+            Err(CoreError::NotEnoughFreeBlocks {
+                requested: n,
+                free: 15
+            })
+        );
+        let mut out = vec![7];
+        assert!(pool.get_new_blocks_into(n, &mut out).is_err());
+        assert_eq!(out, vec![7], "nothing appended");
+    }
+    assert_eq!(pool.free_order(), (1..16).collect::<Vec<_>>());
+    assert_eq!(pool.num_free_blocks(), 15);
+}
+
+#[test]
+fn a_huge_double_free_is_rejected_and_changes_nothing() {
+    let pool = BlockPool::new(8).unwrap();
+    let blocks = pool.get_new_blocks(3).unwrap();
+    let mut batch = blocks.clone();
+    batch.extend(std::iter::repeat_n(blocks[1], 100_000));
+    assert_eq!(
+        pool.free_blocks(&batch),
+        Err(CoreError::DoubleFree(blocks[1]))
+    );
+    assert_eq!(pool.num_free_blocks(), 4);
+    assert!(blocks.iter().all(|&b| pool.ref_count(b) == Ok(1)));
+}
+
+#[test]
+fn a_block_listed_as_often_as_it_is_held_is_freed_in_one_batch() {
+    let pool = BlockPool::new(8).unwrap();
+    let blocks = pool.get_new_blocks(2).unwrap();
+    pool.touch(&blocks[..1]).unwrap();
+    pool.free_blocks(&[blocks[0], blocks[1], blocks[0]])
+        .unwrap();
+    assert_eq!(pool.num_free_blocks(), 7);
+    assert_eq!(pool.free_order()[..2], [blocks[1], blocks[0]]);
+}
+
+#[test]
+fn a_double_free_reports_the_block_a_sequential_release_would_fail_on() {
+    let pool = BlockPool::new(8).unwrap();
+    let [a, b] = pool.get_new_blocks(2).unwrap()[..] else {
+        unreachable!()
+    };
+    let free = 5;
+    // `a` is held once: its second listing fails before the free block is reached, and the
+    // other way round.
+    assert_eq!(
+        pool.free_blocks(&[a, b, a, free]),
+        Err(CoreError::DoubleFree(a))
+    );
+    assert_eq!(
+        pool.free_blocks(&[free, a, a]),
+        Err(CoreError::DoubleFree(free))
+    );
+    assert_eq!(
+        pool.free_blocks(&[b, a, b, b]),
+        Err(CoreError::DoubleFree(b))
+    );
+    assert_eq!(pool.num_free_blocks(), 5);
+    assert_eq!((pool.ref_count(a), pool.ref_count(b)), (Ok(1), Ok(1)));
+}
+
+#[test]
+fn blocks_that_share_a_validation_bucket_are_not_taken_for_duplicates() {
+    // Ids 4096 apart share a bucket of the validation bitmap; they are still different blocks.
+    let pool = BlockPool::new(9000).unwrap();
+    let blocks = pool.get_new_blocks(8999).unwrap();
+    let batch = [5, 4101, 8197, 6, 4102];
+    pool.free_blocks(&batch).unwrap();
+    assert_eq!(pool.num_free_blocks(), 5);
+    assert_eq!(
+        pool.free_blocks(&[7, 4103, 7]),
+        Err(CoreError::DoubleFree(7))
+    );
+    assert_eq!(
+        pool.free_blocks(&[7, 4103, 4103]),
+        Err(CoreError::DoubleFree(4103))
+    );
+    assert_eq!(pool.ref_count(7), Ok(1));
+    assert_eq!(pool.num_free_blocks(), 5);
+    drop(blocks);
+}
+
+#[test]
+fn a_pool_whose_arrays_cannot_be_allocated_is_an_error_naming_the_size() {
+    // Fail each allocation of the constructor in turn: every one is an error, none aborts.
+    let mut failures = Vec::new();
+    for k in 0.. {
+        alloc::inject::fail_after(Some(k));
+        let result = BlockPool::new(1000);
+        alloc::inject::fail_after(None);
+        match result {
+            Ok(pool) => {
+                assert_eq!(pool.get_new_blocks(999).unwrap().len(), 999);
+                break;
+            }
+            Err(err) => failures.push(err),
+        }
+    }
+    assert!(failures.len() >= 6, "{failures:?}");
+    for err in &failures {
+        let CoreError::OutOfMemory {
+            what,
+            bytes,
+            num_blocks,
+        } = err
+        else {
+            panic!("{err:?}");
+        };
+        assert_eq!(*num_blocks, 1000);
+        assert!(*bytes >= 999, "{err}");
+        assert!(err.to_string().contains(what), "{err}");
+    }
+}
+
+#[test]
+fn stale_stack_entries_are_compacted_and_order_is_kept() {
+    // Uncached free blocks revived and freed again: each cycle leaves a stale stack entry, so
+    // the stack fills and is compacted.
+    let pool = BlockPool::new(8).unwrap();
+    let mut oracle = crate::RefBlockPool::new(8, true, false).unwrap();
+    let blocks = pool.get_new_blocks(7).unwrap();
+    assert_eq!(oracle.get_new_blocks(7).unwrap(), blocks);
+    pool.free_blocks(&blocks).unwrap();
+    oracle.free_blocks(&blocks).unwrap();
+    for i in 0..100u32 {
+        let pair = [1 + i % 7, 1 + (i * 3) % 7];
+        pool.touch(&pair).unwrap();
+        oracle.touch(&pair).unwrap();
+        pool.free_blocks(&pair).unwrap();
+        oracle.free_blocks(&pair).unwrap();
+        assert!(pool.states.physical_len() <= 2 * 8 + 8);
+    }
+    assert_eq!(pool.free_order(), oracle.free_order());
+    assert_eq!(pool.num_free_blocks(), 7);
+}
+
+#[test]
 fn pool_is_send_and_sync() {
     fn check<T: Send + Sync>() {}
     check::<BlockPool>();

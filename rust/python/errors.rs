@@ -17,7 +17,7 @@
 //! `MemoryError`.
 
 use crate::error::CoreError;
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyMemoryError, PyValueError};
 use pyo3::prelude::*;
 
 pyo3::create_exception!(
@@ -94,6 +94,7 @@ impl From<CoreError> for PyErr {
             CoreError::NotInUse(_) => BlockNotInUseError::new_err(msg),
             CoreError::NotEnoughFreeBlocks { .. } => NotEnoughFreeBlocksError::new_err(msg),
             CoreError::Evicted(_) | CoreError::HitEvicted { .. } => BlockEvictedError::new_err(msg),
+            CoreError::OutOfMemory { .. } => PyMemoryError::new_err(msg),
             CoreError::PoolTooSmall(_)
             | CoreError::PoolTooLarge(_)
             | CoreError::RefCountOverflow { .. }
