@@ -1,11 +1,15 @@
 //! Criterion benches of the block pool and block hashing.
 //!
 //! `cargo bench --bench pool` (full run); `cargo test --benches` runs each once as a smoke test.
+//! `cargo bench --bench pool -- pool/mixed` runs only the lock-free pool against its mutex
+//! baseline.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use hybrid_kv::{BlockHash, BlockHasher, BlockPool, ExtraKeys, HashAlgo, StoreInfo};
+use hybrid_kv::{
+    BlockHash, BlockHasher, BlockId, BlockPool, ExtraKeys, HashAlgo, RefBlockPool, StoreInfo,
+};
 use std::hint::black_box;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 fn alloc_free(c: &mut Criterion) {
@@ -79,7 +83,8 @@ fn lookup_chain(c: &mut Criterion) {
     group.finish();
 }
 
-/// The same number of lookups split over 1 and 2 threads; criterion measures wall time.
+/// The same number of lookups split over 1 and 2 threads; criterion measures wall time. Beside
+/// them the same lookups on the reference pool behind a `Mutex` (`mutex_reference/N`).
 fn concurrent_lookups(c: &mut Criterion) {
     let mut group = c.benchmark_group("pool/concurrent_lookups");
     let n = 4096usize;
@@ -117,6 +122,170 @@ fn concurrent_lookups(c: &mut Criterion) {
             },
         );
     }
+    let mutex = Mutex::new(RefBlockPool::new(n + 1, true, false).unwrap());
+    let ids = mutex.lock().unwrap().get_new_blocks(n).unwrap();
+    mutex
+        .lock()
+        .unwrap()
+        .cache_full_blocks(&ids, &hashes, 0, StoreInfo::default())
+        .unwrap();
+    for threads in [1usize, 2] {
+        group.bench_with_input(
+            BenchmarkId::new("mutex_reference", threads),
+            &threads,
+            |b, &threads| {
+                b.iter_custom(|iters| {
+                    let start = Instant::now();
+                    std::thread::scope(|s| {
+                        for t in 0..threads {
+                            let (mutex, hashes) = (&mutex, &hashes);
+                            s.spawn(move || {
+                                let share = per_round as usize / threads;
+                                for _ in 0..iters {
+                                    for k in 0..share {
+                                        let h = hashes[(k * 7 + t) % hashes.len()];
+                                        black_box(mutex.lock().unwrap().lookup(h, 0));
+                                    }
+                                }
+                            });
+                        }
+                    });
+                    start.elapsed()
+                })
+            },
+        );
+    }
+    group.finish();
+}
+
+/// The calls a request makes on a pool; one implementation per pool under test.
+trait SharedPool: Sync {
+    fn lookup(&self, hash: BlockHash) -> Option<BlockId>;
+    fn touch(&self, ids: &[BlockId]) -> bool;
+    fn allocate(&self, n: usize, out: &mut Vec<BlockId>) -> bool;
+    fn cache(&self, ids: &[BlockId], hashes: &[BlockHash]);
+    fn free(&self, ids: &[BlockId]);
+}
+
+impl SharedPool for BlockPool {
+    fn lookup(&self, hash: BlockHash) -> Option<BlockId> {
+        BlockPool::lookup(self, hash, 0)
+    }
+    fn touch(&self, ids: &[BlockId]) -> bool {
+        BlockPool::touch(self, ids).is_ok()
+    }
+    fn allocate(&self, n: usize, out: &mut Vec<BlockId>) -> bool {
+        self.get_new_blocks_into(n, out).is_ok()
+    }
+    fn cache(&self, ids: &[BlockId], hashes: &[BlockHash]) {
+        self.cache_full_blocks(ids, hashes, 0, StoreInfo::default())
+            .unwrap();
+    }
+    fn free(&self, ids: &[BlockId]) {
+        self.free_blocks(ids).unwrap();
+    }
+}
+
+/// The single-owner reference pool (vLLM's data structures) behind one mutex, locked per call.
+impl SharedPool for Mutex<RefBlockPool> {
+    fn lookup(&self, hash: BlockHash) -> Option<BlockId> {
+        self.lock().unwrap().lookup(hash, 0)
+    }
+    fn touch(&self, ids: &[BlockId]) -> bool {
+        self.lock().unwrap().touch(ids).is_ok()
+    }
+    fn allocate(&self, n: usize, out: &mut Vec<BlockId>) -> bool {
+        match self.lock().unwrap().get_new_blocks(n) {
+            Ok(ids) => {
+                out.extend(ids);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+    fn cache(&self, ids: &[BlockId], hashes: &[BlockHash]) {
+        self.lock()
+            .unwrap()
+            .cache_full_blocks(ids, hashes, 0, StoreInfo::default())
+            .unwrap();
+    }
+    fn free(&self, ids: &[BlockId]) {
+        self.lock().unwrap().free_blocks(ids).unwrap();
+    }
+}
+
+/// Blocks of a prompt; prompts come from `FAMILIES` shared prefixes.
+const PROMPT_BLOCKS: usize = 8;
+const FAMILIES: u64 = 64;
+
+/// `requests` requests of one thread: look up the longest cached prefix of a prompt (one of
+/// `FAMILIES`, so threads share prefixes), touch the hit, allocate the rest of the prompt plus
+/// two decode blocks, cache the new prompt blocks, free everything tail first.
+fn mixed_requests(pool: &impl SharedPool, seed: u64, requests: usize) {
+    let mut rng = seed | 1;
+    let mut blocks = Vec::with_capacity(PROMPT_BLOCKS + 2);
+    let mut hashes = Vec::with_capacity(PROMPT_BLOCKS);
+    for _ in 0..requests {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        let family = (rng % FAMILIES) as u128;
+        let hash = |i: usize| BlockHash((family << 32) | i as u128);
+        blocks.clear();
+        while blocks.len() < PROMPT_BLOCKS {
+            match pool.lookup(hash(blocks.len())) {
+                Some(b) => blocks.push(b),
+                None => break,
+            }
+        }
+        if !pool.touch(&blocks) {
+            blocks.clear();
+        }
+        let hit = blocks.len();
+        if !pool.allocate(PROMPT_BLOCKS - hit + 2, &mut blocks) {
+            pool.free(&blocks);
+            continue;
+        }
+        hashes.clear();
+        hashes.extend((hit..PROMPT_BLOCKS).map(hash));
+        pool.cache(&blocks[hit..PROMPT_BLOCKS], &hashes);
+        blocks.reverse();
+        pool.free(black_box(&blocks));
+    }
+}
+
+/// The lock-free pool against the reference pool behind a `Mutex`, on the same requests split
+/// over 1, 2 and 4 threads; criterion measures wall time (throughput in requests).
+fn mixed_workload(c: &mut Criterion) {
+    let mut group = c.benchmark_group("pool/mixed");
+    let per_round = 1usize << 13;
+    group.throughput(Throughput::Elements(per_round as u64));
+    let lock_free = BlockPool::new(4096).unwrap();
+    let mutex = Mutex::new(RefBlockPool::new(4096, true, false).unwrap());
+    fn run(pool: &impl SharedPool, threads: usize, iters: u64, per_round: usize) -> Duration {
+        let start = Instant::now();
+        std::thread::scope(|s| {
+            for t in 0..threads {
+                s.spawn(move || {
+                    let seed = 0x9E37_79B9_7F4A_7C15 ^ ((t as u64 + 1) << 40);
+                    mixed_requests(pool, seed, per_round / threads * iters as usize);
+                });
+            }
+        });
+        start.elapsed()
+    }
+    for threads in [1usize, 2, 4] {
+        group.bench_with_input(
+            BenchmarkId::new("lock_free", threads),
+            &threads,
+            |b, &threads| b.iter_custom(|iters| run(&lock_free, threads, iters, per_round)),
+        );
+        group.bench_with_input(
+            BenchmarkId::new("mutex_reference", threads),
+            &threads,
+            |b, &threads| b.iter_custom(|iters| run(&mutex, threads, iters, per_round)),
+        );
+    }
     group.finish();
 }
 
@@ -149,6 +318,7 @@ criterion_group! {
     config = Criterion::default()
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2));
-    targets = alloc_free, touch_cached_chain, lookup_chain, concurrent_lookups, hashing
+    targets = alloc_free, touch_cached_chain, lookup_chain, concurrent_lookups, mixed_workload,
+        hashing
 }
 criterion_main!(benches);
