@@ -82,6 +82,9 @@ use states::BlockStates;
 
 pub use crate::types::MAX_BLOCKS;
 
+/// Buckets of the bitmap `free_blocks` validates with (ids 4096 apart share one).
+const BUCKETS: usize = 4096;
+
 // A block's cache-key slot: written only by whoever moves it out of `KEY_NONE` (or `KEY_SET`),
 // so the three words are never read while being written.
 const KEY_NONE: u32 = 0;
@@ -307,10 +310,10 @@ impl BlockPool {
     pub fn free_blocks(&self, ordered: &[BlockId]) -> Result<()> {
         self.check_ids(ordered)?;
         self.check_releasable(ordered)?;
-        // At most one entry per distinct block reaches zero.
+        // At most one entry per distinct block reaches zero (cached ones are sized on first use).
         let most = ordered.len().min(self.num_blocks);
         let mut front = Vec::with_capacity(most);
-        let mut back = Vec::with_capacity(if self.enable_caching { most } else { 0 });
+        let mut back = Vec::new();
         let mut failed = None;
         for &id in ordered {
             if id == NULL_BLOCK {
@@ -320,6 +323,9 @@ impl BlockPool {
                 Ok(None) => {}
                 Ok(Some(entry)) => {
                     if self.enable_caching && self.keys[id as usize].is_set() {
+                        if back.capacity() == 0 {
+                            back.reserve_exact(most);
+                        }
                         back.push(entry)
                     } else {
                         front.push(entry)
@@ -339,57 +345,69 @@ impl BlockPool {
 
     /// Every non-null block of `ids` has at least as many references as `ids` lists it;
     /// otherwise `DoubleFree` of the block whose count runs out first in batch order (as a
-    /// sequential release would report). Allocates only for blocks that may repeat.
+    /// sequential release would report). Allocates only when blocks may repeat.
     fn check_releasable(&self, ids: &[BlockId]) -> Result<()> {
-        // One pass: every block is referenced, and which of a small bitmap's buckets (block id
-        // modulo its size) are hit twice. Only blocks in those buckets can be listed twice.
-        const WORDS: usize = 64;
-        let mut seen = [0u64; WORDS];
-        let mut twice = [0u64; WORDS];
-        let mut any_twice = false;
-        let mut first_bad: Option<(usize, BlockId)> = None;
+        // One pass: every block is referenced, and no bucket of a small bitmap (block id modulo
+        // its size) is hit twice. If one is, a block may be listed twice: count exactly.
+        let mut seen = [0u64; BUCKETS / 64];
+        let mut repeats = false;
+        let mut first_bad = None;
+        let mut limit = ids.len();
         for (k, &id) in ids.iter().enumerate() {
             if id == NULL_BLOCK {
                 continue;
             }
             if self.states.ref_count(id) == 0 {
                 first_bad = Some((k, id));
+                limit = k;
                 break;
             }
-            let bit = id as usize % (WORDS * 64);
-            let (word, mask) = (bit / 64, 1u64 << (bit % 64));
-            if seen[word] & mask != 0 {
-                twice[word] |= mask;
-                any_twice = true;
-            }
-            seen[word] |= mask;
+            let bit = id as usize % BUCKETS;
+            let (word, mask) = (&mut seen[bit / 64], 1u64 << (bit % 64));
+            repeats |= *word & mask != 0;
+            *word |= mask;
         }
-        if any_twice {
-            // Positions of the blocks that may repeat, sorted by block: for each block, its
-            // (count + 1)-th listing is where a sequential release would fail.
-            let limit = first_bad.map_or(ids.len(), |(k, _)| k);
-            let mut maybe: Vec<(BlockId, usize)> = ids[..limit]
-                .iter()
-                .enumerate()
-                .filter(|&(_, &id)| {
-                    let bit = id as usize % (WORDS * 64);
-                    id != NULL_BLOCK && twice[bit / 64] & (1u64 << (bit % 64)) != 0
-                })
-                .map(|(k, &id)| (id, k))
-                .collect();
-            maybe.sort_unstable();
-            for run in maybe.chunk_by(|a, b| a.0 == b.0) {
-                let refs = self.states.ref_count(run[0].0) as usize;
-                if let Some(&(id, k)) = run.get(refs) {
-                    if first_bad.is_none_or(|(bad, _)| k < bad) {
-                        first_bad = Some((k, id));
-                    }
-                }
-            }
+        if repeats {
+            self.check_repeats(&ids[..limit], &mut first_bad);
         }
         match first_bad {
             Some((_, id)) => Err(CoreError::DoubleFree(id)),
             None => Ok(()),
+        }
+    }
+
+    /// For blocks that may be listed more than once in `ids` (all referenced): the position
+    /// where a block is listed once more than its count, if before `first_bad`.
+    #[cold]
+    fn check_repeats(&self, ids: &[BlockId], first_bad: &mut Option<(usize, BlockId)>) {
+        let bucket = |id: BlockId| (id as usize % BUCKETS / 64, 1u64 << (id as usize % 64));
+        let (mut seen, mut twice) = ([0u64; BUCKETS / 64], [0u64; BUCKETS / 64]);
+        for &id in ids.iter().filter(|&&id| id != NULL_BLOCK) {
+            let (word, mask) = bucket(id);
+            if seen[word] & mask != 0 {
+                twice[word] |= mask;
+            }
+            seen[word] |= mask;
+        }
+        // Positions of the blocks in buckets hit twice, sorted by block: for each block, its
+        // (count + 1)-th listing is where a sequential release would fail.
+        let mut maybe: Vec<(BlockId, usize)> = ids
+            .iter()
+            .enumerate()
+            .filter(|&(_, &id)| {
+                let (word, mask) = bucket(id);
+                id != NULL_BLOCK && twice[word] & mask != 0
+            })
+            .map(|(k, &id)| (id, k))
+            .collect();
+        maybe.sort_unstable();
+        for run in maybe.chunk_by(|a, b| a.0 == b.0) {
+            let refs = self.states.ref_count(run[0].0) as usize;
+            if let Some(&(id, k)) = run.get(refs) {
+                if first_bad.is_none_or(|(bad, _)| k < bad) {
+                    *first_bad = Some((k, id));
+                }
+            }
         }
     }
 
