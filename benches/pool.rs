@@ -1,7 +1,7 @@
 //! Criterion benches of the block pool and block hashing.
 //!
 //! `cargo bench --bench pool` (full run); `cargo test --benches` runs each once as a smoke test.
-//! `cargo bench --bench pool -- pool/mixed` runs only the lock-free pool against its mutex
+//! `cargo bench --bench pool -- pool/mixed` runs only the pool against its mutex
 //! baseline.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
@@ -254,13 +254,13 @@ fn mixed_requests(pool: &impl SharedPool, seed: u64, requests: usize) {
     }
 }
 
-/// The lock-free pool against the reference pool behind a `Mutex`, on the same requests split
+/// The pool against the reference pool behind a `Mutex`, on the same requests split
 /// over 1, 2 and 4 threads; criterion measures wall time (throughput in requests).
 fn mixed_workload(c: &mut Criterion) {
     let mut group = c.benchmark_group("pool/mixed");
     let per_round = 1usize << 13;
     group.throughput(Throughput::Elements(per_round as u64));
-    let lock_free = BlockPool::new(4096).unwrap();
+    let pool = BlockPool::new(4096).unwrap();
     let mutex = Mutex::new(RefBlockPool::new(4096, true, false).unwrap());
     fn run(pool: &impl SharedPool, threads: usize, iters: u64, per_round: usize) -> Duration {
         let start = Instant::now();
@@ -276,9 +276,9 @@ fn mixed_workload(c: &mut Criterion) {
     }
     for threads in [1usize, 2, 4] {
         group.bench_with_input(
-            BenchmarkId::new("lock_free", threads),
+            BenchmarkId::new("hybrid_kv", threads),
             &threads,
-            |b, &threads| b.iter_custom(|iters| run(&lock_free, threads, iters, per_round)),
+            |b, &threads| b.iter_custom(|iters| run(&pool, threads, iters, per_round)),
         );
         group.bench_with_input(
             BenchmarkId::new("mutex_reference", threads),

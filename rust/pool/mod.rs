@@ -9,8 +9,10 @@
 //! # Progress: what is lock-free and what waits
 //!
 //! Lock-free (a thread retries only when another thread's atomic step succeeded):
-//! - reference counts: `touch`, `ref_count`, the validation and releases of `free_blocks`, and
-//!   the reservation of `get_new_blocks` (one CAS loop on the free counter, all or nothing);
+//! - reference counts: `touch` (whose one failure, under a race with allocations that took
+//!   every free block, frees what it took), `ref_count`, the validation and releases of
+//!   `free_blocks`, and the reservation of `get_new_blocks` (one CAS loop on the free counter,
+//!   all or nothing);
 //! - the claim of reserved blocks (revive and claim race on one CAS per block; exactly one
 //!   wins) and the stack of uncached frees (a tagged Treiber stack, one CAS per batch);
 //! - key slots (`cache_full_blocks` and evictions never wait on a key slot: a slot being
@@ -63,8 +65,9 @@
 //!
 //! Every per-block array (reference counts, key slots, map tables, the free-order stack) is
 //! allocated fallibly: a pool too large for the memory available is
-//! [`CoreError::OutOfMemory`] naming the array and its size. No size a caller passes to a
-//! method is allocated before it is validated against the pool.
+//! [`CoreError::OutOfMemory`] naming the array and its size. No count a caller passes
+//! (`get_new_blocks(n)`) sizes an allocation before it is checked against the free blocks, and
+//! no buffer a method allocates is larger than the pool or than an input slice the caller holds.
 
 mod alloc;
 mod free_order;
