@@ -1,6 +1,6 @@
-//! hybrid-kv core: a lock-free KV block pool with prefix caching and chained block hashing,
-//! the pure-Rust half of a KV-cache manager for hybrid LLMs. The PyO3 bindings live in
-//! [`python`] behind the `python` feature.
+//! hybrid-kv core: a concurrent KV block pool (lock-free reference counts and claims) with
+//! prefix caching and chained block hashing, the pure-Rust half of a KV-cache manager for
+//! hybrid LLMs. The PyO3 bindings live in [`python`] behind the `python` feature.
 
 pub mod error;
 pub mod hashing;

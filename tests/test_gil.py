@@ -62,3 +62,60 @@ def test_the_check_sees_a_call_that_holds_the_gil() -> None:
     # The same measurement on a C loop that never releases the GIL.
     pause, seconds = longest_pause(lambda: sum(range(20_000_000)))
     assert pause > seconds / 2
+
+
+@pytest.mark.parametrize("name", ["hash_token_blocks", "Request", "probe"])
+def test_a_numpy_prompt_written_during_a_long_call_is_read_as_one_snapshot(name: str) -> None:
+    """Long calls read numpy tokens with the GIL released. Another thread flips the first token
+    and one near the end (one that a prefix hit covers) together, in one assignment under the
+    GIL, while they run: each call must see the array as it was at one moment, never the first
+    token of one version and the later one of the other."""
+    tokens = np.arange(400_000, dtype=np.int32) % 150_000
+    versions = []
+    for v in (1, 2):
+        t = tokens.copy()
+        t[[0, -20]] = v
+        versions.append(t)
+    manager = hk.KVCacheManager([{"kind": "full", "block_size": 16}], 40_000, 1_000_000)
+    # Version 1 fills the cache: a probe then answers all of it for version 1 and 0 for 2.
+    first = hk.Request("v1", versions[0])
+    blocks, _ = manager.get_computed_blocks(first)
+    assert manager.allocate_slots(first, len(tokens)) is not None
+    first.num_computed_tokens = len(tokens)
+    manager.free(first)
+
+    def probe_seen(t: np.ndarray) -> object:
+        return manager.probe(t)
+
+    def request_seen(t: np.ndarray) -> object:
+        return manager.get_computed_blocks(hk.Request(f"r{next(serial)}", t))[1]
+
+    serial = iter(range(1_000_000))
+    seen = {
+        "hash_token_blocks": lambda t: hk.hash_token_blocks(t, 16).tobytes(),
+        "Request": request_seen,
+        "probe": probe_seen,
+    }[name]
+    allowed = {seen(v) for v in versions}
+    assert len(allowed) == 2, "the two versions must give different answers"
+
+    shared = versions[0].copy()
+    stop = threading.Event()
+
+    def flipper() -> None:
+        v = 1
+        while not stop.is_set():
+            v = 3 - v
+            shared[[0, -20]] = v
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(0.0001)
+    thread = threading.Thread(target=flipper)
+    thread.start()
+    try:
+        answers = [seen(shared) for _ in range(60)]
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(old)
+    assert all(a in allowed for a in answers), "a call mixed two versions of the array"

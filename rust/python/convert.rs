@@ -536,6 +536,54 @@ impl<'py> Tokens<'py> {
         }
     }
 
+    /// How many tokens there are.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Tokens::I32(a) => a.len(),
+            Tokens::I64(a) => a.len(),
+            Tokens::U32(a) => a.len(),
+            Tokens::U64(a) => a.len(),
+            Tokens::List(v) => v.len(),
+            Tokens::Owned(v) => v.len(),
+        }
+    }
+
+    /// Runs `f` over the tokens with the GIL released. Tokens borrowed from a numpy array are
+    /// copied first, with the GIL held: once it is released (and at any time on free-threaded
+    /// Python) another thread may write to the array, and `f` must read tokens that stay put.
+    pub(crate) fn with_slice_detached<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl TokenFn<R> + Send,
+    ) -> R {
+        match self {
+            Tokens::I32(a) => {
+                let owned = a.as_array().to_vec();
+                py.detach(|| f.call(&owned))
+            }
+            Tokens::I64(a) => {
+                let owned = a.as_array().to_vec();
+                py.detach(|| f.call(&owned))
+            }
+            Tokens::U32(a) => {
+                let owned = a.as_array().to_vec();
+                py.detach(|| f.call(&owned))
+            }
+            Tokens::U64(a) => {
+                let owned = a.as_array().to_vec();
+                py.detach(|| f.call(&owned))
+            }
+            Tokens::List(v) => {
+                let v = v.as_slice();
+                py.detach(|| f.call(v))
+            }
+            Tokens::Owned(v) => {
+                let v = v.as_slice();
+                py.detach(|| f.call(v))
+            }
+        }
+    }
+
     /// The tokens as an owned, range-checked `Vec<u32>` (a list's is moved, not copied).
     pub(crate) fn into_u32(self) -> PyResult<Vec<u32>> {
         match self {

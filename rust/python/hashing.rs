@@ -27,7 +27,6 @@ pub(crate) fn extra_keys(
 }
 
 struct HashAll<'a> {
-    py: Python<'a>,
     hasher: &'a BlockHasher,
     parent: Option<BlockHash>,
     start: usize,
@@ -36,18 +35,10 @@ struct HashAll<'a> {
 
 impl TokenFn<Result<Vec<BlockHash>>> for HashAll<'_> {
     fn call<T: TokenId + Send + Sync>(self, tokens: &[T]) -> Result<Vec<BlockHash>> {
-        let run = || {
-            let mut out = Vec::new();
-            self.hasher
-                .hash_blocks(self.parent, tokens, self.start, self.extra, &mut out)
-                .map(|_| out)
-        };
-        if tokens.len() >= DETACH_HASH_TOKENS {
-            // The tokens are borrowed read-only from numpy (or owned by us) for the whole call.
-            self.py.detach(run)
-        } else {
-            run()
-        }
+        let mut out = Vec::new();
+        self.hasher
+            .hash_blocks(self.parent, tokens, self.start, self.extra, &mut out)
+            .map(|_| out)
     }
 }
 
@@ -73,13 +64,17 @@ fn hash_token_blocks<'py>(
     let extra = extra_keys(cache_salt, lora_name, mm_inputs)?;
     let parent = parent_block_hash.map(extract_hash).transpose()?;
     let tokens = Tokens::extract(token_ids)?;
-    let hashes = tokens.with_slice(HashAll {
-        py,
+    let hash = HashAll {
         hasher: &hasher,
         parent,
         start,
         extra: &extra,
-    })?;
+    };
+    let hashes = if tokens.len() >= DETACH_HASH_TOKENS {
+        tokens.with_slice_detached(py, hash)
+    } else {
+        tokens.with_slice(hash)
+    }?;
     hashes_to_numpy(py, &hashes)
 }
 

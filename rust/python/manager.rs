@@ -248,16 +248,15 @@ fn stats_dict<'py>(py: Python<'py>, s: &PrefixCacheStats) -> PyResult<Bound<'py,
     Ok(d)
 }
 
-/// `Prober::probe` over borrowed tokens, with the GIL released.
+/// `Prober::probe` over the tokens (run with the GIL released).
 struct ProbeFn<'a> {
-    py: Python<'a>,
     prober: &'a Prober,
     extra: &'a ExtraKeys,
 }
 
 impl TokenFn<CoreResult<usize>> for ProbeFn<'_> {
     fn call<T: TokenId + Send + Sync>(self, tokens: &[T]) -> CoreResult<usize> {
-        self.py.detach(|| self.prober.probe(tokens, self.extra))
+        self.prober.probe(tokens, self.extra)
     }
 }
 
@@ -975,12 +974,13 @@ impl PyKVCacheManager {
         mm_inputs: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
         let extra = extra_keys(cache_salt, lora_name, mm_inputs)?;
-        // A numpy prompt is probed in place (no copy made with the GIL held).
-        Ok(Tokens::extract(token_ids)?.with_slice(ProbeFn {
+        Ok(Tokens::extract(token_ids)?.with_slice_detached(
             py,
-            prober: &self.shared.prober,
-            extra: &extra,
-        })?)
+            ProbeFn {
+                prober: &self.shared.prober,
+                extra: &extra,
+            },
+        )?)
     }
 
     /// Records one admission's prefix-cache lookup (call after a successful admission).

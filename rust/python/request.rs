@@ -31,36 +31,26 @@ pub(crate) struct PyRequest {
 
 /// Validates and hashes a prompt: `(length, hashes of its full blocks, tail tokens)`.
 struct Prehash<'a> {
-    py: Python<'a>,
     hasher: &'a BlockHasher,
     extra: &'a ExtraKeys,
 }
 
 impl TokenFn<CoreResult<(usize, Prehashed)>> for Prehash<'_> {
     fn call<T: TokenId + Send + Sync>(self, tokens: &[T]) -> CoreResult<(usize, Prehashed)> {
-        let run = || {
-            check_tokens(tokens)?;
-            let mut hashes = Vec::new();
-            self.hasher
-                .hash_blocks(None, tokens, 0, self.extra, &mut hashes)?;
-            let full = hashes.len() * self.hasher.block_size();
-            let tail = tokens[full..].iter().map(|t| t.as_u32()).collect();
-            Ok((
-                tokens.len(),
-                Prehashed {
-                    hasher: self.hasher.clone(),
-                    hashes,
-                    tail,
-                },
-            ))
-        };
-        if tokens.len() >= DETACH_HASH_TOKENS {
-            // A long prompt is hashed with the GIL released, as `hash_token_blocks` does; the
-            // tokens are borrowed read-only from numpy, or were copied out of the list.
-            self.py.detach(run)
-        } else {
-            run()
-        }
+        check_tokens(tokens)?;
+        let mut hashes = Vec::new();
+        self.hasher
+            .hash_blocks(None, tokens, 0, self.extra, &mut hashes)?;
+        let full = hashes.len() * self.hasher.block_size();
+        let tail = tokens[full..].iter().map(|t| t.as_u32()).collect();
+        Ok((
+            tokens.len(),
+            Prehashed {
+                hasher: self.hasher.clone(),
+                hashes,
+                tail,
+            },
+        ))
     }
 }
 
@@ -83,11 +73,17 @@ impl PyRequest {
         let mut extra = extra_keys(cache_salt, lora_name, mm_inputs)?;
         extra.lora_id = lora_id.map(|id| id.0);
         let hasher = BlockHasher::new(block_size.get(), HashAlgo::parse(hash_algo)?, hash_seed)?;
-        let (len, prehashed) = Tokens::extract(prompt_token_ids)?.with_slice(Prehash {
-            py: prompt_token_ids.py(),
+        let tokens = Tokens::extract(prompt_token_ids)?;
+        let prehash = Prehash {
             hasher: &hasher,
             extra: &extra,
-        })?;
+        };
+        // A long prompt is hashed with the GIL released, as `hash_token_blocks` does.
+        let (len, prehashed) = if tokens.len() >= DETACH_HASH_TOKENS {
+            tokens.with_slice_detached(prompt_token_ids.py(), prehash)
+        } else {
+            tokens.with_slice(prehash)
+        }?;
         let record = RequestRecord::new(request_id.clone(), len, extra, Some(prehashed))?;
         Ok(PyRequest {
             prompt: prompt_token_ids.clone().unbind(),
