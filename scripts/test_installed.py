@@ -111,6 +111,21 @@ def is_stdlib(name: str) -> bool:
     )
 
 
+def module_owners() -> dict[str, set[str]]:
+    """Top-level module name -> the distributions that install it (normalised names), read from
+    each distribution's file list (Python 3.10's packages_distributions reads top_level.txt only,
+    which the wheels of maturin and of numpy do not have)."""
+    owners: dict[str, set[str]] = {}
+    for dist in importlib.metadata.distributions():
+        for file in dist.files or []:
+            top = file.parts[0] if file.parts else ""
+            if top in ("", "..") or top.endswith((".dist-info", ".data")):
+                continue
+            name = top.split(".")[0] if len(file.parts) == 1 else top
+            owners.setdefault(name, set()).add(normalise(dist.metadata["Name"]))
+    return owners
+
+
 def requirement_closure(dist: str, seen: set[str]) -> set[str]:
     """The distribution and, recursively, its unconditional requirements (normalised names)."""
     if normalise(dist) in seen:
@@ -173,11 +188,11 @@ def check_install(source_files: Path) -> None:
             continue
         importlib.import_module(module.name)
     allowed = requirement_closure(DIST, set())
-    owners = importlib.metadata.packages_distributions()
+    owners = module_owners()
     foreign = sorted(
         name
         for name in top_level_modules() - before
-        if not is_stdlib(name) and not {normalise(d) for d in owners.get(name, [])} & allowed
+        if not is_stdlib(name) and not owners.get(name, set()) & allowed
     )
     if foreign:
         fail(f"importing hybrid_kv's modules imported non-runtime packages: {', '.join(foreign)}")
