@@ -13,7 +13,8 @@ toolchain on PATH and no source tree on sys.path (standard library only, any OS)
    py.typed, _core.pyi, the presets and the native module; the distribution's version is
    hybrid_kv.__version__; every module imports with the runtime dependencies alone (buffers needs
    its torch extra) and imports nothing outside the standard library and those dependencies;
-   the `hybrid-kv` entry point is installed and `--help`, `plan` and `simulate` run.
+   the `hybrid-kv` entry point is installed, `--version` prints that version, and `--help`,
+   `plan` and `simulate` run.
 3. The test tools (--test-deps): `borrow` (default) appends this interpreter's site-packages
    directories, where .ci/run installed the `test` extra, to the venv's sys.path with a .pth
    file (a directory added that way has its own .pth files ignored, so an editable hybrid_kv
@@ -205,6 +206,10 @@ def check_install(source_files: Path) -> None:
     command = shutil.which("hybrid-kv", path=sysconfig.get_path("scripts"))
     if command is None:
         fail(f"the hybrid-kv command is not installed in {sysconfig.get_path('scripts')}")
+    version = subprocess.run([str(command), "--version"], capture_output=True, text=True)
+    if f"hybrid-kv {hybrid_kv.__version__} " not in version.stdout:
+        fail(f"hybrid-kv --version printed {version.stdout!r}{version.stderr!r}")
+    print(f"hybrid-kv --version: {version.stdout.strip()}")
     for args in (
         ["--help"],
         ["plan", "gemma-3-27b", "--memory", "40GiB"],
