@@ -11,10 +11,9 @@ import sys
 import sysconfig
 from pathlib import Path
 
-import pytest
-
 import hybrid_kv
 import hybrid_kv._core
+import pytest
 from hybrid_kv import cli
 
 PACKAGE = Path(hybrid_kv.__file__).resolve().parent
