@@ -12,7 +12,8 @@ toolchain on PATH and no source tree on sys.path (standard library only, any OS)
    sys.path; cargo and rustc are not on PATH; every file of the source package is installed, with
    py.typed, _core.pyi, the presets and the native module; the distribution's version is
    hybrid_kv.__version__; every module imports with the runtime dependencies alone (buffers needs
-   its torch extra) and imports nothing outside the standard library and those dependencies;
+   its torch extra, hybrid_kv.vllm its vllm extra: without them they fail on that import alone)
+   and imports nothing outside the standard library and those dependencies;
    the `hybrid-kv` entry point is installed, `--version` prints that version, and `--help`,
    `plan` and `simulate` run.
 3. The test tools (--test-deps): `borrow` (default) appends this interpreter's site-packages
@@ -45,8 +46,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DIST = "hybrid-kv"
-# Modules whose import needs an optional extra, and the module that extra brings.
-NEEDS_EXTRA = {"hybrid_kv.buffers": "torch"}
+# Modules (and their submodules) whose import needs an optional extra: the extra's main module,
+# then every top-level module the extra brings that they may import first.
+NEEDS_EXTRA = {"hybrid_kv.buffers": ("torch",), "hybrid_kv.vllm": ("vllm", "torch")}
 # Files the package cannot work or type-check without, whatever the source tree holds.
 REQUIRED = ["__init__.py", "py.typed", "_core.pyi", "cli.py", "catalogue.py"]
 RUST_TOOLS = ("cargo", "rustc", "rustup")
@@ -177,15 +179,18 @@ def check_install(source_files: Path) -> None:
         fail(f"distribution version {version} != hybrid_kv.__version__ {hybrid_kv.__version__}")
 
     for module in pkgutil.walk_packages(hybrid_kv.__path__, "hybrid_kv."):
-        extra = NEEDS_EXTRA.get(module.name)
-        if extra is not None and importlib.util.find_spec(extra) is None:
+        extra = next(
+            (m for p, m in NEEDS_EXTRA.items() if f"{module.name}.".startswith(f"{p}.")),
+            None,
+        )
+        if extra is not None and importlib.util.find_spec(extra[0]) is None:
             try:
                 importlib.import_module(module.name)
             except ModuleNotFoundError as error:
-                if error.name != extra:
+                if (error.name or "").partition(".")[0] not in extra:
                     raise
             else:
-                fail(f"{module.name} imported without {extra}")
+                fail(f"{module.name} imported without {extra[0]}")
             continue
         importlib.import_module(module.name)
     allowed = requirement_closure(DIST, set())
