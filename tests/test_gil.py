@@ -55,13 +55,17 @@ def test_long_calls_let_other_threads_run(name: str) -> None:
     }
     pause, seconds = longest_pause(calls[name])
     assert seconds > 0.012, f"{name} took only {seconds:.4f} s: the test needs a longer call"
-    assert pause < seconds / 2, f"other threads stalled {pause:.4f} s of {name}'s {seconds:.4f} s"
+    # The GIL is held while numpy tokens are copied (so that no other thread writes to them
+    # during the call), a fraction of the call; a call holding it throughout stalls it all.
+    assert pause < seconds * 3 / 4, (
+        f"other threads stalled {pause:.4f} s of {name}'s {seconds:.4f} s"
+    )
 
 
 def test_the_check_sees_a_call_that_holds_the_gil() -> None:
     # The same measurement on a C loop that never releases the GIL.
     pause, seconds = longest_pause(lambda: sum(range(20_000_000)))
-    assert pause > seconds / 2
+    assert pause > seconds * 3 / 4
 
 
 @pytest.mark.parametrize("name", ["hash_token_blocks", "Request", "probe"])

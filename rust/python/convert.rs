@@ -9,9 +9,9 @@ use crate::types::{BlockHash, BlockId};
 use numpy::{
     PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods,
 };
-use pyo3::exceptions::{PyOverflowError, PyTypeError};
+use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyBytes, PyList, PyString, PyTuple};
+use pyo3::types::{PyByteArray, PyBytes, PyInt, PyList, PyString, PyTuple};
 
 /// A non-negative integer argument of at most `MAX`: a Python `int` (`bool` included) or any
 /// object with `__index__` (numpy integers). Anything else is a `TypeError`; a negative value or
@@ -657,9 +657,17 @@ pub(crate) fn extract_hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockHash>>
 fn int_hash(obj: &Bound<'_, PyAny>) -> PyResult<BlockHash> {
     match obj.extract::<u128>() {
         Ok(v) => Ok(BlockHash(v)),
-        Err(e) if e.is_instance_of::<PyOverflowError>(obj.py()) => Err(OutOfRangeError::new_err(
-            format!("block hash {} is outside [0, 2**128)", obj.str()?),
-        )),
+        // An int out of range: an OverflowError, or (Python 3.13) a ValueError for a negative.
+        Err(e)
+            if obj.is_instance_of::<PyInt>()
+                || e.is_instance_of::<PyOverflowError>(obj.py())
+                || e.is_instance_of::<PyValueError>(obj.py()) =>
+        {
+            Err(OutOfRangeError::new_err(format!(
+                "block hash {} is outside [0, 2**128)",
+                obj.str()?
+            )))
+        }
         Err(_) => Err(PyTypeError::new_err(format!(
             "a block hash must be an int in [0, 2**128) or a uint64 array of shape (2,), got {}",
             type_name(obj)
