@@ -6,7 +6,7 @@
 use super::request::{HashView, Request};
 use super::spec::{AttentionKind, GroupSpec, MambaMode};
 use crate::error::Result;
-use crate::pool::BlockPool;
+use crate::pool::{BlockPool, PREFETCH_AHEAD};
 use crate::types::{BlockHash, BlockId, CacheKey, GroupId, StoreInfo, NULL_BLOCK};
 use std::collections::HashSet;
 
@@ -800,7 +800,13 @@ pub(crate) fn find_longest_cache_hit(
         AttentionKind::Full | AttentionKind::Mla | AttentionKind::Rswa { .. } => {
             // Left to right, stopping at the first miss.
             let max_blocks = (max_len / bs).min(view.len());
+            for i in 0..max_blocks.min(PREFETCH_AHEAD) {
+                prefetch_all(pool, view.get(i), gids);
+            }
             for i in 0..max_blocks {
+                if i + PREFETCH_AHEAD < max_blocks {
+                    prefetch_all(pool, view.get(i + PREFETCH_AHEAD), gids);
+                }
                 if !lookup_all(pool, view.get(i), gids, scratch) {
                     break;
                 }
@@ -828,7 +834,13 @@ pub(crate) fn find_longest_cache_hit(
             }
             let mut run = 0;
             let mut found = false;
+            for i in (max_blocks.saturating_sub(PREFETCH_AHEAD)..max_blocks).rev() {
+                prefetch_all(pool, view.get(i), gids);
+            }
             for i in (0..max_blocks).rev() {
+                if i >= PREFETCH_AHEAD {
+                    prefetch_all(pool, view.get(i - PREFETCH_AHEAD), gids);
+                }
                 if lookup_all(pool, view.get(i), gids, scratch) {
                     // A run must end on an alignment boundary (after the EAGLE pop).
                     let after_pop = if drop_eagle { i } else { i + 1 };
@@ -918,6 +930,13 @@ fn pop_to_alignment(bs: usize, alignment: usize, gids: &[usize], out: &mut [Vec<
     let keep = len * bs / alignment * alignment / bs;
     for &g in gids {
         out[g].truncate(keep);
+    }
+}
+
+#[inline]
+fn prefetch_all(pool: &BlockPool, hash: BlockHash, gids: &[usize]) {
+    for &g in gids {
+        pool.prefetch_lookup(hash, g as GroupId);
     }
 }
 

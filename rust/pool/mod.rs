@@ -85,6 +85,10 @@ use states::BlockStates;
 
 pub use crate::types::MAX_BLOCKS;
 
+/// How many keys ahead of a walk over the prefix-cache map its accesses are prefetched: the map
+/// is larger than the CPU caches, and prefetches let the accesses overlap.
+pub const PREFETCH_AHEAD: usize = 8;
+
 /// Buckets of the bitmap `free_blocks` validates with (ids 4096 apart share one).
 const BUCKETS: usize = 4096;
 
@@ -457,6 +461,9 @@ impl BlockPool {
         let mut extra_keys = Vec::new();
         let mut block_indices = Vec::new();
         for (i, (&id, &hash)) in blocks.iter().zip(hashes).enumerate() {
+            if let Some(&ahead) = hashes.get(i + PREFETCH_AHEAD) {
+                self.prefetch_lookup(ahead, group);
+            }
             if id == NULL_BLOCK {
                 continue;
             }
@@ -491,6 +498,13 @@ impl BlockPool {
     #[inline]
     pub fn lookup(&self, hash: BlockHash, group: GroupId) -> Option<BlockId> {
         self.map.first(&CacheKey { hash, group })
+    }
+
+    /// A hint that `lookup(hash, group)` (or caching a block under it) follows soon: starts
+    /// loading its cache line. Walks over many keys issue it [`PREFETCH_AHEAD`] keys ahead.
+    #[inline]
+    pub fn prefetch_lookup(&self, hash: BlockHash, group: GroupId) {
+        self.map.prefetch(&CacheKey { hash, group })
     }
 
     /// One cached block per group for `hash`, or `None` if any group misses.
