@@ -1,4 +1,4 @@
-//! Sync shim: the lock-free parts use these names so that the same code runs under `std` and
+//! Sync shim: the concurrent parts use these names so that the same code runs under `std` and
 //! under loom (`RUSTFLAGS="--cfg loom" cargo test --release --test loom`).
 
 #[cfg(loom)]
@@ -8,6 +8,8 @@ pub(crate) use loom::sync::Mutex;
 
 #[cfg(not(loom))]
 pub(crate) use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+#[cfg(not(loom))]
+pub(crate) use std::sync::Mutex;
 
 /// Back off while another thread finishes a step we depend on.
 #[inline]
@@ -18,40 +20,57 @@ pub(crate) fn spin_wait() {
     std::thread::yield_now();
 }
 
-/// A multi-producer multi-consumer FIFO of `u64`.
-///
-/// Under std this is crossbeam's `SegQueue` (non-blocking in practice); under loom a
-/// mutex-protected deque, so the model checker explores our own state machine around it.
-#[cfg(not(loom))]
-pub(crate) struct Fifo(crossbeam_queue::SegQueue<u64>);
-
-#[cfg(not(loom))]
-impl Fifo {
-    pub(crate) fn new() -> Self {
-        Fifo(crossbeam_queue::SegQueue::new())
-    }
-    #[inline]
-    pub(crate) fn push(&self, v: u64) {
-        self.0.push(v)
-    }
-    #[inline]
-    pub(crate) fn pop(&self) -> Option<u64> {
-        self.0.pop()
-    }
-}
-
-#[cfg(loom)]
+/// The FIFO of the free order: a deque of `u64` behind a mutex, held for one batch's copy (a
+/// free appends its whole batch at once, a claim takes what it needs at once). The same type
+/// under std and loom, so the model checker explores exactly what runs.
 pub(crate) struct Fifo(Mutex<std::collections::VecDeque<u64>>);
 
-#[cfg(loom)]
 impl Fifo {
     pub(crate) fn new() -> Self {
         Fifo(Mutex::new(std::collections::VecDeque::new()))
     }
-    pub(crate) fn push(&self, v: u64) {
-        self.0.lock().unwrap().push_back(v)
+
+    /// Runs `f` on the deque under the mutex. Nothing run under it panics (short of running out
+    /// of memory), so a poisoned mutex still holds a consistent deque.
+    #[inline]
+    fn with<R>(&self, f: impl FnOnce(&mut std::collections::VecDeque<u64>) -> R) -> R {
+        let mut guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut guard)
     }
-    pub(crate) fn pop(&self) -> Option<u64> {
-        self.0.lock().unwrap().pop_front()
+
+    /// Appends `entries` in order, contiguously.
+    #[inline]
+    pub(crate) fn push_many(&self, entries: &[u64]) {
+        self.with(|q| q.extend(entries.iter().copied()))
+    }
+
+    /// Moves up to `max` entries from the front to `out`; returns how many.
+    #[inline]
+    pub(crate) fn pop_many(&self, max: usize, out: &mut Vec<u64>) -> usize {
+        self.with(|q| {
+            let n = max.min(q.len());
+            out.extend(q.drain(..n));
+            n
+        })
+    }
+
+    /// Keeps, in order, the entries `f` maps to `Some` (replaced by what it returns); returns
+    /// how many remain. Allocates nothing.
+    pub(crate) fn retain_map(&self, mut f: impl FnMut(u64) -> Option<u64>) -> usize {
+        self.with(|q| {
+            q.retain_mut(|e| match f(*e) {
+                Some(new) => {
+                    *e = new;
+                    true
+                }
+                None => false,
+            });
+            q.len()
+        })
+    }
+
+    /// Appends every entry, front to back, to `out`.
+    pub(crate) fn copy_into(&self, out: &mut Vec<u64>) {
+        self.with(|q| out.extend(q.iter().copied()))
     }
 }

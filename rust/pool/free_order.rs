@@ -6,16 +6,19 @@
 //! stale and is skipped when it reaches the front (lazy invalidation). Stale entries are removed
 //! by a compaction when the stack has no room for a push or the FIFO grows past its limit.
 //!
-//! Pushes and pops run concurrently with each other (the stack is a tagged Treiber stack, the
-//! FIFO crossbeam's `SegQueue`). A compaction runs alone: it closes a [`Gate`] that every push
-//! and pop passes, waits for the operations already inside to leave, compacts, and opens it again.
-//! So a compaction never races a push (nothing can be dropped, the order of concurrent frees is
-//! kept), and a pop never sees a half-compacted order.
+//! Pushes and pops run concurrently with each other (the stack is a tagged Treiber stack; the
+//! FIFO a deque behind a mutex held for one batch's copy, see [`Fifo`]). A compaction runs
+//! alone: it closes a [`Gate`] that every push and pop passes, waits for the operations already
+//! inside to leave, compacts, and opens it again. So a compaction never races a push (nothing
+//! can be dropped, the order of concurrent frees is kept), and a pop never sees a half-compacted
+//! order.
 //!
-//! Progress: an operation inside the gate never waits (its loops retry only when another thread's
-//! CAS succeeded), so a compaction waits for a bounded amount of other threads' work; a compaction
-//! is itself a bounded loop over at most `lifo capacity + FIFO length` entries, so an operation
-//! waiting at the gate waits for bounded work. Waits are `yield`s, not blocking system calls.
+//! Progress: an operation inside the gate waits for nothing but the FIFO's mutex, held by others
+//! for one copy each (its loops retry only when another thread's CAS succeeded), so a compaction
+//! waits for a bounded amount of other threads' work; a compaction is itself a bounded loop over
+//! at most `lifo capacity + FIFO length` entries, so an operation waiting at the gate waits for
+//! bounded work. Waits at the gate are `yield`s; the FIFO's mutex may park a waiter while
+//! another thread copies.
 
 use super::alloc::{boxed_slice, AllocFailed};
 use crate::sync::{spin_wait, AtomicU32, AtomicU64, AtomicUsize, Fifo, Ordering};
@@ -326,10 +329,8 @@ impl FreeOrder {
             if cfg!(any(debug_assertions, loom)) {
                 panic!("a compacted stack has room for one call's frees");
             }
-            for &entry in entries {
-                self.fifo.push(entry);
-            }
             self.fifo_len.fetch_add(entries.len(), Ordering::Relaxed);
+            self.fifo.push_many(entries);
         }
     }
 
@@ -339,9 +340,7 @@ impl FreeOrder {
             let _inside = self.gate.enter();
             // Counted before pushing, so a concurrent pop never takes the count below zero.
             let len = self.fifo_len.fetch_add(entries.len(), Ordering::Relaxed) + entries.len();
-            for &entry in entries {
-                self.fifo.push(entry);
-            }
+            self.fifo.push_many(entries);
             len
         };
         if len > self.fifo_limit {
@@ -359,16 +358,12 @@ impl FreeOrder {
         let _inside = self.gate.enter();
         let start = out.len();
         self.lifo.pop_many(max, out, slots);
-        let mut popped = 0;
-        while out.len() - start < max {
-            match self.fifo.pop() {
-                Some(entry) => {
-                    popped += 1;
-                    out.push(entry);
-                }
-                None => break,
-            }
-        }
+        let want = max - (out.len() - start);
+        let popped = if want > 0 {
+            self.fifo.pop_many(want, out)
+        } else {
+            0
+        };
         if popped > 0 {
             self.fifo_len.fetch_sub(popped, Ordering::Relaxed);
         }
@@ -413,16 +408,8 @@ impl FreeOrder {
         stack
             .head
             .store((tag << 32) | first as u64, Ordering::Release);
-        // The FIFO: cycle through its current length once, re-pushing valid entries at the back.
-        let len = self.fifo_len.load(Ordering::Relaxed);
-        let mut kept = 0;
-        for _ in 0..len {
-            let Some(entry) = self.fifo.pop() else { break };
-            if let Some(entry) = revalidate(entry) {
-                self.fifo.push(entry);
-                kept += 1;
-            }
-        }
+        // The FIFO: keep the valid entries in order (nothing pushes or pops meanwhile).
+        let kept = self.fifo.retain_map(revalidate);
         self.fifo_len.store(kept, Ordering::Relaxed);
     }
 
@@ -436,12 +423,7 @@ impl FreeOrder {
             out.push(self.lifo.payload[slot as usize].load(Ordering::Relaxed));
             slot = self.lifo.entries.next[slot as usize].load(Ordering::Relaxed);
         }
-        let len = self.fifo_len.load(Ordering::Relaxed);
-        for _ in 0..len {
-            let Some(entry) = self.fifo.pop() else { break };
-            out.push(entry);
-            self.fifo.push(entry);
-        }
+        self.fifo.copy_into(&mut out);
         out
     }
 

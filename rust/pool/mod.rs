@@ -22,8 +22,10 @@
 //! - The free order's gate. The pushes of `free_blocks` and the pops of `get_new_blocks` pass
 //!   a gate that a compaction closes: while stale entries are compacted away (when the stack
 //!   is full, or the FIFO of cached frees passes `2 × num_blocks + 8` entries) frees and claims
-//!   wait. `free_order` takes the gate alone too. The FIFO is crossbeam's `SegQueue`,
-//!   non-blocking in practice but not strictly lock-free.
+//!   wait. `free_order` takes the gate alone too.
+//! - The FIFO of cached frees is a deque behind a mutex, held for one batch's copy (a free
+//!   appends its cached blocks at once, a claim takes what it needs at once); nothing else is
+//!   locked while it is held.
 //! - The prefix-cache map. With caching on, `cache_full_blocks`, `get_new_blocks` (which evicts
 //!   the keys of the cached blocks it reuses), `evict_blocks` and `reset_prefix_cache` take a
 //!   per-shard spin lock (up to 256 shards; no global lock). Lookups (`lookup`,
@@ -32,8 +34,8 @@
 //!
 //! Progress. Nothing in the pool waits while holding something another waiter needs, and every
 //! wait is for a bounded piece of work by a thread that is not itself waiting: a compaction waits
-//! for the pushes and pops already inside the gate (each a few CAS loops, none of which waits);
-//! pushes and pops wait for one compaction (one pass over at most `stack capacity + FIFO length`
+//! for the pushes and pops already inside the gate (each a few CAS loops and at most one hold
+//! of the FIFO's mutex, for a copy); pushes and pops wait for one compaction (one pass over at most `stack capacity + FIFO length`
 //! entries, no allocation); a shard's writers and readers wait for one probe sequence or one
 //! table doubling. Retries happen only after another thread's step succeeded: a CAS loop retries
 //! when another CAS won, a lookup when a writer entered its shard, a claim when an entry it
@@ -41,8 +43,9 @@
 //! deadlock, no livelock) while its threads are scheduled, and a call can only keep waiting or
 //! retrying while other calls keep completing. A claim that has reserved its blocks never waits
 //! for blocks to appear (the counting argument in `states.rs`); its only wait is at the gate.
-//! Waits yield the CPU (`std::thread::yield_now`) and never sleep in the kernel, so a thread
-//! preempted inside a compaction or a shard update delays the others until it runs again.
+//! Waits at the gate and the shard locks yield the CPU (`std::thread::yield_now`); a wait for
+//! the FIFO's mutex may park in the kernel (std's futex mutex). Either way a thread preempted
+//! inside a compaction, a shard update or a FIFO copy delays the others until it runs again.
 //!
 //! Each method is atomic on its own; a sequence of them is not. In particular a `lookup`
 //! followed by `touch` can race an allocation that claims the block in between (its key is
