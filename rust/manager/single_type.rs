@@ -707,7 +707,8 @@ impl GroupManager {
         table.clear();
     }
 
-    /// Frees a request's blocks tail first (leading nulls dropped) and forgets them.
+    /// Frees a request's blocks tail first and forgets them. Null blocks are left out (the pool
+    /// skips them anyway): sparse retention leaves windowed groups of long requests mostly null.
     pub(crate) fn free(
         &self,
         pool: &BlockPool,
@@ -715,8 +716,8 @@ impl GroupManager {
         scratch: &mut Vec<BlockId>,
     ) -> Result<()> {
         scratch.clear();
-        self.pop_blocks(table, scratch);
-        scratch.reverse();
+        scratch.extend(table.blocks.iter().rev().filter(|&&b| b != NULL_BLOCK));
+        table.clear();
         pool.free_blocks(scratch)
     }
 }

@@ -94,6 +94,7 @@ pub const PREFETCH_AHEAD: usize = 8;
 
 /// Buckets of the bitmap `free_blocks` validates with (ids 4096 apart share one).
 const BUCKETS: usize = 4096;
+const _: () = assert!(BUCKETS.is_power_of_two() && BUCKETS % 64 == 0);
 
 // A block's cache-key slot: written only by whoever moves it out of `KEY_NONE` (or `KEY_SET`),
 // so the three words are never read while being written.
@@ -355,11 +356,24 @@ impl BlockPool {
 
     /// Every non-null block of `ids` has at least as many references as `ids` lists it;
     /// otherwise `DoubleFree` of the block whose count runs out first in batch order (as a
-    /// sequential release would report). Allocates only when blocks may repeat.
+    /// sequential release would report). Allocates only for a large batch (at most 32 bytes per
+    /// listed block) or when blocks may repeat.
     fn check_releasable(&self, ids: &[BlockId]) -> Result<()> {
-        // One pass: every block is referenced, and no bucket of a small bitmap (block id modulo
-        // its size) is hit twice. If one is, a block may be listed twice: count exactly.
-        let mut seen = [0u64; BUCKETS / 64];
+        // One pass: every block is referenced, and no bit of a bitmap is hit twice. If one is, a
+        // block may be listed twice: count exactly. A batch listing at least one block per 256
+        // of the pool gets a bit per block, so only a real repeat sends it to the count (a
+        // request's thousands of blocks would fill every bucket); smaller ones a bit per bucket
+        // (block id modulo BUCKETS), on the stack.
+        let words = self.num_blocks.div_ceil(64);
+        let exact = self.num_blocks > BUCKETS && words <= 4 * ids.len();
+        let mut buckets = [0u64; BUCKETS / 64];
+        let mut per_block = Vec::new();
+        let (seen, mask) = if exact {
+            per_block.resize(words, 0u64);
+            (&mut per_block[..], usize::MAX)
+        } else {
+            (&mut buckets[..], BUCKETS - 1)
+        };
         let mut repeats = false;
         let mut first_bad = None;
         let mut limit = ids.len();
@@ -372,10 +386,10 @@ impl BlockPool {
                 limit = k;
                 break;
             }
-            let bit = id as usize % BUCKETS;
-            let (word, mask) = (&mut seen[bit / 64], 1u64 << (bit % 64));
-            repeats |= *word & mask != 0;
-            *word |= mask;
+            let bit = id as usize & mask;
+            let (word, bit) = (&mut seen[bit / 64], 1u64 << (bit % 64));
+            repeats |= *word & bit != 0;
+            *word |= bit;
         }
         if repeats {
             self.check_repeats(&ids[..limit], &mut first_bad);

@@ -402,3 +402,28 @@ fn pool_is_send_and_sync() {
     fn check<T: Send + Sync>() {}
     check::<BlockPool>();
 }
+
+#[test]
+fn a_request_sized_batch_is_validated_block_by_block() {
+    // A batch listing at least one block per 256 of the pool is checked with a bit per block:
+    // repeats of blocks held twice pass, a repeat of a block held once fails, wherever it is.
+    let pool = BlockPool::new(9000).unwrap();
+    let blocks = pool.get_new_blocks(8999).unwrap();
+    pool.touch(&[blocks[10], blocks[7000]]).unwrap();
+    let mut batch: Vec<BlockId> = blocks[..6000].iter().rev().copied().collect();
+    batch.push(blocks[10]);
+    let mut bad = batch.clone();
+    bad.insert(3000, blocks[4500]);
+    assert_eq!(
+        pool.free_blocks(&bad),
+        Err(CoreError::DoubleFree(blocks[4500]))
+    );
+    assert_eq!(pool.num_free_blocks(), 0);
+    pool.free_blocks(&batch).unwrap();
+    assert_eq!(pool.num_free_blocks(), 6000);
+    assert_eq!(pool.ref_count(blocks[10]), Ok(0));
+    let mut rest: Vec<BlockId> = blocks[6000..].to_vec();
+    rest.push(blocks[7000]);
+    pool.free_blocks(&rest).unwrap();
+    assert_eq!(pool.num_free_blocks(), 8999);
+}
