@@ -9,7 +9,7 @@ use hybrid_kv::{
     BlockHash, BlockHasher, BlockId, BlockPool, ExtraKeys, HashAlgo, RefBlockPool, StoreInfo,
 };
 use std::hint::black_box;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 fn alloc_free(c: &mut Criterion) {
@@ -86,73 +86,47 @@ fn lookup_chain(c: &mut Criterion) {
 /// The same number of lookups split over 1 and 2 threads; criterion measures wall time. Beside
 /// them the same lookups on the reference pool behind a `Mutex` (`mutex_reference/N`).
 fn concurrent_lookups(c: &mut Criterion) {
-    let mut group = c.benchmark_group("pool/concurrent_lookups");
-    let n = 4096usize;
-    let pool = Arc::new(BlockPool::new(n + 1).unwrap());
-    let ids = pool.get_new_blocks(n).unwrap();
-    let hashes: Arc<Vec<BlockHash>> =
-        Arc::new((0..n as u128).map(|i| BlockHash(i * 0x9E37_79B9)).collect());
-    pool.cache_full_blocks(&ids, &hashes, 0, StoreInfo::default())
-        .unwrap();
-    let per_round = 1u64 << 18;
-    group.throughput(Throughput::Elements(per_round));
-    for threads in [1usize, 2] {
-        group.bench_with_input(
-            BenchmarkId::from_parameter(threads),
-            &threads,
-            |b, &threads| {
-                b.iter_custom(|iters| {
-                    let start = Instant::now();
-                    std::thread::scope(|s| {
-                        for t in 0..threads {
-                            let (pool, hashes) = (&pool, &hashes);
-                            s.spawn(move || {
-                                let share = per_round as usize / threads;
-                                for _ in 0..iters {
-                                    for k in 0..share {
-                                        let h = hashes[(k * 7 + t) % hashes.len()];
-                                        black_box(pool.lookup(h, 0));
-                                    }
-                                }
-                            });
+    const LOOKUPS: usize = 1 << 18;
+    fn run(pool: &impl SharedPool, hashes: &[BlockHash], threads: usize, iters: u64) -> Duration {
+        let start = Instant::now();
+        std::thread::scope(|s| {
+            for t in 0..threads {
+                s.spawn(move || {
+                    for _ in 0..iters {
+                        for k in 0..LOOKUPS / threads {
+                            black_box(pool.lookup(hashes[(k * 7 + t) % hashes.len()]));
                         }
-                    });
-                    start.elapsed()
-                })
-            },
-        );
+                    }
+                });
+            }
+        });
+        start.elapsed()
     }
-    let mutex = Mutex::new(RefBlockPool::new(n + 1, true, false).unwrap());
-    let ids = mutex.lock().unwrap().get_new_blocks(n).unwrap();
-    mutex
-        .lock()
-        .unwrap()
-        .cache_full_blocks(&ids, &hashes, 0, StoreInfo::default())
-        .unwrap();
+    fn filled(pool: impl SharedPool, hashes: &[BlockHash]) -> impl SharedPool {
+        let mut ids = Vec::with_capacity(hashes.len());
+        assert!(pool.allocate(hashes.len(), &mut ids));
+        pool.cache(&ids, hashes);
+        pool
+    }
+    let mut group = c.benchmark_group("pool/concurrent_lookups");
+    group.throughput(Throughput::Elements(LOOKUPS as u64));
+    let n = 4096usize;
+    let hashes: Vec<BlockHash> = (0..n as u128).map(|i| BlockHash(i * 0x9E37_79B9)).collect();
+    let pool = filled(BlockPool::new(n + 1).unwrap(), &hashes);
+    let mutex = filled(
+        Mutex::new(RefBlockPool::new(n + 1, true, false).unwrap()),
+        &hashes,
+    );
+    for threads in [1usize, 2] {
+        group.bench_with_input(BenchmarkId::from_parameter(threads), &threads, |b, &t| {
+            b.iter_custom(|iters| run(&pool, &hashes, t, iters))
+        });
+    }
     for threads in [1usize, 2] {
         group.bench_with_input(
             BenchmarkId::new("mutex_reference", threads),
             &threads,
-            |b, &threads| {
-                b.iter_custom(|iters| {
-                    let start = Instant::now();
-                    std::thread::scope(|s| {
-                        for t in 0..threads {
-                            let (mutex, hashes) = (&mutex, &hashes);
-                            s.spawn(move || {
-                                let share = per_round as usize / threads;
-                                for _ in 0..iters {
-                                    for k in 0..share {
-                                        let h = hashes[(k * 7 + t) % hashes.len()];
-                                        black_box(mutex.lock().unwrap().lookup(h, 0));
-                                    }
-                                }
-                            });
-                        }
-                    });
-                    start.elapsed()
-                })
-            },
+            |b, &t| b.iter_custom(|iters| run(&mutex, &hashes, t, iters)),
         );
     }
     group.finish();

@@ -225,21 +225,27 @@ fn loom_concurrent_front_frees_and_claims_keep_the_stack_intact() {
     });
 }
 
+/// A stack of 3 slots, full: blocks 1 and 2 free in it plus one stale entry of block 1, and
+/// block 3 held, so the next uncached free compacts the stack before it can push. (The pool
+/// sizes its stack for batches of many blocks; with frees of one block each, one slot per free
+/// block is room enough after a compaction.)
+fn full_stack_with_a_stale_entry() -> Arc<BlockStates> {
+    let states = Arc::new(BlockStates::with_lifo_capacity(4, 3));
+    assert_eq!(allocate(&states, 3).unwrap(), vec![1, 2, 3]);
+    release(&states, 1);
+    states.acquire(1).unwrap();
+    release(&states, 1);
+    release(&states, 2);
+    states
+}
+
 /// Issue 9 B.2: a compaction of a full stack while another thread revives and re-frees an
 /// uncached block (so new entries arrive while the compaction holds the old ones) keeps every
 /// free block in the order exactly once.
 #[test]
 fn loom_compaction_past_its_threshold_during_revive_and_refree_loses_nothing() {
     model("compaction_during_revive_and_refree", 4, || {
-        // A stack of 3 slots: blocks 1 and 2 free in it, plus one stale entry of block 1. (The
-        // pool sizes its stack for batches of many blocks; with frees of one block each, one
-        // slot per free block is room enough after a compaction.)
-        let states = Arc::new(BlockStates::with_lifo_capacity(4, 3));
-        assert_eq!(allocate(&states, 3).unwrap(), vec![1, 2, 3]);
-        release(&states, 1);
-        states.acquire(1).unwrap();
-        release(&states, 1);
-        release(&states, 2);
+        let states = full_stack_with_a_stale_entry();
         let s2 = states.clone();
         // The stack is full: this free compacts it before it can push.
         let compactor = thread::spawn(move || release(&s2, 3));
@@ -264,12 +270,7 @@ fn loom_compaction_past_its_threshold_during_revive_and_refree_loses_nothing() {
 #[test]
 fn loom_claim_racing_a_compaction_takes_the_front() {
     model("claim_racing_a_compaction", 5, || {
-        let states = Arc::new(BlockStates::with_lifo_capacity(4, 3));
-        assert_eq!(allocate(&states, 3).unwrap(), vec![1, 2, 3]);
-        release(&states, 1);
-        states.acquire(1).unwrap();
-        release(&states, 1);
-        release(&states, 2);
+        let states = full_stack_with_a_stale_entry();
         let s2 = states.clone();
         let compactor = thread::spawn(move || release(&s2, 3));
         let s3 = states.clone();
