@@ -262,6 +262,10 @@ def _manager_cases() -> list[tuple[str, Callable[[World], Any], type[Exception]]
         add(f"probe mm_inputs {mm!r}", lambda w, mm=mm: w.m.probe([1, 2], mm_inputs=mm), exc)
     add("probe cache_salt int", lambda w: w.m.probe([1], cache_salt=5), TypeError)
     add("probe lora_name bytes", lambda w: w.m.probe([1], lora_name=b"x"), TypeError)
+    # A str without a UTF-8 form (a lone surrogate) is a bad value, not a UnicodeEncodeError.
+    add("probe salt surrogate", lambda w: w.m.probe([1], cache_salt="\ud800"), IA)
+    add("get_block_ids surrogate", lambda w: w.m.get_block_ids("a\udfff"), IA)
+    add("remove_request surrogate", lambda w: w.m.remove_request("\ud800"), IA)
     return cases
 
 
@@ -329,6 +333,22 @@ def _constructor_cases() -> list[tuple[str, Callable[[], Any], type[Exception]]]
         ("Request float array", lambda: hk.Request("x", np.array([1.0])), TypeError),
         ("Request id int", lambda: hk.Request(5, [1]), TypeError),
         ("Request salt int", lambda: hk.Request("x", [1], cache_salt=3), TypeError),
+        ("Request id surrogate", lambda: hk.Request("\ud800", [1]), IA),
+        ("Request lora surrogate", lambda: hk.Request("x", [1], lora_name="\udc80"), IA),
+        ("Request seed surrogate", lambda: hk.Request("x", [1], hash_seed="\ud800"), IA),
+        (
+            "manager kind surrogate",
+            lambda: hk.KVCacheManager([{"kind": "full\ud800", "block_size": 16}], 8, 64),
+            IA,
+        ),
+        (
+            "manager seed surrogate",
+            lambda: hk.KVCacheManager(
+                [{"kind": "full", "block_size": 16}], 8, 64, hash_seed="\ud800"
+            ),
+            IA,
+        ),
+        ("hash_token_blocks salt surrogate", lambda: htb([1], 1, cache_salt="\ud800"), IA),
         (
             "Request hash_algo",
             lambda: hk.Request("x", [1], hash_algo="md5"),

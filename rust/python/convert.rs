@@ -9,8 +9,9 @@ use crate::types::{BlockHash, BlockId};
 use numpy::{
     PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods,
 };
-use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyOverflowError, PyTypeError, PyUnicodeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedStr;
 use pyo3::types::{PyByteArray, PyBytes, PyInt, PyList, PyString, PyTuple};
 
 /// A non-negative integer argument of at most `MAX`: a Python `int` (`bool` included) or any
@@ -51,6 +52,50 @@ impl<'a, 'py, const MAX: u64> FromPyObject<'a, 'py> for UInt<MAX> {
             Err(e) => Err(e),
         }
     }
+}
+
+/// A text argument (request id, salt, LoRA name, hash algorithm, seed): a Python `str`, read
+/// as UTF-8 without a copy. Anything else is a `TypeError`; a `str` that has no UTF-8 form (a
+/// lone surrogate) is an `InvalidArgumentError`, not pyo3's `UnicodeEncodeError`.
+pub(crate) enum Text {
+    Py(PyBackedStr),
+    /// A default in a pyo3 signature.
+    Static(&'static str),
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Text {
+    type Error = PyErr;
+
+    #[inline]
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        match obj.extract::<PyBackedStr>() {
+            Ok(text) => Ok(Text::Py(text)),
+            Err(e) if e.is_instance_of::<PyUnicodeError>(obj.py()) => Err(not_utf8(e, obj.py())),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl std::ops::Deref for Text {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        match self {
+            Text::Py(text) => text,
+            Text::Static(text) => text,
+        }
+    }
+}
+
+impl Text {
+    pub(crate) fn into_string(self) -> String {
+        self.to_string()
+    }
+}
+
+#[cold]
+fn not_utf8(err: PyErr, py: Python<'_>) -> PyErr {
+    InvalidArgumentError::new_err(format!("text is not valid Unicode: {}", err.value(py)))
 }
 
 #[cold]

@@ -1,7 +1,7 @@
 //! `hybrid_kv.hash_token_blocks` and `hybrid_kv.BlockHashChain`.
 
 use super::convert::{
-    extract_hash, extract_mm_inputs, hashes_to_numpy, Count, TokenFn, Tokens, UInt,
+    extract_hash, extract_mm_inputs, hashes_to_numpy, Count, Text, TokenFn, Tokens, UInt,
 };
 use crate::error::Result;
 use crate::hashing::{BlockHashChain, BlockHasher, ExtraKeys, HashAlgo, TokenId};
@@ -15,13 +15,13 @@ pub(crate) const DETACH_HASH_TOKENS: usize = 1 << 14;
 
 /// The extra keys of a request or a hash chain, from the Python arguments.
 pub(crate) fn extra_keys(
-    cache_salt: Option<String>,
-    lora_name: Option<String>,
+    cache_salt: Option<Text>,
+    lora_name: Option<Text>,
     mm_inputs: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<ExtraKeys> {
     Ok(ExtraKeys::new(
-        cache_salt,
-        lora_name,
+        cache_salt.map(Text::into_string),
+        lora_name.map(Text::into_string),
         extract_mm_inputs(mm_inputs)?,
     )?)
 }
@@ -45,7 +45,7 @@ impl TokenFn<Result<Vec<BlockHash>>> for HashAll<'_> {
 /// Chained hashes of the full blocks of `token_ids`, as an `(n, 2)` uint64 array of
 /// (low, high) 64-bit halves.
 #[pyfunction]
-#[pyo3(signature = (token_ids, block_size, *, parent_block_hash = None, start = UInt(0), algo = "xxh3", seed = "", cache_salt = None, lora_name = None, mm_inputs = None), text_signature = "(token_ids, block_size, *, parent_block_hash=None, start=0, algo='xxh3', seed='', cache_salt=None, lora_name=None, mm_inputs=None)")]
+#[pyo3(signature = (token_ids, block_size, *, parent_block_hash = None, start = UInt(0), algo = Text::Static("xxh3"), seed = Text::Static(""), cache_salt = None, lora_name = None, mm_inputs = None), text_signature = "(token_ids, block_size, *, parent_block_hash=None, start=0, algo='xxh3', seed='', cache_salt=None, lora_name=None, mm_inputs=None)")]
 #[allow(clippy::too_many_arguments)]
 fn hash_token_blocks<'py>(
     py: Python<'py>,
@@ -53,13 +53,13 @@ fn hash_token_blocks<'py>(
     block_size: Count,
     parent_block_hash: Option<&Bound<'py, PyAny>>,
     start: Count,
-    algo: &str,
-    seed: &str,
-    cache_salt: Option<String>,
-    lora_name: Option<String>,
+    algo: Text,
+    seed: Text,
+    cache_salt: Option<Text>,
+    lora_name: Option<Text>,
     mm_inputs: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyArray2<u64>>> {
-    let hasher = BlockHasher::new(block_size.get(), HashAlgo::parse(algo)?, seed)?;
+    let hasher = BlockHasher::new(block_size.get(), HashAlgo::parse(&algo)?, &seed)?;
     let start = start.get();
     let extra = extra_keys(cache_salt, lora_name, mm_inputs)?;
     let parent = parent_block_hash.map(extract_hash).transpose()?;
@@ -102,16 +102,16 @@ impl PyBlockHashChain {
 #[pymethods]
 impl PyBlockHashChain {
     #[new]
-    #[pyo3(signature = (block_size, *, algo = "xxh3", seed = "", cache_salt = None, lora_name = None, mm_inputs = None))]
+    #[pyo3(signature = (block_size, *, algo = Text::Static("xxh3"), seed = Text::Static(""), cache_salt = None, lora_name = None, mm_inputs = None), text_signature = "(block_size, *, algo='xxh3', seed='', cache_salt=None, lora_name=None, mm_inputs=None)")]
     fn new(
         block_size: Count,
-        algo: &str,
-        seed: &str,
-        cache_salt: Option<String>,
-        lora_name: Option<String>,
+        algo: Text,
+        seed: Text,
+        cache_salt: Option<Text>,
+        lora_name: Option<Text>,
         mm_inputs: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let hasher = BlockHasher::new(block_size.get(), HashAlgo::parse(algo)?, seed)?;
+        let hasher = BlockHasher::new(block_size.get(), HashAlgo::parse(&algo)?, &seed)?;
         let extra = extra_keys(cache_salt, lora_name, mm_inputs)?;
         Ok(PyBlockHashChain {
             inner: Mutex::new(BlockHashChain::new(hasher, extra)),

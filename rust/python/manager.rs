@@ -6,7 +6,7 @@
 //! copy goes away when the `Request` object is garbage collected (its blocks are freed before
 //! any counter of the manager is read again) or `remove_request` is called.
 
-use super::convert::{count_of, ids_to_numpy, Count, TokenFn, Tokens, UInt};
+use super::convert::{count_of, ids_to_numpy, Count, Text, TokenFn, Tokens, UInt};
 use super::errors::{InvalidArgumentError, InvalidConfigError, OutOfRangeError};
 use super::hashing::extra_keys;
 use super::pool::event_to_py;
@@ -189,7 +189,9 @@ fn group_from_py(
     };
     let string = |name: &'static str| -> PyResult<Option<String>> {
         match get(name)? {
-            Some(v) if v.is_instance_of::<PyString>() => Ok(Some(v.extract()?)),
+            Some(v) if v.is_instance_of::<PyString>() => {
+                Ok(Some(v.extract::<Text>()?.into_string()))
+            }
             Some(v) => Err(PyTypeError::new_err(format!(
                 "group {index}: {name} must be a str, got {}",
                 v.get_type().name()?
@@ -376,7 +378,7 @@ impl PyKVCacheManager {
 #[pymethods]
 impl PyKVCacheManager {
     #[new]
-    #[pyo3(signature = (groups, num_blocks, max_model_len, *, enable_caching = true, enable_kv_events = false, hash_algo = "xxh3", hash_seed = "", watermark = 0.0, max_in_flight_tokens = None, prefix_cache_retention_interval = Some(UInt(0)), use_eagle = false, eagle_groups = None, num_hash_lookahead_tokens = UInt(0), num_prefill_lookahead = UInt(0)), text_signature = "(groups, num_blocks, max_model_len, *, enable_caching=True, enable_kv_events=False, hash_algo='xxh3', hash_seed='', watermark=0.0, max_in_flight_tokens=None, prefix_cache_retention_interval=0, use_eagle=False, eagle_groups=None, num_hash_lookahead_tokens=0, num_prefill_lookahead=0)")]
+    #[pyo3(signature = (groups, num_blocks, max_model_len, *, enable_caching = true, enable_kv_events = false, hash_algo = Text::Static("xxh3"), hash_seed = Text::Static(""), watermark = 0.0, max_in_flight_tokens = None, prefix_cache_retention_interval = Some(UInt(0)), use_eagle = false, eagle_groups = None, num_hash_lookahead_tokens = UInt(0), num_prefill_lookahead = UInt(0)), text_signature = "(groups, num_blocks, max_model_len, *, enable_caching=True, enable_kv_events=False, hash_algo='xxh3', hash_seed='', watermark=0.0, max_in_flight_tokens=None, prefix_cache_retention_interval=0, use_eagle=False, eagle_groups=None, num_hash_lookahead_tokens=0, num_prefill_lookahead=0)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -385,8 +387,8 @@ impl PyKVCacheManager {
         max_model_len: Count,
         enable_caching: bool,
         enable_kv_events: bool,
-        hash_algo: &str,
-        hash_seed: &str,
+        hash_algo: Text,
+        hash_seed: Text,
         watermark: f64,
         max_in_flight_tokens: Option<Count>,
         prefix_cache_retention_interval: Option<Count>,
@@ -409,8 +411,8 @@ impl PyKVCacheManager {
         let mut config = ManagerConfig::new(specs, num_blocks.get(), max_model_len.get());
         config.enable_caching = enable_caching;
         config.enable_events = enable_kv_events;
-        config.hash_algo = HashAlgo::parse(hash_algo)?;
-        config.hash_seed = hash_seed.to_owned();
+        config.hash_algo = HashAlgo::parse(&hash_algo)?;
+        config.hash_seed = hash_seed.into_string();
         config.watermark = watermark;
         config.max_in_flight_tokens = max_in_flight_tokens.map(Count::get);
         config.retention_interval = prefix_cache_retention_interval.map(Count::get);
@@ -572,10 +574,10 @@ impl PyKVCacheManager {
     }
 
     /// Frees the request's blocks and forgets its hashes.
-    fn remove_request(&self, request_id: &str) -> PyResult<()> {
+    fn remove_request(&self, request_id: Text) -> PyResult<()> {
         let mut guard = self.inner();
         let inner = &mut *guard;
-        Ok(inner.registry.remove(&mut inner.manager, request_id)?)
+        Ok(inner.registry.remove(&mut inner.manager, &request_id)?)
     }
 
     /// The request's cached prefix: `(blocks, num_computed_tokens)`, at most
@@ -765,11 +767,11 @@ impl PyKVCacheManager {
 
     /// Records the request's attention blocks from the block-aligned `start_token` on for
     /// zeroing again.
-    fn record_blocks_for_zeroing(&self, request_id: &str, start_token: Count) -> PyResult<()> {
+    fn record_blocks_for_zeroing(&self, request_id: Text, start_token: Count) -> PyResult<()> {
         Ok(self
             .inner()
             .manager
-            .record_blocks_for_zeroing(request_id, start_token.get())?)
+            .record_blocks_for_zeroing(&*request_id, start_token.get())?)
     }
 
     /// Drains this step's Mamba boundary states committed to the cache:
@@ -811,13 +813,13 @@ impl PyKVCacheManager {
     fn get_block_ids_for_computed_tokens<'py>(
         &self,
         py: Python<'py>,
-        request_id: &str,
+        request_id: Text,
         num_computed_tokens: Count,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let tables = self
             .inner()
             .manager
-            .get_block_ids_for_computed_tokens(request_id, num_computed_tokens.get())?;
+            .get_block_ids_for_computed_tokens(&*request_id, num_computed_tokens.get())?;
         PyTuple::new(py, tables.into_iter().map(|ids| ids_to_numpy(py, ids)))
     }
 
@@ -848,7 +850,7 @@ impl PyKVCacheManager {
     }
 
     /// vLLM's deprecated cascade-attention query: 0 per group.
-    fn get_num_common_prefix_blocks(&self, request_id: &str) -> Vec<usize> {
+    fn get_num_common_prefix_blocks(&self, request_id: Text) -> Vec<usize> {
         let _ = request_id;
         vec![0; self.num_groups]
     }
@@ -859,12 +861,12 @@ impl PyKVCacheManager {
     #[pyo3(signature = (request_id, processed_computed_tokens, num_prompt_tokens = None))]
     fn remove_skipped_blocks(
         &self,
-        request_id: &str,
+        request_id: Text,
         processed_computed_tokens: Count,
         num_prompt_tokens: Option<Count>,
     ) -> PyResult<()> {
         Ok(self.inner().manager.remove_skipped_blocks(
-            request_id,
+            &*request_id,
             processed_computed_tokens.get(),
             num_prompt_tokens.map(Count::get),
         )?)
@@ -905,9 +907,9 @@ impl PyKVCacheManager {
     fn get_block_ids<'py>(
         &self,
         py: Python<'py>,
-        request_id: &str,
+        request_id: Text,
     ) -> PyResult<Bound<'py, PyTuple>> {
-        let tables = self.inner().manager.get_block_ids(request_id)?;
+        let tables = self.inner().manager.get_block_ids(&*request_id)?;
         PyTuple::new(py, tables.into_iter().map(|ids| ids_to_numpy(py, ids)))
     }
 
@@ -969,8 +971,8 @@ impl PyKVCacheManager {
         &self,
         py: Python<'_>,
         token_ids: &Bound<'_, PyAny>,
-        cache_salt: Option<String>,
-        lora_name: Option<String>,
+        cache_salt: Option<Text>,
+        lora_name: Option<Text>,
         mm_inputs: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
         let extra = extra_keys(cache_salt, lora_name, mm_inputs)?;

@@ -1,7 +1,7 @@
 //! `hybrid_kv.Request`: the scheduler's view of a request, a [`RequestRecord`] behind a lock
 //! plus a reference to the caller's prompt.
 
-use super::convert::{Count, TokenFn, Tokens, UInt};
+use super::convert::{Count, Text, TokenFn, Tokens, UInt};
 use super::errors::InvalidArgumentError;
 use super::hashing::{extra_keys, DETACH_HASH_TOKENS};
 use crate::error::Result as CoreResult;
@@ -57,22 +57,22 @@ impl TokenFn<CoreResult<(usize, Prehashed)>> for Prehash<'_> {
 #[pymethods]
 impl PyRequest {
     #[new]
-    #[pyo3(signature = (request_id, prompt_token_ids, cache_salt = None, lora_name = None, mm_inputs = None, *, block_size = UInt(16), hash_algo = "xxh3", hash_seed = "", lora_id = None), text_signature = "(request_id, prompt_token_ids, cache_salt=None, lora_name=None, mm_inputs=None, *, block_size=16, hash_algo='xxh3', hash_seed='', lora_id=None)")]
+    #[pyo3(signature = (request_id, prompt_token_ids, cache_salt = None, lora_name = None, mm_inputs = None, *, block_size = UInt(16), hash_algo = Text::Static("xxh3"), hash_seed = Text::Static(""), lora_id = None), text_signature = "(request_id, prompt_token_ids, cache_salt=None, lora_name=None, mm_inputs=None, *, block_size=16, hash_algo='xxh3', hash_seed='', lora_id=None)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        request_id: String,
+        request_id: Text,
         prompt_token_ids: &Bound<'_, PyAny>,
-        cache_salt: Option<String>,
-        lora_name: Option<String>,
+        cache_salt: Option<Text>,
+        lora_name: Option<Text>,
         mm_inputs: Option<&Bound<'_, PyAny>>,
         block_size: Count,
-        hash_algo: &str,
-        hash_seed: &str,
+        hash_algo: Text,
+        hash_seed: Text,
         lora_id: Option<Count>,
     ) -> PyResult<Self> {
         let mut extra = extra_keys(cache_salt, lora_name, mm_inputs)?;
         extra.lora_id = lora_id.map(|id| id.0);
-        let hasher = BlockHasher::new(block_size.get(), HashAlgo::parse(hash_algo)?, hash_seed)?;
+        let hasher = BlockHasher::new(block_size.get(), HashAlgo::parse(&hash_algo)?, &hash_seed)?;
         let tokens = Tokens::extract(prompt_token_ids)?;
         let prehash = Prehash {
             hasher: &hasher,
@@ -84,6 +84,7 @@ impl PyRequest {
         } else {
             tokens.with_slice(prehash)
         }?;
+        let request_id = request_id.into_string();
         let record = RequestRecord::new(request_id.clone(), len, extra, Some(prehashed))?;
         Ok(PyRequest {
             prompt: prompt_token_ids.clone().unbind(),
