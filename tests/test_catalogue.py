@@ -242,6 +242,20 @@ def test_configs_missing_fields_raise(config: dict[str, object], message: str) -
         layer_specs_from_config(config)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "jamba", "qwen3_next"])
+def test_a_corrupt_layer_count_is_refused_before_anything_is_built(model_type: str) -> None:
+    config = {
+        "model_type": model_type,
+        "num_hidden_layers": 10**9,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "hidden_size": 16,
+        "sliding_window": 8,
+    }
+    with pytest.raises(CatalogueError, match="'num_hidden_layers' is 1,000,000,000, more than"):
+        layer_specs_from_config(config)
+
+
 def test_max_model_len_requires_max_position_embeddings() -> None:
     with pytest.raises(CatalogueError, match="max_position_embeddings"):
         max_model_len_from_config({"model_type": "llama"})
@@ -556,5 +570,12 @@ def test_tensor_parallel_splits_mamba_but_not_mla() -> None:
     assert mla.head_size == 576  # type: ignore[union-attr]
     with pytest.raises(CatalogueError, match="tensor_parallel_size must be >= 1"):
         load_model("gpt-oss-20b", tensor_parallel_size=0)
-    with pytest.raises(CatalogueError, match="does not split"):
+    # vLLM refuses a head count the ranks do not divide before it looks at Mamba shapes.
+    with pytest.raises(
+        CatalogueError, match=r"\(32\) must be divisible by tensor_parallel_size \(3\)"
+    ):
         load_model("jamba-mini-1.5", tensor_parallel_size=3)
+    with pytest.raises(
+        CatalogueError, match=r"\(32\) must be divisible by tensor_parallel_size \(64\)"
+    ):
+        load_model("llama-3.1-8b", tensor_parallel_size=64)

@@ -231,6 +231,13 @@ def layer_specs_from_config(
         canonical_dtype(kv_dtype)
     except SpecError as error:
         raise CatalogueError(str(error)) from None
+    heads = text.get("num_attention_heads")
+    if isinstance(heads, int) and heads > 0 and heads % tensor_parallel_size:
+        # vLLM's ModelConfig.verify_with_parallel_config refuses the same.
+        raise CatalogueError(
+            f"{model_type} config: num_attention_heads ({heads}) must be divisible by "
+            f"tensor_parallel_size ({tensor_parallel_size}), as vLLM requires"
+        )
     context = _Context(text, model_type, kv_dtype, model_dtype, tensor_parallel_size)
     try:
         return builder(context)
@@ -332,10 +339,18 @@ def _require(text: Config, key: str, model_type: str) -> Any:
     return text[key]
 
 
+# Upper bounds on config fields that set how much is built per layer (the largest released
+# models have a few hundred layers), so a corrupt config is refused rather than planned for hours.
+_MAXIMA = {"num_hidden_layers": 10_000}
+
+
 def _int(text: Config, key: str, model_type: str, value: Any = None) -> int:
     value = _require(text, key, model_type) if value is None else value
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise CatalogueError(f"{model_type} config: {key!r} must be a positive int, got {value!r}")
+    maximum = _MAXIMA.get(key)
+    if maximum is not None and value > maximum:
+        raise CatalogueError(f"{model_type} config: {key!r} is {value:,}, more than {maximum:,}")
     return value
 
 
