@@ -15,8 +15,8 @@
 //! word (odd while a writer is inside: a per-shard spin lock; there are up to 256 shards and no
 //! global lock). Readers never write shared memory: they read the sequence, probe, and retry if
 //! the sequence moved (a seqlock), so lookups scale with threads; a reader only waits while a
-//! writer of the same shard is mid-update. Every shared word is an atomic (the one `unsafe` is a
-//! prefetch hint): slot words are stored with `Release` and loaded with `Acquire`, so a reader
+//! writer of the same shard is mid-update. Every shared word is an atomic (walks prefetch slots
+//! with `crate::sync::prefetch`, a hint): slot words are stored with `Release` and loaded with `Acquire`, so a reader
 //! that sees any word of a writer's update also sees that writer's odd sequence number on its
 //! re-check.
 //!
@@ -243,17 +243,7 @@ impl CacheMap {
             let (lo, hi) = key_parts(key);
             let h = mix(self.salt, lo, hi, key.group);
             let table = self.shard(h).table(Ordering::Acquire);
-            let slot = &table[h as usize & (table.len() - 1)];
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `_mm_prefetch` is a hint: it never faults, reads nothing the program can
-            // observe and writes nothing, whatever the address; SSE is part of x86_64's
-            // baseline. The address is that of a live slot in any case.
-            unsafe {
-                use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-                _mm_prefetch::<_MM_HINT_T0>((slot as *const Slot).cast::<i8>());
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            let _ = slot;
+            crate::sync::prefetch(&table[h as usize & (table.len() - 1)]);
         }
         #[cfg(loom)]
         let _ = key;

@@ -88,8 +88,9 @@ use states::BlockStates;
 
 pub use crate::types::MAX_BLOCKS;
 
-/// How many keys ahead of a walk over the prefix-cache map its accesses are prefetched: the map
-/// is larger than the CPU caches, and prefetches let the accesses overlap.
+/// How many keys (or blocks) ahead of a walk over the prefix-cache map (or a free's validation)
+/// its accesses are prefetched: the map and the per-block arrays of a large pool are larger than
+/// the CPU caches, and prefetches let the accesses overlap.
 pub const PREFETCH_AHEAD: usize = 8;
 
 /// Buckets of the bitmap `free_blocks` validates with (ids 4096 apart share one).
@@ -378,6 +379,9 @@ impl BlockPool {
         let mut first_bad = None;
         let mut limit = ids.len();
         for (k, &id) in ids.iter().enumerate() {
+            if let Some(&ahead) = ids.get(k + PREFETCH_AHEAD) {
+                self.prefetch_block(ahead);
+            }
             if id == NULL_BLOCK {
                 continue;
             }
@@ -522,6 +526,20 @@ impl BlockPool {
     #[inline]
     pub fn prefetch_lookup(&self, hash: BlockHash, group: GroupId) {
         self.map.prefetch(&CacheKey { hash, group })
+    }
+
+    /// Starts loading what a free of block `id` reads: its state and, with caching on, its key
+    /// slot (the release reads it after a compare-and-swap, which waits for earlier loads).
+    #[inline]
+    fn prefetch_block(&self, id: BlockId) {
+        if let Some(state) = self.states.cell(id) {
+            crate::sync::prefetch(state);
+        }
+        if self.enable_caching {
+            if let Some(slot) = self.keys.get(id as usize) {
+                crate::sync::prefetch(slot);
+            }
+        }
     }
 
     /// One cached block per group for `hash`, or `None` if any group misses.

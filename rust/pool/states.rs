@@ -66,6 +66,12 @@ impl BlockStates {
         self.free_count.load(Ordering::Acquire)
     }
 
+    /// The state word of block `id`, if it exists.
+    #[inline]
+    pub(crate) fn cell(&self, id: BlockId) -> Option<&AtomicU64> {
+        self.state.get(id as usize)
+    }
+
     #[inline]
     pub(crate) fn ref_count(&self, id: BlockId) -> u32 {
         refs(self.state[id as usize].load(Ordering::Acquire))
