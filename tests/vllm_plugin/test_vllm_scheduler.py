@@ -259,6 +259,23 @@ def test_unknown_group_kind_falls_back() -> None:
     assert reason is not None and "CrossAttentionSpec" in reason
 
 
+def test_mamba2_prefill_checkpoints_fall_back() -> None:
+    # vLLM 0.33's Mamba-2 mixer declares one prefill checkpoint block per request; Mamba-1
+    # (Jamba) declares none.
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    ctx = _context(harness.Options(layout="jamba", prefix_caching=False))
+    assert hkv.fallback_reason(ctx) is None
+    for group in ctx.kv_cache_config.kv_cache_groups:
+        if isinstance(group.kv_cache_spec, MambaSpec):
+            group.kv_cache_spec = dataclasses.replace(
+                group.kv_cache_spec, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1
+            )
+    reason = hkv.fallback_reason(ctx)
+    assert reason is not None and reason.startswith("Mamba prefill checkpoints")
+    assert "1 prefill checkpoint block" in reason
+
+
 def test_supported_configurations_have_no_fallback_reason() -> None:
     for layout in ("full", "gpt-oss", "gemma3", "llama4"):
         assert hkv.fallback_reason(_context(harness.Options(layout=layout))) is None
