@@ -260,8 +260,8 @@ def test_unknown_group_kind_falls_back() -> None:
 
 
 def test_mamba2_prefill_checkpoints_fall_back() -> None:
-    # vLLM 0.33's Mamba-2 mixer declares one prefill checkpoint block per request; Mamba-1
-    # (Jamba) declares none.
+    # vLLM 0.33's Mamba-2 mixer and gated DeltaNet declare one prefill checkpoint block per
+    # request; Mamba-1 (Jamba) declares none.
     from vllm.v1.kv_cache_interface import MambaSpec
 
     ctx = _context(harness.Options(layout="jamba", prefix_caching=False))

@@ -159,9 +159,10 @@ FALLBACKS: tuple[tuple[str, Check, str], ...] = (
         "hybrid-kv's manager is checked against vLLM with one block size for all groups",
     ),
     (
-        "Mamba prefill checkpoints (Mamba-2 layers: Bamba, Granite-4, Nemotron-H, Falcon-H1, ...)",
+        "Mamba prefill checkpoints (Mamba-2 and gated DeltaNet layers: Granite-4, Nemotron-H, "
+        "Falcon-H1, Zamba2, Qwen3-Next, ...)",
         _prefill_checkpoints,
-        "the states a Mamba-2 layer exports from inside a prefill need blocks hybrid-kv does not "
+        "the states these layers export from inside a prefill need blocks hybrid-kv does not "
         "allocate yet (num_prefill_checkpoint_blocks)",
     ),
     (
