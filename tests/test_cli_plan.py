@@ -50,7 +50,8 @@ def test_plan_json_holds_both_plans_and_a_schema_version(
     assert document["vllm"]["strategy"] == "vllm"
     assert {g["block_size"] for g in document["vllm"]["groups"]} == {528}
     assert document["plan"]["max_model_len"] == 8192
-    assert document["vllm"]["blocks_per_request"] == 8192 // 528 + 1 + 2 * 10
+    # Full attention, plus 3 blocks per Mamba-2 group (2 + a prefill checkpoint block).
+    assert document["vllm"]["blocks_per_request"] == 8192 // 528 + 1 + 3 * 10
 
 
 def test_plan_with_vllm_strategy_prints_one_column(capsys: pytest.CaptureFixture[str]) -> None:

@@ -178,7 +178,9 @@ def test_unify_pads_when_pages_do_not_divide() -> None:
 
 @pytest.mark.parametrize(
     ("preset", "blocks"),
-    [("gemma-3-27b", 1414), ("gpt-oss-20b", 393), ("jamba-mini-1.5", 66), ("bamba-9b", 28)],
+    # Bamba's Mamba-2 layers add a prefill checkpoint block per group (vLLM 0.33's MambaMixer2
+    # declares one): 10 Mamba groups x 3 + 8 attention blocks.
+    [("gemma-3-27b", 1414), ("gpt-oss-20b", 393), ("jamba-mini-1.5", 66), ("bamba-9b", 38)],
 )
 def test_per_request_reservation_is_vllms_at_4k_with_2048_in_flight(
     preset: str, blocks: int
@@ -197,6 +199,25 @@ def test_reservation_formulas_per_kind() -> None:
     assert admission_blocks("full", 16, 4097, 2048) == 257
     assert admission_blocks("mamba", 528, 10**6, 2048) == 2
     assert admission_blocks("mamba", 528, 10**6, 2048, mamba_cache_mode="none") == 1
+    # vLLM 0.33's Mamba-2 mixer exports a state from inside a prefill into one more block.
+    assert admission_blocks("mamba", 528, 10**6, 2048, prefill_checkpoint_blocks=1) == 3
+    assert (
+        admission_blocks(
+            "mamba", 528, 10**6, 2048, mamba_cache_mode="none", prefill_checkpoint_blocks=1
+        )
+        == 1
+    )
+
+
+def test_only_mamba2_layers_declare_a_prefill_checkpoint_block() -> None:
+    jamba = load_model("jamba-mini-1.5").layers["model.layers.0"]
+    bamba = load_model("bamba-9b").layers["model.layers.0"]
+    gdn = next(
+        spec
+        for spec in load_model("qwen3-next-80b-a3b").layers.values()
+        if getattr(spec, "mamba_type", None) == "gdn"
+    )
+    assert [s.prefill_checkpoint_blocks for s in (jamba, bamba, gdn)] == [0, 1, 0]  # type: ignore[union-attr]
 
 
 def test_budget_vllm_refuses_is_refused_with_the_length_that_fits() -> None:

@@ -106,6 +106,16 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _checkpoints(spec: MambaSpec) -> dict[str, Any]:
+    """vLLM's Mamba-2 mixer declares a prefill checkpoint block (its `get_kv_cache_spec`)."""
+    if spec.prefill_checkpoint_blocks == 0:
+        return {}
+    return {
+        "num_prefill_checkpoint_blocks": spec.prefill_checkpoint_blocks,
+        "prefill_checkpoint_alignment": 1,
+    }
+
+
 def vllm_specs(layers: dict[str, LayerSpec], block_size: int = 16) -> dict[str, Any]:
     """vLLM `KVCacheSpec`s for our layers (KV-sharing layers produce none, as in vLLM),
     with the platform's Mamba alignment applied."""
@@ -145,6 +155,7 @@ def vllm_specs(layers: dict[str, LayerSpec], block_size: int = 16) -> dict[str, 
                 dtypes=tuple(dtypes[d] for d in spec.dtypes),
                 page_size_padded=padded,
                 mamba_cache_mode="align",
+                **_checkpoints(spec),
             )
             continue
         common = {"block_size": block_size, "dtype": dtypes[spec.dtype]}
@@ -326,6 +337,7 @@ def plan_views(plan: Any, layout: str) -> dict[str, Any]:
                     dtypes=tuple(dtypes[d] for d in spec.dtypes),
                     page_size_padded=padded,
                     mamba_cache_mode="align",
+                    **_checkpoints(spec),
                 )
             elif isinstance(spec, MLAAttentionSpec):
                 specs[name] = ki.MLAAttentionSpec(

@@ -193,6 +193,13 @@ class MambaSpec:
     kind: ClassVar[str] = "mamba"
     bytes_per_token: ClassVar[int] = 0
 
+    @property
+    def prefill_checkpoint_blocks(self) -> int:
+        """Blocks per request vLLM 0.33 adds for states exported from inside a prefill in
+        `align` mode: 1 for its Mamba-2 mixer, which always exports them; 0 for Mamba-1 and
+        for gated DeltaNet (whose export depends on the attention backend)."""
+        return 1 if self.mamba_type == "mamba2" else 0
+
     def __post_init__(self) -> None:
         owner = type(self).__name__
         try:

@@ -452,6 +452,7 @@ def _fits(
             sliding_window=bucket.window,
             attention_chunk_size=bucket.chunk,
             mamba_cache_mode=settings.mamba_mode,
+            prefill_checkpoint_blocks=getattr(bucket.spec, "prefill_checkpoint_blocks", 0),
         )
     return candidate.block_bytes * (reserved + 1) <= settings.memory_bytes
 
@@ -590,6 +591,7 @@ def _build_plan(
                 attention_chunk_size=first.chunk,
                 num_padding_slots=slots if not sizing.uniform_type else 0,
                 padding_bytes=padding,
+                prefill_checkpoint_blocks=getattr(first.spec, "prefill_checkpoint_blocks", 0),
             )
         )
         shaped.append(

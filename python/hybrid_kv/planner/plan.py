@@ -84,6 +84,7 @@ def admission_blocks(
     sliding_window: int | None = None,
     attention_chunk_size: int | None = None,
     mamba_cache_mode: str = "align",
+    prefill_checkpoint_blocks: int = 0,
 ) -> int:
     """Blocks vLLM 0.33 reserves per request in one group of this kind when it sizes the pool
     and admits requests (`KVCacheSpec.max_memory_usage_bytes` / `max_admission_blocks_per_
@@ -91,7 +92,8 @@ def admission_blocks(
     `cdiv(min(window - 1 + in_flight, L), bs) + 1` (blocks leave the window only once the
     tokens scheduled but not yet processed are); chunked local
     `cdiv(min(chunk + in_flight, L), bs)`; Mamba 2 blocks in `align` mode (prefix caching on:
-    the running state and the last block-aligned one), 1 in `none` mode."""
+    the running state and the last block-aligned one) plus its prefill checkpoint blocks
+    (`MambaSpec.prefill_checkpoint_blocks`), 1 in `none` mode."""
     if kind == "full":
         return _cdiv(max_model_len, block_size)
     if kind == "sliding_window":
@@ -102,7 +104,7 @@ def admission_blocks(
         assert attention_chunk_size is not None
         return _cdiv(min(attention_chunk_size + max_in_flight_tokens, max_model_len), block_size)
     if kind == "mamba":
-        return 2 if mamba_cache_mode == "align" else 1
+        return 2 + prefill_checkpoint_blocks if mamba_cache_mode == "align" else 1
     raise ValueError(f"unknown group kind {kind!r}")
 
 
@@ -126,6 +128,7 @@ class KVCacheGroup:
     shared_layer_names: tuple[str, ...] = ()
     num_padding_slots: int = 0
     padding_bytes: int = 0
+    prefill_checkpoint_blocks: int = 0
 
     def blocks_held(self, num_tokens: int) -> int:
         """Blocks a resident request of `num_tokens` tokens holds in this group."""
@@ -149,6 +152,7 @@ class KVCacheGroup:
             sliding_window=self.sliding_window,
             attention_chunk_size=self.attention_chunk_size,
             mamba_cache_mode=mamba_cache_mode,
+            prefill_checkpoint_blocks=self.prefill_checkpoint_blocks,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -165,6 +169,8 @@ class KVCacheGroup:
             result["sliding_window"] = self.sliding_window
         if self.attention_chunk_size is not None:
             result["attention_chunk_size"] = self.attention_chunk_size
+        if self.prefill_checkpoint_blocks:
+            result["prefill_checkpoint_blocks"] = self.prefill_checkpoint_blocks
         return result
 
 

@@ -205,6 +205,7 @@ class Scorer:
             sliding_window=b.window,
             attention_chunk_size=b.chunk,
             mamba_cache_mode=self.mamba_cache_mode,
+            prefill_checkpoint_blocks=getattr(b.spec, "prefill_checkpoint_blocks", 0),
         )
         self._cache[key] = (held, written, admission)
         return held, written, admission
