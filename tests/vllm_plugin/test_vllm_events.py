@@ -124,13 +124,7 @@ def test_events_cross_vllms_zmq_publisher_to_a_subscriber() -> None:
     config.kv_events_config.publisher = "zmq"
     config.kv_events_config.endpoint = f"inproc://hybrid-kv-events-{_free_port()}"
     config.kv_events_config.replay_endpoint = replay
-    scheduler = hkv.Scheduler(
-        vllm_config=config,
-        kv_cache_config=harness.kv_cache_config(options),
-        structured_output_manager=harness.StructuredOutputManager(config),
-        block_size=options.block_size,
-        log_stats=True,
-    )
+    scheduler = harness.build_scheduler(options, hkv.Scheduler, config)
     assert scheduler.uses_hybrid_kv
     published = 0
     original_publish = scheduler.kv_event_publisher.publish

@@ -221,12 +221,7 @@ def test_unsupported_configuration_builds_vllms_own_manager() -> None:
     options = harness.Options(layout="gemma3")
     config = harness.vllm_config(options)
     config.observability_config.kv_cache_metrics = True
-    scheduler = hkv.Scheduler(
-        vllm_config=config,
-        kv_cache_config=harness.kv_cache_config(options),
-        structured_output_manager=harness.StructuredOutputManager(config),
-        block_size=options.block_size,
-    )
+    scheduler = harness.build_scheduler(options, hkv.Scheduler, config)
     assert type(scheduler.kv_cache_manager) is VllmKVCacheManager
     assert not scheduler.uses_hybrid_kv
 

@@ -200,10 +200,13 @@ def vllm_config(options: Options) -> VllmConfig:
     return config
 
 
-def build_scheduler(options: Options, scheduler_cls: type[Any] | None = None) -> Any:
+def build_scheduler(
+    options: Options, scheduler_cls: type[Any] | None = None, config: Any = None
+) -> Any:
     """`scheduler_cls` (default: the class vLLM picks, Scheduler or AsyncScheduler) built
-    offline for `options`."""
-    config = vllm_config(options)
+    offline for `options`, from `config` if given (a `vllm_config(options)` the caller changed)."""
+    if config is None:
+        config = vllm_config(options)
     if scheduler_cls is None:
         scheduler_cls = config.scheduler_config.get_scheduler_cls()
     return scheduler_cls(
