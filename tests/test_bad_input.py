@@ -266,6 +266,12 @@ def _manager_cases() -> list[tuple[str, Callable[[World], Any], type[Exception]]
     add("probe salt surrogate", lambda w: w.m.probe([1], cache_salt="\ud800"), IA)
     add("get_block_ids surrogate", lambda w: w.m.get_block_ids("a\udfff"), IA)
     add("remove_request surrogate", lambda w: w.m.remove_request("\ud800"), IA)
+    add(
+        "write_block_table surrogate id",
+        lambda w: w.m.write_block_table(["\udc80"], np.zeros((1, 8), dtype=np.int32)),
+        IA,
+    )
+    add("probe mm identifier surrogate", lambda w: w.m.probe([1], mm_inputs=[("\ud800", 0, 1)]), IA)
     return cases
 
 

@@ -150,12 +150,15 @@ pub(crate) fn extract_mm_inputs(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<
                     type_name(&item)
                 ))
             })?;
-        let identifier: String = tuple
-            .get_item(0)?
-            .extract()
-            .map_err(|_| bad(format!("item {i}: the identifier must be a str")))?;
+        let identifier = tuple.get_item(0)?.extract::<Text>().map_err(|e| {
+            if e.is_instance_of::<InvalidArgumentError>(obj.py()) {
+                e
+            } else {
+                bad(format!("item {i}: the identifier must be a str"))
+            }
+        })?;
         out.push(MmInput {
-            identifier,
+            identifier: identifier.into_string(),
             offset: count_of(&tuple.get_item(1)?, &format!("mm_inputs item {i} offset"))?,
             length: count_of(&tuple.get_item(2)?, &format!("mm_inputs item {i} length"))?,
         });

@@ -928,8 +928,12 @@ impl PyKVCacheManager {
                 "request_ids must be a sequence of request id strings, not a str",
             ));
         }
-        let request_ids: Vec<String> = request_ids.extract().map_err(|_| {
-            PyTypeError::new_err("request_ids must be a sequence of request id strings")
+        let request_ids: Vec<Text> = request_ids.extract().map_err(|e: PyErr| {
+            if e.is_instance_of::<InvalidArgumentError>(request_ids.py()) {
+                e
+            } else {
+                PyTypeError::new_err("request_ids must be a sequence of request id strings")
+            }
         })?;
         let out = out.cast::<PyArray2<i32>>().map_err(|_| {
             PyTypeError::new_err("out must be a writable 2-D numpy array of dtype int32")
@@ -945,7 +949,7 @@ impl PyKVCacheManager {
                 request_ids.len()
             )));
         }
-        let ids: Vec<&str> = request_ids.iter().map(String::as_str).collect();
+        let ids: Vec<&str> = request_ids.iter().map(|id| &**id).collect();
         let inner = self.inner();
         if rw.is_c_contiguous() {
             let slice = rw.as_slice_mut().expect("C-contiguous");
