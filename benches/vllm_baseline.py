@@ -299,6 +299,13 @@ class VllmEngine:
         align = any(getattr(g.kv_cache_spec, "mamba_cache_mode", None) == "align" for g in groups)
         return self.manager.coordinator.scheduler_block_size if align else 0
 
+    def mamba_checkpoint_alignment(self) -> int:
+        groups = self.manager.kv_cache_config.kv_cache_groups
+        specs = [g.kv_cache_spec for g in groups if hasattr(g.kv_cache_spec, "mamba_cache_mode")]
+        if not specs or any(s.num_prefill_checkpoint_blocks == 0 for s in specs):
+            return 0
+        return specs[0].prefill_checkpoint_alignment or 0
+
 
 def vllm_replay(
     workload: dict[str, Any],

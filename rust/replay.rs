@@ -7,7 +7,8 @@
 use crate::error::{CoreError, Result};
 use crate::hashing::ExtraKeys;
 use crate::manager::{
-    AllocateArgs, ComputedBlocks, KVCacheManager, PrefixCacheStats, RequestHandle,
+    checkpoint_exportable, mamba_checkpoint_position, AllocateArgs, ComputedBlocks, KVCacheManager,
+    PrefixCacheStats, RequestHandle,
 };
 use crate::types::BlockId;
 use std::collections::{BTreeMap, VecDeque};
@@ -195,6 +196,10 @@ pub struct SplitLimits {
     pub max_num_batched_tokens: usize,
     /// 0: no limit.
     pub long_prefill_token_threshold: usize,
+    /// The alignment of the Mamba groups' prefill checkpoint exports (0: some Mamba group
+    /// exports none). A final chunk the worker can export the prompt's checkpoint from is not
+    /// split.
+    pub checkpoint_alignment: usize,
 }
 
 /// vLLM's `_mamba_block_aligned_split` (align mode, hash block = block size, no EAGLE): clips a
@@ -213,8 +218,22 @@ pub fn mamba_block_aligned_split(
     if start >= prefill_end {
         return n;
     }
-    let last_cache_position = num_tokens.saturating_sub(1) / bs * bs;
     let mut end = start + n;
+    let exports_checkpoint = limits.checkpoint_alignment > 0
+        && end >= prefill_end
+        && checkpoint_exportable(
+            start,
+            end,
+            mamba_checkpoint_position(prefill_end, bs, false, 0),
+            bs,
+            bs,
+            limits.checkpoint_alignment,
+        );
+    let last_cache_position = if exports_checkpoint {
+        0
+    } else {
+        num_tokens.saturating_sub(1) / bs * bs
+    };
     if end < prefill_end {
         let threshold = limits.long_prefill_token_threshold;
         let max_prefill = if threshold > 0 {
@@ -229,7 +248,7 @@ pub fn mamba_block_aligned_split(
     }
     let next_block_boundary = (start / bs + 1) * bs;
     let mut stops = [usize::MAX; 3];
-    if start % bs != 0 {
+    if start % bs != 0 && !exports_checkpoint {
         stops[0] = next_block_boundary;
     }
     stops[1] = last_cache_position;
@@ -286,10 +305,23 @@ pub fn replay<'w>(
         .iter()
         .any(|g| g.is_mamba_align())
         .then(|| manager.scheduler_block_size());
+    // vLLM's scheduler: exports when every Mamba group has them, at the first one's alignment.
+    let mamba_alignments: Vec<usize> = manager
+        .group_specs()
+        .iter()
+        .filter(|g| g.is_mamba())
+        .map(|g| g.prefill_checkpoint_alignment())
+        .collect();
+    let checkpoint_alignment = if mamba_alignments.contains(&0) {
+        0
+    } else {
+        mamba_alignments.first().copied().unwrap_or(0)
+    };
     let split_limits = |bs: usize| SplitLimits {
         block_size: bs,
         max_num_batched_tokens: sched.max_num_batched_tokens,
         long_prefill_token_threshold: sched.long_prefill_token_threshold,
+        checkpoint_alignment,
     };
     let mut order: Vec<usize> = (0..reqs.len()).collect();
     order.sort_by_key(|&i| reqs[i].arrival_step);
@@ -674,5 +706,30 @@ mod tests {
         let mut m =
             KVCacheManager::new(&ManagerConfig::new(vec![GroupSpec::full(16)], 64, 4096)).unwrap();
         assert!(replay(&w, &mut m, &mut |_| {}).is_err()); // max_model_len differs
+    }
+
+    #[test]
+    fn a_final_chunk_exporting_the_checkpoint_is_not_split() {
+        let limits = |checkpoint_alignment| SplitLimits {
+            block_size: 4,
+            max_num_batched_tokens: 64,
+            long_prefill_token_threshold: 0,
+            checkpoint_alignment,
+        };
+        // An 18-token prompt from 0: without exports the chunk stops at the last cacheable
+        // boundary, 16; with them it runs to the end (the worker exports 16 from inside it).
+        assert_eq!(mamba_block_aligned_split(&limits(0), 18, 18, 0, 18, 0), 16);
+        assert_eq!(mamba_block_aligned_split(&limits(1), 18, 18, 0, 18, 0), 18);
+        // A chunk not reaching the prefill end is still aligned down to a block boundary.
+        assert_eq!(mamba_block_aligned_split(&limits(1), 18, 18, 0, 10, 0), 8);
+        // A final chunk starting mid-block cannot export: it stops at the next boundary.
+        assert_eq!(mamba_block_aligned_split(&limits(1), 18, 18, 6, 12, 0), 2);
+        // From a block boundary one block before the checkpoint: exported too.
+        assert_eq!(mamba_block_aligned_split(&limits(1), 18, 18, 12, 6, 0), 6);
+        assert_eq!(mamba_block_aligned_split(&limits(0), 18, 18, 12, 6, 0), 4);
+        // An alignment the checkpoint is not on (16 - 8 = 8 tokens in): stopped at 16.
+        assert_eq!(mamba_block_aligned_split(&limits(3), 18, 18, 8, 10, 0), 8);
+        // A junction inside the chunk still ends it.
+        assert_eq!(mamba_block_aligned_split(&limits(1), 18, 18, 0, 18, 9), 8);
     }
 }

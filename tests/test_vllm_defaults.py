@@ -91,6 +91,65 @@ def test_mamba_none_mode_needs_caching_off_and_holds_speculative_blocks() -> Non
     assert len(ids(new)[0]) == 5
 
 
+MAMBA2 = MAMBA | {"num_prefill_checkpoint_blocks": 1, "prefill_checkpoint_alignment": 1}
+
+
+def test_mamba2_final_chunk_exports_the_prompt_checkpoint_into_a_block_of_its_own() -> None:
+    # An 18-token prompt in one chunk (vLLM's scheduler leaves it whole when the worker can
+    # export the checkpoint): the state after (18 - 1) // 4 * 4 = 16 tokens goes into slot
+    # cdiv(18, 4) - 2 = 3, beside the running state in slot 4.
+    m = hk.KVCacheManager([FULL, MAMBA2], 64, 1024)
+    assert m.groups[1]["num_prefill_checkpoint_blocks"] == 1
+    assert m.groups[1]["prefill_checkpoint_alignment"] == 1
+    free = m.num_free_blocks
+    a = hk.Request("a", list(range(18)), block_size=4)
+    new = m.allocate_slots(a, 18)
+    state = ids(new)[1]
+    assert state[:3] == [0, 0, 0] and 0 not in state[3:] and len(state) == 5
+    assert free - m.num_free_blocks == 5 + 2
+    m.new_step_starts()
+    blocks, hit, new_b = admit(m, hk.Request("b", list(range(18)), block_size=4), 2)
+    assert hit == 16 and ids(blocks)[1] == [0, 0, 0, state[3]]
+    assert new_b is not None
+    # Mamba-1 (no exports): the same chunk holds one state and caches none.
+    plain = hk.KVCacheManager([FULL, MAMBA], 64, 1024)
+    plain.allocate_slots(hk.Request("a", list(range(18)), block_size=4), 18)
+    _, hit, _ = admit(plain, hk.Request("b", list(range(18)), block_size=4), 2)
+    assert hit == 0
+
+
+@pytest.mark.parametrize(
+    "change,error,match",
+    [
+        ({"num_prefill_checkpoint_blocks": 2}, hk.InvalidConfigError, "at most 1"),
+        ({"prefill_checkpoint_alignment": 0}, hk.InvalidConfigError, "positive"),
+        ({"prefill_checkpoint_alignment": -1}, hk.OutOfRangeError, "prefill_checkpoint_alignment"),
+        ({"num_prefill_checkpoint_blocks": "1"}, TypeError, "num_prefill_checkpoint_blocks"),
+    ],
+)
+def test_mamba2_checkpoint_parameters_are_validated(
+    change: dict, error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        hk.KVCacheManager([FULL, MAMBA2 | change], 64, 1024)
+
+
+def test_mamba2_checkpoints_need_align_mode_and_an_alignment() -> None:
+    # In none mode, or without an alignment, vLLM never exports: no extra block.
+    for group, caching in (
+        (MAMBA2 | {"mamba_cache_mode": "none"}, False),
+        (MAMBA | {"num_prefill_checkpoint_blocks": 1}, True),
+    ):
+        plain = {k: v for k, v in group.items() if "checkpoint" not in k}
+        held = []
+        for g in (group, plain):
+            m = hk.KVCacheManager([FULL, g], 64, 1024, enable_caching=caching)
+            assert "prefill_checkpoint_alignment" not in m.groups[1]
+            a = hk.Request("a", list(range(18)), block_size=4)
+            held.append(len([b for b in ids(m.allocate_slots(a, 18))[1] if b]))
+        assert held[0] == held[1]
+
+
 # ----- EAGLE --------------------------------------------------------------------------------------
 
 

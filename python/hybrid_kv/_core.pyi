@@ -434,7 +434,9 @@ class KVCacheManager:
                 `bounded_replay`: not prefix-cached when true); `"chunked_local"`/
                 `"chunked_local_attention"` (`attention_chunk_size`); `"mamba"`
                 (`mamba_cache_mode` `"align"`, the default with caching on, or `"none"`;
-                `num_speculative_blocks`); `"circular_buffer"` (one block per request, never
+                `num_speculative_blocks`; `num_prefill_checkpoint_blocks`, 0 or 1, with
+                `prefill_checkpoint_alignment`: the worker exports prefill checkpoints, as
+                vLLM's Mamba-2 mixer does); `"circular_buffer"` (one block per request, never
                 cached).
             num_blocks: blocks in the pool, the null block included.
             max_model_len: the longest sequence a request may reach.

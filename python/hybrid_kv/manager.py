@@ -26,6 +26,9 @@ def manager_from_plan(plan: KVCachePlan, **kwargs: Any) -> KVCacheManager:
             "block_size": g.block_size,
             "sliding_window": g.sliding_window,
             "attention_chunk_size": g.attention_chunk_size,
+            # vLLM 0.33's Mamba-2 mixer exports prefill checkpoints at any token (alignment 1).
+            "num_prefill_checkpoint_blocks": g.prefill_checkpoint_blocks,
+            "prefill_checkpoint_alignment": 1 if g.prefill_checkpoint_blocks else None,
         }
         for g in plan.groups
     ]
@@ -43,7 +46,13 @@ def manager_from_header(
     groups = []
     for g in kv["groups"]:
         group = {"kind": g["kind"], "block_size": g["block_size"]}
-        for key in ("sliding_window", "attention_chunk_size", "mamba_cache_mode"):
+        for key in (
+            "sliding_window",
+            "attention_chunk_size",
+            "mamba_cache_mode",
+            "num_prefill_checkpoint_blocks",
+            "prefill_checkpoint_alignment",
+        ):
             if g.get(key) is not None:
                 group[key] = g[key]
         groups.append(group)

@@ -122,23 +122,57 @@ class Engine(Protocol):
         """The block size prefill chunks are aligned to for Mamba states (0: no Mamba)."""
         ...
 
+    def mamba_checkpoint_alignment(self) -> int:
+        """The alignment of the Mamba groups' prefill checkpoint exports (0: some Mamba group
+        exports none)."""
+        ...
+
     def end_step(self) -> None:
         """After a step (untimed): drain what vLLM's scheduler hands its workers every step."""
         ...
 
 
+def checkpoint_exportable(
+    start: int, end: int, position: int, block_size: int, alignment: int
+) -> bool:
+    """vLLM's `is_mamba_prefill_checkpoint_valid` at hash block size = block size: whether the
+    worker can export the state after `position` tokens from inside the chunk `[start, end)`."""
+    return (
+        alignment > 0
+        and start % block_size == 0
+        and -(-end // block_size) - 2 > (start - 1) // block_size
+        and start + block_size <= position < end
+        and (position - start) % alignment == 0
+    )
+
+
 def mamba_block_aligned_split(
-    block_size: int, sched: dict[str, Any], req: _Req, start: int, n: int, junction: int
+    block_size: int,
+    sched: dict[str, Any],
+    req: _Req,
+    start: int,
+    n: int,
+    junction: int,
+    checkpoint_alignment: int = 0,
 ) -> int:
     """vLLM's `_mamba_block_aligned_split` (align mode, hash block = block size, no EAGLE):
     clips a prefill chunk of `n` tokens from `start` so it ends where a Mamba state must be
-    cached (a block boundary, the prompt's last cacheable position, a shared-prefix junction)."""
+    cached (a block boundary, the prompt's last cacheable position, a shared-prefix junction).
+    A final chunk the worker can export the prompt's checkpoint from (`checkpoint_alignment`
+    > 0) is not clipped but at a junction."""
     num_tokens = req.num_tokens
     prefill_end = max(req.num_prompt_tokens, num_tokens - 1)
     if start >= prefill_end:
         return n
-    last_cache_position = max((num_tokens - 1) // block_size * block_size, 0)
     end = start + n
+    exports = end >= prefill_end and checkpoint_exportable(
+        start,
+        end,
+        max((prefill_end - 1) // block_size * block_size, 0),
+        block_size,
+        checkpoint_alignment,
+    )
+    last_cache_position = 0 if exports else max((num_tokens - 1) // block_size * block_size, 0)
     if end < prefill_end:
         max_prefill = sched["max_num_batched_tokens"]
         threshold = sched.get("long_prefill_token_threshold") or 0
@@ -148,7 +182,7 @@ def mamba_block_aligned_split(
         if aligned_end > start or block_size <= max_prefill:
             end = aligned_end
     stops = [last_cache_position]
-    if start % block_size:
+    if start % block_size and not exports:
         stops.append((start // block_size + 1) * block_size)
     if start < junction < end:
         stops.append(start + (junction - start) // block_size * block_size)
@@ -226,6 +260,11 @@ class HybridKvEngine:
     def mamba_block_size(self) -> int:
         align = any(g.get("mamba_cache_mode") == "align" for g in self.manager.groups)
         return self.manager.scheduler_block_size if align else 0
+
+    def mamba_checkpoint_alignment(self) -> int:
+        mamba = [g for g in self.manager.groups if g["kind"] == "mamba"]
+        alignments = [g.get("prefill_checkpoint_alignment", 0) for g in mamba]
+        return alignments[0] if alignments and all(alignments) else 0
 
     def end_step(self) -> None:
         self.manager.take_new_block_ids()
@@ -353,6 +392,7 @@ def replay(
         return max(0, min(n, budget, max_model_len - 1 - computed))
 
     mamba_block = engine.mamba_block_size()
+    checkpoint_alignment = engine.mamba_checkpoint_alignment()
 
     def call(op: str, rid: str, step: int, ns: int, **fields: Any) -> None:
         result.seq += 1
@@ -415,7 +455,13 @@ def replay(
             n = cap(req, computed, budget)
             if mamba_block:
                 n = mamba_block_aligned_split(
-                    mamba_block, sched, req, computed, n, req.shared_prefix_boundary
+                    mamba_block,
+                    sched,
+                    req,
+                    computed,
+                    n,
+                    req.shared_prefix_boundary,
+                    checkpoint_alignment,
                 )
             if n == 0:
                 i += 1
@@ -475,7 +521,13 @@ def replay(
                 n = cap(req, hit, budget)
                 if mamba_block:
                     n = mamba_block_aligned_split(
-                        mamba_block, sched, req, req.request.num_computed_tokens + hit, n, spb
+                        mamba_block,
+                        sched,
+                        req,
+                        req.request.num_computed_tokens + hit,
+                        n,
+                        spb,
+                        checkpoint_alignment,
                     )
                 if n == 0:
                     break

@@ -7,7 +7,9 @@
 //! in, so the same `Arc<Coordinator>` serves the scheduler and concurrent probes.
 
 use super::request::Request;
-use super::single_type::{find_longest_cache_hit, CacheCtx, Effects, GroupManager, GroupTable};
+use super::single_type::{
+    find_longest_cache_hit, CacheCtx, ChunkCtx, Effects, GroupManager, GroupTable,
+};
 use super::spec::{AttentionKind, GroupSpec, ManagerConfig};
 use crate::error::{bad_config, Result};
 use crate::pool::BlockPool;
@@ -64,6 +66,8 @@ pub struct Coordinator {
     /// Running requests may take the one-pass allocation path (no group with its own
     /// allocation rules for running requests).
     fast_running: bool,
+    /// Some Mamba group exports prefill checkpoints into blocks of their own.
+    has_checkpoint_exports: bool,
 }
 
 impl Coordinator {
@@ -171,6 +175,7 @@ impl Coordinator {
             fast_running: specs
                 .iter()
                 .all(|g| !g.is_mamba() && !matches!(g.kind, AttentionKind::CircularBuffer)),
+            has_checkpoint_exports: specs.iter().any(|g| g.prefill_checkpoint_alignment() > 0),
         })
     }
 
@@ -365,8 +370,10 @@ impl Coordinator {
         total_computed_tokens: usize,
         num_tokens_main_model: usize,
         apply_admission_cap: bool,
+        prefill_end: usize,
         effects: &Effects,
     ) -> i64 {
+        let chunk = self.chunk_ctx(prefill_end);
         self.groups
             .iter()
             .zip(tables)
@@ -381,10 +388,48 @@ impl Coordinator {
                     total_computed_tokens,
                     num_tokens_main_model,
                     apply_admission_cap,
+                    &chunk,
                     effects,
                 )
             })
             .sum()
+    }
+
+    /// What the prefill checkpoint rule needs of a chunk of a request whose prefill ends at
+    /// `prefill_end`: under sparse retention (0) only the chunk reaching it may export one.
+    fn chunk_ctx(&self, prefill_end: usize) -> ChunkCtx {
+        ChunkCtx {
+            prefill_end: if self.retention == Some(0) {
+                prefill_end
+            } else {
+                0
+            },
+            hash_block_size: self.hash_block_size,
+            num_hash_lookahead_tokens: self.num_hash_lookahead_tokens,
+        }
+    }
+
+    /// Remembers, in every Mamba group that exports prefill checkpoints, the checkpoint of the
+    /// chunk `[start, end)` about to be allocated (as vLLM's count before an allocation does).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn record_checkpoints(
+        &self,
+        pool: &BlockPool,
+        tables: &mut [GroupTable],
+        hits: &[Vec<BlockId>],
+        start: usize,
+        end: usize,
+        prefill_end: usize,
+        effects: &Effects,
+    ) {
+        if !self.has_checkpoint_exports {
+            return;
+        }
+        let chunk = self.chunk_ctx(prefill_end);
+        for (g, (m, t)) in self.groups.iter().zip(tables.iter_mut()).enumerate() {
+            let hit = hits.get(g).map_or(&[][..], Vec::as_slice);
+            m.record_checkpoint(pool, t, hit, start, end, &chunk, effects);
+        }
     }
 
     /// Frees, in every group, the blocks no longer needed once `num_computed_tokens` are

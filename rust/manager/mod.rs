@@ -26,6 +26,7 @@ mod tests_defaults;
 
 pub use coordinator::{Coordinator, CoordinatorKind};
 pub use request::Request;
+pub(crate) use single_type::{checkpoint_exportable, mamba_checkpoint_position};
 pub use slots::{RequestHandle, RequestKey};
 pub use spec::{AttentionKind, GroupSpec, KindParams, MambaMode, ManagerConfig};
 
@@ -608,6 +609,7 @@ impl KVCacheManager {
             .min(self.max_model_len);
         let num_tokens = state.request.num_tokens();
         let num_prompt = state.request.num_prompt_tokens();
+        let prefill_end = num_prompt.max(num_tokens.saturating_sub(1));
         let processed = total.saturating_sub(args.num_in_flight_tokens);
         // Draft tokens are never cached: at most the request's tokens.
         let cache_tokens =
@@ -656,6 +658,7 @@ impl KVCacheManager {
                 total,
                 full,
                 true,
+                prefill_end,
                 &self.effects,
             );
             if need + watermark > free {
@@ -679,6 +682,16 @@ impl KVCacheManager {
             n_local + n_external,
             main,
             false,
+            prefill_end,
+            &self.effects,
+        );
+        coordinator.record_checkpoints(
+            pool,
+            &mut state.tables,
+            hits,
+            n_local + n_external,
+            main,
+            prefill_end,
             &self.effects,
         );
         let available = pool.num_free_blocks() as i64 - args.reserved_blocks as i64;
@@ -867,7 +880,12 @@ impl KVCacheManager {
             .filter(|c| !c.is_empty())
             .map_or(&[][..], |c| &c.blocks[..]);
         let computed = hit.map_or(0, |c| c.num_computed_tokens);
-        let full = state.request.num_tokens().min(self.max_model_len);
+        let num_tokens = state.request.num_tokens();
+        let full = num_tokens.min(self.max_model_len);
+        let prefill_end = state
+            .request
+            .num_prompt_tokens()
+            .max(num_tokens.saturating_sub(1));
         let need = self.coordinator.num_blocks_to_allocate(
             &self.pool,
             &state.tables,
@@ -876,6 +894,7 @@ impl KVCacheManager {
             computed,
             full,
             true,
+            prefill_end,
             &self.effects,
         );
         Ok(need.max(0) as usize)

@@ -26,6 +26,10 @@ pub(crate) struct GroupTable {
     pub(crate) last_state: Option<usize>,
     /// Mamba align: slots below this were already retired (vLLM's `_num_retired_blocks`).
     pub(crate) num_retired: usize,
+    /// Mamba align with prefill checkpoint exports: `(position, slot)` of the checkpoint the
+    /// worker exports in the chunk being allocated (vLLM's `_checkpoints`), set when the chunk
+    /// is counted.
+    pub(crate) checkpoint: Option<(usize, usize)>,
 }
 
 impl GroupTable {
@@ -75,6 +79,42 @@ pub(crate) struct CacheCtx<'a> {
     pub(crate) num_hash_lookahead_tokens: usize,
 }
 
+/// What the prefill checkpoint rule of a Mamba group needs to know about a chunk beyond the
+/// request's table.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ChunkCtx {
+    /// Where the request's prefill ends (vLLM's `prefill_end`): only a chunk reaching it may
+    /// export a checkpoint. 0 when retention is not 0: every chunk may.
+    pub(crate) prefill_end: usize,
+    pub(crate) hash_block_size: usize,
+    pub(crate) num_hash_lookahead_tokens: usize,
+}
+
+/// vLLM's `is_mamba_prefill_checkpoint_valid`: whether a backend exporting checkpoints at
+/// multiples of `alignment` (0: it exports none) can save the state after `position` tokens
+/// from inside the chunk `[start, end)`, into a block of its own.
+pub(crate) fn checkpoint_exportable(
+    start: usize,
+    end: usize,
+    position: usize,
+    hash_block_size: usize,
+    block_size: usize,
+    alignment: usize,
+) -> bool {
+    if alignment == 0 || start % hash_block_size != 0 {
+        return false;
+    }
+    // The column of the chunk's initial state (-1 for a chunk from 0) and of the checkpoint
+    // (the block before the chunk's last).
+    let initial_col = (start as i64 - 1).div_euclid(block_size as i64);
+    let checkpoint_col = end.div_ceil(block_size) as i64 - 2;
+    checkpoint_col > initial_col
+        && start + hash_block_size <= position
+        && start < position
+        && position < end
+        && (position - start) % alignment == 0
+}
+
 /// A group's spec plus the values derived from the manager's config.
 #[derive(Clone, Debug)]
 pub(crate) struct GroupManager {
@@ -95,6 +135,14 @@ pub(crate) struct GroupManager {
     pub(crate) records_new_blocks: bool,
     /// Blocks in the pool, the null block included (Mamba's "wait a step" answer).
     pub(crate) num_gpu_blocks: usize,
+}
+
+/// Mamba: the hit ends on a state cached in this step (written by this step's forward pass).
+fn waits_a_step(pool: &BlockPool, hits: &[BlockId], effects: &Effects) -> bool {
+    hits.last().is_some_and(|&last| {
+        let key = pool.block_key(last).ok().flatten();
+        key.is_some_and(|k| effects.cached_this_step.contains(&k))
+    })
 }
 
 fn evictable(pool: &BlockPool, hits: &[BlockId]) -> usize {
@@ -126,6 +174,7 @@ impl GroupManager {
         total_computed_tokens: usize,
         num_tokens_main_model: usize,
         apply_admission_cap: bool,
+        chunk: &ChunkCtx,
         effects: &Effects,
     ) -> i64 {
         let bs = self.bs();
@@ -134,13 +183,11 @@ impl GroupManager {
             AttentionKind::Mamba {
                 mode,
                 speculative_blocks,
+                ..
             } => {
-                if let Some(&last) = hits.last() {
-                    let key = pool.block_key(last).ok().flatten();
-                    if key.is_some_and(|k| effects.cached_this_step.contains(&k)) {
-                        // Its state is written by this step's forward: wait a step.
-                        return self.num_gpu_blocks as i64 + 1;
-                    }
+                if waits_a_step(pool, hits, effects) {
+                    // Its state is written by this step's forward: wait a step.
+                    return self.num_gpu_blocks as i64 + 1;
                 }
                 if mode == MambaMode::None {
                     let tokens = num_tokens + bs * speculative_blocks;
@@ -157,7 +204,15 @@ impl GroupManager {
                 let required = (num_tokens_main_model.div_ceil(bs) + speculative_blocks) as i64;
                 let mut new = required - hits.len() as i64 - table.blocks.len() as i64;
                 if new > 0 {
-                    let mut cap = 1;
+                    let checkpoint = self
+                        .internal_checkpoint(
+                            table,
+                            total_computed_tokens,
+                            num_tokens_main_model,
+                            chunk,
+                        )
+                        .is_some();
+                    let mut cap = 1 + checkpoint as i64;
                     if !table.allocated {
                         cap += speculative_blocks as i64;
                     }
@@ -175,6 +230,66 @@ impl GroupManager {
             total_computed_tokens,
             apply_admission_cap,
         )
+    }
+
+    /// Mamba align with checkpoint exports: the `(position, slot)` of the prefill checkpoint
+    /// the worker exports from inside the chunk `[start, end)` into a reserved block (vLLM's
+    /// `_needs_internal_checkpoint`), or `None`.
+    pub(crate) fn internal_checkpoint(
+        &self,
+        table: &GroupTable,
+        start: usize,
+        end: usize,
+        chunk: &ChunkCtx,
+    ) -> Option<(usize, usize)> {
+        let AttentionKind::Mamba {
+            mode: MambaMode::Align,
+            speculative_blocks,
+            prefill_checkpoint_alignment: alignment @ 1..,
+        } = self.spec.kind
+        else {
+            return None;
+        };
+        if end < chunk.prefill_end {
+            return None;
+        }
+        let bs = self.bs();
+        let position = mamba_checkpoint_position(
+            end,
+            self.alignment,
+            self.drop_eagle_checkpoint,
+            chunk.num_hash_lookahead_tokens,
+        );
+        if !checkpoint_exportable(start, end, position, chunk.hash_block_size, bs, alignment) {
+            return None;
+        }
+        let slot = end.div_ceil(bs).checked_sub(2)?;
+        let held = table.blocks.len();
+        // The slot must be free to take a block: beyond the table, a null, or one of the
+        // running request's speculative blocks (it stays there instead of moving on).
+        let free = slot >= held
+            || table.blocks[slot] == NULL_BLOCK
+            || (table.allocated && slot + speculative_blocks >= held);
+        free.then_some((position, slot))
+    }
+
+    /// Remembers the checkpoint of the chunk `[start, end)` for the allocation and caching
+    /// that follow, as vLLM's count does (not when the hit's state waits a step).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn record_checkpoint(
+        &self,
+        pool: &BlockPool,
+        table: &mut GroupTable,
+        hits: &[BlockId],
+        start: usize,
+        end: usize,
+        chunk: &ChunkCtx,
+        effects: &Effects,
+    ) {
+        if self.spec.prefill_checkpoint_alignment() == 0 || waits_a_step(pool, hits, effects) {
+            return;
+        }
+        table.checkpoint = self.internal_checkpoint(table, start, end, chunk);
     }
 
     fn base_blocks_to_allocate(
@@ -299,6 +414,7 @@ impl GroupManager {
             AttentionKind::Mamba {
                 mode: MambaMode::Align,
                 speculative_blocks,
+                ..
             } => {
                 return self.allocate_mamba_align(
                     pool,
@@ -311,6 +427,7 @@ impl GroupManager {
             AttentionKind::Mamba {
                 mode: MambaMode::None,
                 speculative_blocks,
+                ..
             } => num_tokens + bs * speculative_blocks,
             _ => num_tokens,
         };
@@ -340,7 +457,9 @@ impl GroupManager {
         out: &mut Vec<BlockId>,
     ) -> Result<()> {
         let required = num_tokens.div_ceil(self.bs()) + spec_blocks;
-        if required <= table.blocks.len() {
+        // A chunk exporting a prefill checkpoint keeps one more block, at the checkpoint's slot.
+        let checkpoint = table.checkpoint.is_some() as usize;
+        if required <= table.blocks.len() && checkpoint == 0 {
             table.allocated = true;
             return Ok(());
         }
@@ -354,12 +473,15 @@ impl GroupManager {
             table.last_state = Some(prev - 1);
         }
         let skipped = required - spec_blocks - 1;
-        if prev < skipped {
-            table.blocks.resize(skipped, NULL_BLOCK);
+        let null_end = skipped - checkpoint;
+        if prev < null_end {
+            table.blocks.resize(null_end, NULL_BLOCK);
         }
         if allocated {
+            // Speculative blocks the step leaves behind move to the end; one at the
+            // checkpoint's slot stays (the checkpoint is exported into it).
             for idx in prev.saturating_sub(spec_blocks)..prev {
-                if idx >= skipped {
+                if idx >= null_end {
                     break;
                 }
                 let block = table.blocks[idx];
@@ -466,7 +588,8 @@ impl GroupManager {
     }
 
     /// Mamba align: caches the state at the prompt's latest hash boundary when this chunk ended
-    /// exactly there (vLLM's `_cache_partial_tail_block` without prefill checkpoints).
+    /// exactly there, or the checkpoint this chunk exported (vLLM's `_cache_partial_tail_block`
+    /// at hash block size = block size).
     fn cache_mamba_prompt_tail(
         &self,
         pool: &BlockPool,
@@ -476,6 +599,10 @@ impl GroupManager {
         ctx: &CacheCtx<'_>,
         effects: &mut Effects,
     ) -> Result<()> {
+        if let Some((position, slot)) = table.checkpoint {
+            return self
+                .cache_exported_checkpoint(pool, table, request, position, slot, ctx, effects);
+        }
         let hash_bs = ctx.hash_block_size;
         if num_tokens == 0 || num_tokens % hash_bs != 0 {
             return Ok(());
@@ -496,6 +623,72 @@ impl GroupManager {
         if block == NULL_BLOCK {
             return Ok(());
         }
+        self.key_state_block(pool, request, block, idx, num_tokens, ctx, effects)
+    }
+
+    /// Mamba align: keys the block the worker exported this chunk's checkpoint into at the
+    /// checkpoint's position, when a later hit can reach it: it is the prompt's checkpoint, a
+    /// state retention keeps, or the shared-prefix junction. Otherwise the state is transient
+    /// and any key the block has goes.
+    #[allow(clippy::too_many_arguments)]
+    fn cache_exported_checkpoint(
+        &self,
+        pool: &BlockPool,
+        table: &GroupTable,
+        request: &Request,
+        position: usize,
+        slot: usize,
+        ctx: &CacheCtx<'_>,
+        effects: &mut Effects,
+    ) -> Result<()> {
+        // The slot was reserved when the chunk was allocated; a chunk counted but never
+        // allocated reserved nothing.
+        let Some(&block) = table.blocks.get(slot) else {
+            return Ok(());
+        };
+        if block == NULL_BLOCK {
+            return Ok(());
+        }
+        let bs = self.bs();
+        let prompt_checkpoint = mamba_checkpoint_position(
+            request.num_prompt_tokens(),
+            self.alignment,
+            self.drop_eagle_checkpoint,
+            ctx.num_hash_lookahead_tokens,
+        );
+        // Retention's segment states only (the replay boundaries are not consulted here).
+        let retained = position % bs == 0
+            && match ctx.retention {
+                None => true,
+                Some(0) => false,
+                Some(r) => {
+                    let per = r / bs;
+                    per <= 1 || (position / bs) % per == 0
+                }
+            };
+        if position != prompt_checkpoint && !retained && position != ctx.shared_prefix_boundary {
+            if pool.block_key(block)?.is_some() {
+                pool.evict_blocks(&[block])?;
+            }
+            return Ok(());
+        }
+        self.key_state_block(pool, request, block, slot, position, ctx, effects)
+    }
+
+    /// Mamba align: keys `block` (in `slot`) as the state after `num_tokens` tokens, replacing
+    /// any other key it has, and marks the key cached this step.
+    #[allow(clippy::too_many_arguments)]
+    fn key_state_block(
+        &self,
+        pool: &BlockPool,
+        request: &Request,
+        block: BlockId,
+        idx: usize,
+        num_tokens: usize,
+        ctx: &CacheCtx<'_>,
+        effects: &mut Effects,
+    ) -> Result<()> {
+        let hash_bs = ctx.hash_block_size;
         let hash = request.block_hashes()[num_tokens / hash_bs - 1];
         let key = CacheKey {
             hash,

@@ -37,9 +37,15 @@ pub enum AttentionKind {
     ChunkedLocal { chunk: usize },
     /// Recurrent state. `None` mode keeps one state block (plus `speculative_blocks`);
     /// `Align` mode keeps the state at block-aligned positions and prefix-caches them.
+    ///
+    /// `prefill_checkpoint_alignment` > 0 (vLLM's `num_prefill_checkpoint_blocks` > 0 with a
+    /// `prefill_checkpoint_alignment`, as its Mamba-2 mixer declares): in align mode the
+    /// worker exports the state at the prompt's checkpoint from inside a longer final chunk,
+    /// into one more block the chunk reserves. 0: no such exports.
     Mamba {
         mode: MambaMode,
         speculative_blocks: usize,
+        prefill_checkpoint_alignment: usize,
     },
     /// One block per request for its whole life (vLLM's `CircularBufferSpec`); never cached.
     CircularBuffer,
@@ -55,6 +61,9 @@ pub struct KindParams {
     /// `"align"` or `"none"`; `None`: align with prefix caching on, none with it off.
     pub mamba_cache_mode: Option<String>,
     pub num_speculative_blocks: Option<usize>,
+    /// vLLM's `num_prefill_checkpoint_blocks` (0 or 1) and `prefill_checkpoint_alignment`.
+    pub num_prefill_checkpoint_blocks: Option<usize>,
+    pub prefill_checkpoint_alignment: Option<usize>,
 }
 
 impl AttentionKind {
@@ -86,8 +95,8 @@ impl AttentionKind {
             "chunked_local" | "chunked_local_attention" => AttentionKind::ChunkedLocal {
                 chunk: need(params.attention_chunk_size, "attention_chunk_size")?,
             },
-            "mamba" => AttentionKind::Mamba {
-                mode: match params.mamba_cache_mode.as_deref() {
+            "mamba" => {
+                let mode = match params.mamba_cache_mode.as_deref() {
                     Some("align") => MambaMode::Align,
                     Some("none") => MambaMode::None,
                     None if enable_caching => MambaMode::Align,
@@ -97,9 +106,30 @@ impl AttentionKind {
                             "unknown mamba_cache_mode {other:?} (expected 'align' or 'none')"
                         ))
                     }
-                },
-                speculative_blocks: params.num_speculative_blocks.unwrap_or(0),
-            },
+                };
+                let checkpoint_blocks = params.num_prefill_checkpoint_blocks.unwrap_or(0);
+                if checkpoint_blocks > 1 {
+                    return bad_config(format!(
+                        "num_prefill_checkpoint_blocks {checkpoint_blocks} (vLLM 0.33 reserves \
+                         at most 1)"
+                    ));
+                }
+                let alignment = params.prefill_checkpoint_alignment;
+                if alignment == Some(0) {
+                    return bad_config("prefill_checkpoint_alignment must be positive");
+                }
+                // Without an alignment vLLM never finds a checkpoint it can export (and none
+                // mode never exports one): the same as declaring no checkpoint block.
+                let prefill_checkpoint_alignment = match (mode, checkpoint_blocks) {
+                    (MambaMode::Align, 1) => alignment.unwrap_or(0),
+                    _ => 0,
+                };
+                AttentionKind::Mamba {
+                    mode,
+                    speculative_blocks: params.num_speculative_blocks.unwrap_or(0),
+                    prefill_checkpoint_alignment,
+                }
+            }
             "circular_buffer" => AttentionKind::CircularBuffer,
             other => {
                 return bad_config(format!(
@@ -173,9 +203,34 @@ impl GroupSpec {
             AttentionKind::Mamba {
                 mode,
                 speculative_blocks,
+                prefill_checkpoint_alignment: 0,
             },
             block_size,
         )
+    }
+
+    /// An align-mode Mamba group whose worker exports prefill checkpoints (vLLM 0.33's
+    /// Mamba-2 mixer: one checkpoint block, alignment 1).
+    pub fn mamba_with_checkpoints(block_size: usize, alignment: usize) -> Self {
+        Self::new(
+            AttentionKind::Mamba {
+                mode: MambaMode::Align,
+                speculative_blocks: 0,
+                prefill_checkpoint_alignment: alignment,
+            },
+            block_size,
+        )
+    }
+
+    /// The alignment of prefill checkpoint exports (0: the group has none).
+    pub fn prefill_checkpoint_alignment(&self) -> usize {
+        match self.kind {
+            AttentionKind::Mamba {
+                prefill_checkpoint_alignment,
+                ..
+            } => prefill_checkpoint_alignment,
+            _ => 0,
+        }
     }
 
     /// Full-attention based (vLLM's `FullAttentionSpec` and subclasses): left-to-right hits,

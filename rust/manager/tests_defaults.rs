@@ -316,6 +316,163 @@ fn mamba_boundary_states_are_offered_and_attention_blocks_recorded_for_zeroing()
     ));
 }
 
+// ----- Mamba prefill checkpoint exports ---------------------------------------------------------
+
+fn mamba2(retention: Option<usize>) -> KVCacheManager {
+    manager(vec![GroupSpec::mamba_with_checkpoints(4, 1)], 64, retention)
+}
+
+#[test]
+fn a_chunk_is_exportable_when_the_checkpoint_lies_a_block_inside_it() {
+    use super::single_type::checkpoint_exportable as ok;
+    // Block 4, hash block 4, alignment 1; the checkpoint of a chunk ending at e is
+    // (e - 1) // 4 * 4.
+    assert!(ok(0, 18, 16, 4, 4, 1));
+    assert!(ok(0, 5, 4, 4, 4, 1)); // the state after the first block, from inside [0, 5)
+    assert!(!ok(0, 4, 0, 4, 4, 1)); // nothing before the chunk's last block
+    assert!(!ok(2, 18, 16, 4, 4, 1)); // a chunk starting mid-block
+    assert!(ok(8, 13, 12, 4, 4, 1));
+    assert!(!ok(8, 12, 8, 4, 4, 1)); // the checkpoint is the chunk's start
+    assert!(!ok(8, 18, 16, 4, 4, 3)); // 8 tokens in, not a multiple of the alignment
+    assert!(ok(8, 18, 16, 4, 4, 2));
+    assert!(!ok(0, 18, 16, 4, 4, 0)); // no exports at all
+}
+
+#[test]
+fn the_final_chunk_reserves_a_block_for_the_prompt_checkpoint_and_caches_it() {
+    // An 18-token prompt in one chunk: the checkpoint is (18 - 1) // 4 * 4 = 16, exported into
+    // slot cdiv(18, 4) - 2 = 3 beside the running state in slot 4; two blocks taken, not one.
+    for retention in [Some(0), None] {
+        let mut m = mamba2(retention);
+        m.add_request("a", &tokens(0, 18), ExtraKeys::default())
+            .unwrap();
+        let free = m.num_free_blocks();
+        let new = m.allocate_slots("a", &chunk(18, 0)).unwrap().unwrap();
+        assert_eq!(free - m.num_free_blocks(), 2, "{retention:?}");
+        assert_eq!(&new[0][..3], &[NULL_BLOCK; 3]);
+        let checkpoint = new[0][3];
+        assert_ne!(checkpoint, NULL_BLOCK);
+        assert_eq!(m.block_ids("a", 0).unwrap(), &new[0][..]);
+        // Keyed as the state after 16 tokens: the same prompt hits it.
+        let hash = m.request("a").unwrap().block_hashes()[3];
+        assert_eq!(key_of(&m, checkpoint), Some(CacheKey { hash, group: 0 }));
+        m.add_request("b", &tokens(0, 18), ExtraKeys::default())
+            .unwrap();
+        m.new_step_starts();
+        let hit = m.get_computed_blocks("b").unwrap();
+        assert_eq!(hit.num_computed_tokens, 16);
+        assert_eq!(hit.blocks[0][3], checkpoint);
+    }
+    // Without exports the same chunk keeps one state block and caches nothing (vLLM's
+    // scheduler stops the chunk at 16 instead).
+    let mut m = manager(vec![GroupSpec::mamba(4)], 64, Some(0));
+    m.add_request("a", &tokens(0, 18), ExtraKeys::default())
+        .unwrap();
+    let new = m.allocate_slots("a", &chunk(18, 0)).unwrap().unwrap();
+    assert_eq!(non_null(&new[0]).len(), 1);
+    assert_eq!(m.num_cached_keys(), 0);
+}
+
+#[test]
+fn under_default_retention_only_the_chunk_reaching_the_prefill_end_exports() {
+    let mut m = mamba2(Some(0));
+    m.add_request("a", &tokens(0, 18), ExtraKeys::default())
+        .unwrap();
+    let first = m.allocate_slots("a", &chunk(8, 0)).unwrap().unwrap();
+    assert_eq!(first[0].len(), 2);
+    assert_eq!(first[0][0], NULL_BLOCK);
+    let state = first[0][1];
+    // [8, 18): the checkpoint 16 is 8 tokens in, slot 3; slot 2 stays null and the previous
+    // state (slot 1) is kept until the request is past it.
+    let second = m.allocate_slots("a", &chunk(10, 8)).unwrap().unwrap();
+    let table = m.block_ids("a", 0).unwrap().to_vec();
+    assert_eq!(table.len(), 5);
+    assert_eq!(&table[..3], &[NULL_BLOCK, state, NULL_BLOCK]);
+    assert_eq!(second[0], table[2..].to_vec());
+    assert_eq!(non_null(&second[0]).len(), 2);
+    let hash = m.request("a").unwrap().block_hashes()[3];
+    assert_eq!(key_of(&m, table[3]), Some(CacheKey { hash, group: 0 }));
+}
+
+#[test]
+fn under_dense_retention_every_long_enough_chunk_exports() {
+    // Dense: the chunk [0, 8) exports the state after 4 tokens into slot 0, and both it and the
+    // running state are cached.
+    let mut m = mamba2(None);
+    m.add_request("a", &tokens(0, 18), ExtraKeys::default())
+        .unwrap();
+    let first = m.allocate_slots("a", &chunk(8, 0)).unwrap().unwrap();
+    assert_eq!(non_null(&first[0]).len(), 2);
+    let hashes = m.request("a").unwrap().block_hashes().to_vec();
+    for (slot, &block) in first[0].iter().enumerate() {
+        let key = CacheKey {
+            hash: hashes[slot],
+            group: 0,
+        };
+        assert_eq!(key_of(&m, block), Some(key));
+    }
+}
+
+#[test]
+fn a_transient_checkpoint_is_not_cached_between_retention_segments() {
+    // Retention every 8 tokens (2 blocks) on a 30-token prompt: the chunk [0, 14) exports the
+    // state after 12 tokens into slot 2. 12 is neither a segment end (8, 16, ...), the prompt's
+    // checkpoint (28) nor a junction: the block holds it for the step, uncached. Dense
+    // retention caches it.
+    for (retention, cached) in [(Some(8), false), (None, true)] {
+        let mut m = mamba2(retention);
+        m.add_request("a", &tokens(0, 30), ExtraKeys::default())
+            .unwrap();
+        let new = m.allocate_slots("a", &chunk(14, 0)).unwrap().unwrap();
+        let table = m.block_ids("a", 0).unwrap().to_vec();
+        assert_eq!(new[0], table);
+        assert_eq!(&table[..2], &[NULL_BLOCK; 2]);
+        assert_ne!(table[2], NULL_BLOCK);
+        assert_eq!(key_of(&m, table[2]).is_some(), cached, "{retention:?}");
+    }
+}
+
+#[test]
+fn the_admission_check_counts_the_checkpoint_block() {
+    // 3 free blocks: the 18-token prompt needs 2 now; its whole sequence with output too.
+    let mut m = manager(vec![GroupSpec::mamba_with_checkpoints(4, 1)], 3, Some(0));
+    m.add_request("a", &tokens(0, 18), ExtraKeys::default())
+        .unwrap();
+    assert_eq!(m.num_blocks_to_admit("a", None).unwrap(), 2);
+    let mut plain = manager(vec![GroupSpec::mamba(4)], 3, Some(0));
+    plain
+        .add_request("a", &tokens(0, 18), ExtraKeys::default())
+        .unwrap();
+    assert_eq!(plain.num_blocks_to_admit("a", None).unwrap(), 1);
+    // With one free block the exporting chunk cannot be allocated, and nothing changes.
+    let mut tight = manager(vec![GroupSpec::mamba_with_checkpoints(4, 1)], 2, Some(0));
+    tight
+        .add_request("a", &tokens(0, 18), ExtraKeys::default())
+        .unwrap();
+    assert!(tight.allocate_slots("a", &chunk(18, 0)).unwrap().is_none());
+    assert!(tight.block_ids("a", 0).unwrap().is_empty());
+    assert_eq!(tight.num_free_blocks(), 1);
+}
+
+#[test]
+fn checkpoint_blocks_are_freed_as_the_request_moves_on() {
+    let mut m = mamba2(Some(0));
+    m.add_request("a", &tokens(0, 18), ExtraKeys::default())
+        .unwrap();
+    m.allocate_slots("a", &chunk(18, 0)).unwrap().unwrap();
+    let before = m.num_free_blocks();
+    // Decode past the next block: the checkpoint (slot 3) falls behind the state and is freed
+    // into the cache (it keeps its key).
+    m.append_token_ids("a", &tokens(100, 8)).unwrap();
+    m.allocate_slots("a", &chunk(8, 18)).unwrap().unwrap();
+    let table = m.block_ids("a", 0).unwrap().to_vec();
+    assert_eq!(table[3], NULL_BLOCK);
+    assert_eq!(m.num_cached_keys(), 1);
+    assert_eq!(m.num_free_blocks(), before);
+    m.free("a").unwrap();
+    assert_eq!(m.num_free_blocks(), 63);
+}
+
 // ----- EAGLE and lookahead hashing ------------------------------------------------------------------
 
 fn eagle(groups: Vec<GroupSpec>, retention: Option<usize>) -> KVCacheManager {

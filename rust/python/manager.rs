@@ -231,6 +231,8 @@ fn group_from_py(
         bounded_replay,
         mamba_cache_mode: string("mamba_cache_mode")?,
         num_speculative_blocks: count("num_speculative_blocks")?,
+        num_prefill_checkpoint_blocks: count("num_prefill_checkpoint_blocks")?,
+        prefill_checkpoint_alignment: count("prefill_checkpoint_alignment")?,
     };
     let kind = AttentionKind::parse(&kind, &params, enable_caching)
         .map_err(|e| InvalidConfigError::new_err(format!("group {index}: {e}")))?;
@@ -504,6 +506,7 @@ impl PyKVCacheManager {
                     AttentionKind::Mamba {
                         mode,
                         speculative_blocks,
+                        prefill_checkpoint_alignment,
                     } => {
                         let mode = match mode {
                             crate::manager::MambaMode::Align => "align",
@@ -511,6 +514,13 @@ impl PyKVCacheManager {
                         };
                         d.set_item("mamba_cache_mode", mode)?;
                         d.set_item("num_speculative_blocks", speculative_blocks)?;
+                        if prefill_checkpoint_alignment > 0 {
+                            d.set_item("num_prefill_checkpoint_blocks", 1)?;
+                            d.set_item(
+                                "prefill_checkpoint_alignment",
+                                prefill_checkpoint_alignment,
+                            )?;
+                        }
                         "mamba"
                     }
                     AttentionKind::CircularBuffer => "circular_buffer",

@@ -28,6 +28,9 @@ class Run:
     finished: int = 0
     spec_tokens: int = 0
     hits: int = 0
+    # Steps handing a request two or more new blocks of the last group (a Mamba group: its
+    # state plus an exported prefill checkpoint).
+    two_states: int = 0
 
 
 def run_both(
@@ -56,6 +59,11 @@ def run_both(
         run.finished += len(expected["finished"])
         run.spec_tokens += sum(len(v) for v in expected["spec"].values())
         run.hits += sum(1 for _, _, n in expected["new"] if n > 0)
+        # New requests list their hit blocks too: count those past the hit. Resumed requests
+        # list their whole table: left out.
+        handed = [ids[-1][n // options.block_size :] for _, ids, n in expected["new"]]
+        handed += [ids[-1] for _, ids, _, resumed, _ in expected["cached"] if ids and not resumed]
+        run.two_states += sum(1 for ids in handed if sum(1 for b in ids if b) >= 2)
     assert run.finished == len(workload)
     return run
 
@@ -140,10 +148,41 @@ def test_same_outputs_as_vllm_on_jamba_with_prefix_caching() -> None:
     # mamba_cache_mode="align": Mamba states cached at block-aligned checkpoints.
     run = run_both(harness.Options(layout="jamba", num_blocks=700), WORKLOAD)
     assert run.preempted > 0 and run.hits > 0
+    assert run.two_states == 0, "Mamba-1 exports no prefill checkpoint"
 
 
 def test_same_outputs_as_vllm_on_jamba_without_prefix_caching() -> None:
     run = run_both(harness.Options(layout="jamba", num_blocks=700, prefix_caching=False), WORKLOAD)
+    assert run.preempted > 0
+
+
+# Mamba-2 layers export the prompt's checkpoint from inside the final chunk into one more block:
+# vLLM's scheduler then leaves that chunk whole, and both managers must reserve, hand out and
+# cache the same blocks. Pressure forces preemptions (re-admissions replaying outputs) and
+# frees of checkpoint blocks; dense retention lets every chunk export one.
+@pytest.mark.parametrize(
+    "dense,num_blocks",
+    [(True, 700), (False, 700), (True, 20000), (False, 20000)],
+    ids=["dense-pressure", "default-pressure", "dense-room", "default-room"],
+)
+def test_same_outputs_as_vllm_with_mamba2_prefill_checkpoints(dense: bool, num_blocks: int) -> None:
+    options = harness.Options(layout="granite4", num_blocks=num_blocks, dense_retention=dense)
+    run = run_both(options, WORKLOAD)
+    assert run.hits > 0 and run.two_states > 0
+    assert (run.preempted > 0) == (num_blocks < 1000)
+
+
+def test_same_outputs_as_vllm_with_mamba2_prefill_checkpoints_and_small_chunks() -> None:
+    # Chunks of 96 tokens: prompts prefill over several chunks, the last one may or may not be
+    # long enough to export the checkpoint.
+    options = harness.Options(layout="granite4", num_blocks=900, max_num_batched_tokens=96)
+    run = run_both(options, WORKLOAD)
+    assert run.hits > 0 and run.two_states > 0
+
+
+def test_same_outputs_as_vllm_on_mamba2_without_prefix_caching() -> None:
+    options = harness.Options(layout="granite4", num_blocks=700, prefix_caching=False)
+    run = run_both(options, WORKLOAD)
     assert run.preempted > 0
 
 
@@ -254,25 +293,8 @@ def test_unknown_group_kind_falls_back() -> None:
     assert reason is not None and "CrossAttentionSpec" in reason
 
 
-def test_mamba2_prefill_checkpoints_fall_back() -> None:
-    # vLLM 0.33's Mamba-2 mixer and gated DeltaNet declare one prefill checkpoint block per
-    # request; Mamba-1 (Jamba) declares none.
-    from vllm.v1.kv_cache_interface import MambaSpec
-
-    ctx = _context(harness.Options(layout="jamba", prefix_caching=False))
-    assert hkv.fallback_reason(ctx) is None
-    for group in ctx.kv_cache_config.kv_cache_groups:
-        if isinstance(group.kv_cache_spec, MambaSpec):
-            group.kv_cache_spec = dataclasses.replace(
-                group.kv_cache_spec, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1
-            )
-    reason = hkv.fallback_reason(ctx)
-    assert reason is not None and reason.startswith("Mamba prefill checkpoints")
-    assert "1 prefill checkpoint block" in reason
-
-
 def test_supported_configurations_have_no_fallback_reason() -> None:
-    for layout in ("full", "gpt-oss", "gemma3", "llama4"):
+    for layout in ("full", "gpt-oss", "gemma3", "llama4", "jamba", "granite4"):
         assert hkv.fallback_reason(_context(harness.Options(layout=layout))) is None
     assert (
         hkv.fallback_reason(_context(harness.Options(layout="jamba", prefix_caching=False))) is None

@@ -161,6 +161,8 @@ def _group_spec(index: int, spec: KVCacheSpec) -> dict[str, Any]:
     elif kind == "mamba":
         group["mamba_cache_mode"] = spec.mamba_cache_mode  # type: ignore[attr-defined]
         group["num_speculative_blocks"] = spec.num_speculative_blocks  # type: ignore[attr-defined]
+        group["num_prefill_checkpoint_blocks"] = spec.num_prefill_checkpoint_blocks  # type: ignore[attr-defined]
+        group["prefill_checkpoint_alignment"] = spec.prefill_checkpoint_alignment  # type: ignore[attr-defined]
     return group
 
 

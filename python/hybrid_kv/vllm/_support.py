@@ -84,14 +84,6 @@ def _unknown_group(ctx: BuildContext) -> str | None:
     return None
 
 
-def _prefill_checkpoints(ctx: BuildContext) -> str | None:
-    for index, group in enumerate(ctx.kv_cache_config.kv_cache_groups):
-        blocks = getattr(group.kv_cache_spec, "num_prefill_checkpoint_blocks", 0)
-        if blocks:
-            return f"group {index} has {blocks} prefill checkpoint block(s)"
-    return None
-
-
 def _mixed_block_sizes(ctx: BuildContext) -> str | None:
     sizes = {spec.block_size for spec in ctx.specs}
     hash_block_size = ctx.manager_kwargs.get("hash_block_size")
@@ -157,13 +149,6 @@ FALLBACKS: tuple[tuple[str, Check, str], ...] = (
         "block sizes",
         _mixed_block_sizes,
         "hybrid-kv's manager is checked against vLLM with one block size for all groups",
-    ),
-    (
-        "Mamba prefill checkpoints (Mamba-2 and gated DeltaNet layers: Granite-4, Nemotron-H, "
-        "Falcon-H1, Zamba2, Qwen3-Next, ...)",
-        _prefill_checkpoints,
-        "the states these layers export from inside a prefill need blocks hybrid-kv does not "
-        "allocate yet (num_prefill_checkpoint_blocks)",
     ),
     (
         "async scheduling or speculative decoding",

@@ -83,12 +83,14 @@ def _attention(block_size: int) -> dict[str, Any]:
     return {"block_size": block_size, "num_kv_heads": 8, "head_size": 128, "dtype": torch.float16}
 
 
-def _mamba(block_size: int) -> MambaSpec:
+def _mamba(block_size: int, checkpoint_blocks: int = 0) -> MambaSpec:
     return MambaSpec(
         block_size=block_size,
         shapes=((2, 64), (16, 64)),
         dtypes=(torch.float16, torch.float16),
         mamba_type="mamba2",
+        num_prefill_checkpoint_blocks=checkpoint_blocks,
+        prefill_checkpoint_alignment=1 if checkpoint_blocks else None,
     )
 
 
@@ -113,7 +115,13 @@ LAYOUTS: dict[str, Callable[[int], list[KVCacheSpec]]] = {
     ),
     # Jamba-like: Mamba + full attention.
     "jamba": lambda bs: [FullAttentionSpec(**_attention(bs)), _mamba(bs)],
+    # Granite-4.0-H / Nemotron-H-like: vLLM 0.33's Mamba-2 mixer exports the prompt's state
+    # from inside the final prefill chunk into one more block (`num_prefill_checkpoint_blocks`).
+    "granite4": lambda bs: [FullAttentionSpec(**_attention(bs)), _mamba(bs, checkpoint_blocks=1)],
 }
+
+# Layouts with Mamba groups (vLLM then picks mamba_cache_mode "align" with prefix caching).
+MAMBA_LAYOUTS = ("jamba", "granite4")
 
 
 @dataclass(frozen=True)
@@ -172,7 +180,7 @@ def vllm_config(options: Options) -> VllmConfig:
         prefix_cache_retention_interval=None if options.dense_retention else 0,
         # vLLM derives this from the model's Mamba layers; the tiny model here has none.
         mamba_cache_mode="align"
-        if options.prefix_caching and options.layout == "jamba"
+        if options.prefix_caching and options.layout in MAMBA_LAYOUTS
         else "none",
     )
     cache.num_gpu_blocks = options.num_blocks
