@@ -17,6 +17,16 @@ GROUPS = [
         {"kind": "chunked_local", "block_size": 4, "attention_chunk_size": 8},
     ],
     [{"kind": "full", "block_size": 4}, {"kind": "mamba", "block_size": 4}],
+    # Mamba-2: prefill checkpoints exported into blocks of their own.
+    [
+        {"kind": "full", "block_size": 4},
+        {
+            "kind": "mamba",
+            "block_size": 4,
+            "num_prefill_checkpoint_blocks": 1,
+            "prefill_checkpoint_alignment": 1,
+        },
+    ],
 ]
 
 counts = st.one_of(st.integers(-3, 40), st.sampled_from([2**31, 2**62, -(2**62)]))

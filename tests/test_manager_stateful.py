@@ -36,6 +36,16 @@ LAYOUTS = [
     ],
     [{"kind": "sliding_window", "block_size": 4, "sliding_window": 5}],
     [{"kind": "full", "block_size": 4}, {"kind": "mamba", "block_size": 4}],
+    # Mamba-2: prefill checkpoints exported into blocks of their own.
+    [
+        {"kind": "full", "block_size": 4},
+        {
+            "kind": "mamba",
+            "block_size": 4,
+            "num_prefill_checkpoint_blocks": 1,
+            "prefill_checkpoint_alignment": 1,
+        },
+    ],
 ]
 PREFIXES = [[], list(range(100, 112)), list(range(200, 220))]
 MAX_LEN = 96
@@ -179,8 +189,10 @@ class ManagerMachine(RuleBasedStateMachine):
                     assert held.setdefault(b, (g, pos)) == (g, pos)
                 kind = self.groups[g]["kind"]
                 if kind == "mamba":
-                    # Align mode keeps the current state and at most the one it started from.
-                    assert sum(1 for b in ids if b) <= 2, ids
+                    # Align mode keeps the current state and at most the one it started from,
+                    # plus a prefill checkpoint exported from inside the last chunk.
+                    exports = self.groups[g].get("num_prefill_checkpoint_blocks", 0)
+                    assert sum(1 for b in ids if b) <= 2 + exports, ids
                 elif kind in ("sliding_window", "chunked_local"):
                     # Freed slots only ever precede the live ones.
                     first = next((i for i, b in enumerate(ids) if b), len(ids))
