@@ -86,6 +86,9 @@ pub enum KvEvent {
     BlockRemoved {
         block_hash: BlockHash,
         group_id: GroupId,
+        /// The block was handed out again (an allocation evicted it), rather than its key
+        /// removed explicitly (`evict_blocks`: a key replaced, a transient state dropped).
+        on_reuse: bool,
     },
     /// The whole prefix cache was reset.
     AllBlocksCleared,

@@ -228,6 +228,29 @@ def test_allocate_slots_can_set_the_schedulers_counts() -> None:
     assert req.num_computed_tokens == 16
 
 
+def test_computed_tokens_run_ahead_of_the_known_tokens_only_by_those_in_flight() -> None:
+    # Async scheduling with drafts: vLLM's count includes the positions of unprocessed steps.
+    m = hk.KVCacheManager([FULL], 64, 1024)
+    req = hk.Request("a", list(range(8)), block_size=4)
+    m.allocate_slots(req, 8)
+    with pytest.raises(hk.OutOfRangeError):
+        req.num_computed_tokens = 9
+    req.num_in_flight_tokens = 4
+    req.num_computed_tokens = 12
+    with pytest.raises(hk.OutOfRangeError):
+        req.num_computed_tokens = 13
+    assert req.num_computed_tokens == 12
+    # Tokens in flight: at most the known or the computed tokens, whichever is more.
+    with pytest.raises(hk.OutOfRangeError):
+        req.num_in_flight_tokens = 13
+    # Passed together, the pair is checked as a pair and nothing changes on a refusal.
+    with pytest.raises(hk.OutOfRangeError):
+        m.allocate_slots(req, 4, num_computed_tokens=14, num_in_flight_tokens=5)
+    assert (req.num_computed_tokens, req.num_in_flight_tokens) == (12, 4)
+    assert m.allocate_slots(req, 4, num_computed_tokens=13, num_in_flight_tokens=5) is not None
+    assert (req.num_computed_tokens, req.num_in_flight_tokens) == (13, 5)
+
+
 def test_reserved_blocks_are_left_free() -> None:
     m = hk.KVCacheManager([FULL], 6, 1024)
     req = hk.Request("a", list(range(20)), block_size=4)

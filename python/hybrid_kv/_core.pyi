@@ -138,6 +138,11 @@ class BlockRemoved:
     @property
     def group_id(self) -> int:
         """The removed key's group."""
+    @property
+    def on_reuse(self) -> bool:
+        """True when an allocation handed the block out again (vLLM evicts on reuse before
+        it caches anything in the call); False when the key was removed explicitly
+        (`evict_blocks`, a Mamba state keyed at a longer prefix, a transient checkpoint)."""
 
 @final
 class AllBlocksCleared:
@@ -341,13 +346,15 @@ class Request:
     @property
     def num_computed_tokens(self) -> int:
         """The scheduler's count of computed tokens (it owns it, as in vLLM); at most
-        `num_tokens` (a larger value raises `OutOfRangeError`)."""
+        `num_tokens + num_in_flight_tokens` (a larger value raises `OutOfRangeError`): under
+        async scheduling vLLM's count runs ahead of the known tokens by the positions of
+        unprocessed steps, draft tokens included; set `num_in_flight_tokens` first."""
     @num_computed_tokens.setter
     def num_computed_tokens(self, value: int) -> None: ...
     @property
     def num_in_flight_tokens(self) -> int:
         """Tokens scheduled but not yet processed (async scheduling): out-of-window blocks are
-        freed only once processed."""
+        freed only once processed. At most `max(num_tokens, num_computed_tokens)`."""
     @num_in_flight_tokens.setter
     def num_in_flight_tokens(self, value: int) -> None: ...
     @property
@@ -563,8 +570,9 @@ class KVCacheManager:
             has_scheduled_reqs: other requests run this step (the watermark then applies).
             skip_zeroing_group_ids: groups whose external-token blocks an asynchronous load
                 writes (not recorded for zeroing).
-            num_computed_tokens, num_in_flight_tokens: when given, set on the request first
-                (as its setters do), saving a call each.
+            num_computed_tokens, num_in_flight_tokens: when given, set on the request first,
+                checked as a pair (the setters' bounds, in-flight tokens first), saving a call
+                each.
 
         Returns:
             The blocks handed to the worker per group (for Mamba align, null blocks and

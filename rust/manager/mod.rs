@@ -779,10 +779,14 @@ impl KVCacheManager {
                 self.num_groups()
             )));
         }
+        // Under async scheduling the scheduler's count runs ahead of the known tokens by the
+        // unprocessed steps' positions (drafts included); the processed ones are known.
         let computed = args.num_computed_tokens + args.num_new_computed_tokens;
-        if computed > state.request.num_tokens() {
+        if computed.saturating_sub(args.num_in_flight_tokens) > state.request.num_tokens() {
             return Err(CoreError::OutOfRange(format!(
-                "request {id:?}: {computed} computed tokens but the request has only {}",
+                "request {id:?}: {computed} computed tokens, {} in flight, but the request has \
+                 only {}",
+                args.num_in_flight_tokens,
                 state.request.num_tokens()
             )));
         }
@@ -1215,21 +1219,42 @@ impl KVCacheManager {
                 continue;
             }
             let bs = m.spec.block_size;
-            let group = t
-                .blocks
-                .iter()
-                .enumerate()
-                .rev()
-                .find(|&(_, &b)| {
-                    b != NULL_BLOCK
-                        && self
-                            .pool
-                            .block_key(b)
-                            .ok()
-                            .flatten()
-                            .is_some_and(|k| k.group == m.id)
-                })
-                .map_or(0, |(i, _)| (i + 1) * bs);
+            let key_of = |b: BlockId| {
+                (b != NULL_BLOCK)
+                    .then(|| self.pool.block_key(b).ok().flatten())
+                    .flatten()
+                    .filter(|k| k.group == m.id)
+            };
+            let group = if m.spec.prefill_checkpoint_alignment() > 0 {
+                // An exported checkpoint sits one slot past the prefix its key covers when
+                // EAGLE's drop moves the checkpoint back a block: read the prefix off the key
+                // (vLLM's `block_hash_num_tokens`), the longest over the group's keyed blocks.
+                let hashes = state.request.block_hashes();
+                let hash_bs = self.hash_block_size;
+                t.blocks
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, &b)| {
+                        let key = key_of(b)?;
+                        let natural = (i + 1) * bs;
+                        if hashes.get(natural / hash_bs - 1) == Some(&key.hash) {
+                            return Some(natural);
+                        }
+                        hashes
+                            .iter()
+                            .rposition(|&h| h == key.hash)
+                            .map(|j| (j + 1) * hash_bs)
+                    })
+                    .max()
+                    .unwrap_or(0)
+            } else {
+                t.blocks
+                    .iter()
+                    .enumerate()
+                    .rev()
+                    .find(|&(_, &b)| key_of(b).is_some())
+                    .map_or(0, |(i, _)| (i + 1) * bs)
+            };
             cached = Some(cached.map_or(group, |c| c.min(group)));
         }
         Ok(cached.unwrap_or(0))

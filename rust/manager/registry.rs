@@ -120,15 +120,39 @@ impl RequestRecord {
         self.num_prompt_tokens + self.output.len()
     }
 
-    /// Sets the scheduler's count of computed tokens (at most the request's tokens).
+    /// Sets the scheduler's count of computed tokens: at most the request's tokens plus its
+    /// tokens in flight (vLLM's count runs ahead of the known tokens by the draft and
+    /// placeholder positions of unprocessed steps under async scheduling).
     pub fn set_num_computed_tokens(&mut self, value: usize) -> Result<()> {
-        if value > self.num_tokens() {
+        self.set_progress(Some(value), None)
+    }
+
+    /// Sets the scheduler's counts together, checked as a pair (`None` keeps a count): tokens
+    /// in flight are at most the request's tokens or its computed tokens, whichever is more;
+    /// computed tokens at most the request's tokens plus those in flight (the processed
+    /// tokens, computed minus in flight, are known tokens). Nothing changes on an error.
+    pub fn set_progress(
+        &mut self,
+        computed: Option<usize>,
+        in_flight: Option<usize>,
+    ) -> Result<()> {
+        let n = self.num_tokens();
+        let c = computed.unwrap_or(self.num_computed_tokens);
+        let f = in_flight.unwrap_or(self.num_in_flight_tokens);
+        if in_flight.is_some() && f > n.max(c) {
             return Err(CoreError::OutOfRange(format!(
-                "num_computed_tokens {value} exceeds the request's {} tokens",
-                self.num_tokens()
+                "num_in_flight_tokens {f} exceeds the request's {n} tokens and its {c} computed \
+                 tokens"
             )));
         }
-        self.num_computed_tokens = value;
+        if computed.is_some() && c > n + f {
+            return Err(CoreError::OutOfRange(format!(
+                "num_computed_tokens {c} exceeds the request's {n} tokens plus its {f} tokens \
+                 in flight"
+            )));
+        }
+        self.num_computed_tokens = c;
+        self.num_in_flight_tokens = f;
         Ok(())
     }
 

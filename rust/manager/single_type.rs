@@ -534,6 +534,19 @@ impl GroupManager {
                 hash_buf.extend((num_cached..num_full).map(|i| view.get(i)));
                 hash_buf.as_slice()
             };
+            if self.spec.prefill_checkpoint_alignment() > 0 {
+                // A block holding an exported checkpoint is keyed at the checkpoint, a shorter
+                // prefix than its slot: caching the slot's full prefix re-keys it (vLLM's
+                // partial-to-full promotion in `cache_full_blocks`).
+                for (&block, &hash) in blocks.iter().zip(block_hashes) {
+                    if block == NULL_BLOCK {
+                        continue;
+                    }
+                    if pool.block_key(block)?.is_some_and(|k| k.hash != hash) {
+                        pool.evict_blocks(&[block])?;
+                    }
+                }
+            }
             let extra = request.extra_keys();
             let keys_of = |i: usize| {
                 let start = (num_cached + i) * bs;
@@ -623,7 +636,7 @@ impl GroupManager {
         if block == NULL_BLOCK {
             return Ok(());
         }
-        self.key_state_block(pool, request, block, idx, num_tokens, ctx, effects)
+        self.key_state_block(pool, request, block, num_tokens, ctx, effects)
     }
 
     /// Mamba align: keys the block the worker exported this chunk's checkpoint into at the
@@ -672,7 +685,7 @@ impl GroupManager {
             }
             return Ok(());
         }
-        self.key_state_block(pool, request, block, slot, position, ctx, effects)
+        self.key_state_block(pool, request, block, position, ctx, effects)
     }
 
     /// Mamba align: keys `block` (in `slot`) as the state after `num_tokens` tokens, replacing
@@ -683,7 +696,6 @@ impl GroupManager {
         pool: &BlockPool,
         request: &Request,
         block: BlockId,
-        idx: usize,
         num_tokens: usize,
         ctx: &CacheCtx<'_>,
         effects: &mut Effects,
@@ -707,7 +719,9 @@ impl GroupManager {
             block_size: hash_bs as u32,
             lora: extra.lora_name.as_deref().map(|n| (n, extra.lora_id)),
             block_extra_keys: pool.events_enabled().then_some(&keys_of as _),
-            first_block: idx,
+            // The position of the keyed prefix's last hash block (the block after the parent
+            // hash), not of the slot: an exported checkpoint can sit one slot further on.
+            first_block: num_tokens / hash_bs - 1,
         };
         if pool.block_key(block)?.is_some() {
             // A key for a shorter prefix: the state moved on, the key goes.

@@ -531,6 +531,101 @@ fn eagle_moves_the_replay_boundaries_and_caches_the_peek_block() {
 }
 
 #[test]
+fn eagle_moves_the_exported_checkpoint_back_a_block_and_the_estimate_reads_its_key() {
+    // An 18-token prompt in one chunk, block 4: EAGLE's drop moves the checkpoint from 16 to
+    // 12, still exported into slot cdiv(18, 4) - 2 = 3. The block there holds the state after
+    // 12 tokens: its key and the cached-token estimate say 12, not the slot's 16.
+    let mut m = eagle(vec![GroupSpec::mamba_with_checkpoints(4, 1)], Some(0));
+    m.add_request("a", &tokens(0, 18), ExtraKeys::default())
+        .unwrap();
+    let new = m.allocate_slots("a", &chunk(18, 0)).unwrap().unwrap();
+    let checkpoint = new[0][3];
+    assert_ne!(checkpoint, NULL_BLOCK);
+    let hash = m.request("a").unwrap().block_hashes()[2];
+    assert_eq!(key_of(&m, checkpoint), Some(CacheKey { hash, group: 0 }));
+    assert_eq!(m.estimate_cached_tokens("a").unwrap(), 12);
+    // Without EAGLE the same slot holds the state after 16 tokens.
+    let mut plain = mamba2(Some(0));
+    plain
+        .add_request("a", &tokens(0, 18), ExtraKeys::default())
+        .unwrap();
+    plain.allocate_slots("a", &chunk(18, 0)).unwrap().unwrap();
+    assert_eq!(plain.estimate_cached_tokens("a").unwrap(), 16);
+}
+
+#[test]
+fn a_checkpoint_keyed_below_its_slot_is_rekeyed_when_the_slot_prefix_is_cached() {
+    // Multi-token prediction (2 prefill lookahead tokens, hashes covering 2 more tokens),
+    // block 4, a 17-token prompt in one chunk: the checkpoint is (17 - 2) // 4 * 4 = 12,
+    // exported into slot cdiv(17, 4) - 2 = 3, whose full prefix is 16 tokens.
+    let mut c = config(vec![GroupSpec::mamba_with_checkpoints(4, 1)], 64, Some(0));
+    c.num_hash_lookahead_tokens = 2;
+    c.num_prefill_lookahead = 2;
+    for caches_before_next_step in [true, false] {
+        let mut m = KVCacheManager::new(&c).unwrap();
+        m.add_request("a", &tokens(0, 17), ExtraKeys::default())
+            .unwrap();
+        let new = m.allocate_slots("a", &chunk(17, 0)).unwrap().unwrap();
+        let block = new[0][3];
+        let hashes = |m: &KVCacheManager| m.request("a").unwrap().block_hashes().to_vec();
+        let key = |h: crate::BlockHash| Some(CacheKey { hash: h, group: 0 });
+        assert_eq!(key_of(&m, block), key(hashes(&m)[2]));
+        if caches_before_next_step {
+            // The sampled token proves block 3's hash. The step's checkpoint is still
+            // recorded: the slot's full prefix is cached and the block keyed back at its
+            // checkpoint, as vLLM's `_cache_partial_tail_block` does after `cache_full_blocks`.
+            m.append_token_ids("a", &[100u32]).unwrap();
+            assert_eq!(hashes(&m).len(), 4);
+            m.cache_blocks("a", 17).unwrap();
+            assert_eq!(key_of(&m, block), key(hashes(&m)[2]));
+        } else {
+            // Async scheduling: the next step is allocated while the prefill is in flight (the
+            // slot stays), then the sampled token arrives and the slot's full prefix is cached:
+            // the block is re-keyed at 16 tokens, the shorter key removed.
+            let decode = AllocateArgs {
+                num_new_tokens: 1,
+                num_computed_tokens: 17,
+                num_in_flight_tokens: 17,
+                ..Default::default()
+            };
+            m.allocate_slots("a", &decode).unwrap().unwrap();
+            assert_eq!(m.block_ids("a", 0).unwrap()[3], block);
+            m.append_token_ids("a", &[100u32]).unwrap();
+            m.cache_blocks("a", 17).unwrap();
+            assert_eq!(key_of(&m, block), key(hashes(&m)[3]));
+            assert_eq!(m.num_cached_keys(), 1);
+        }
+    }
+}
+
+#[test]
+fn under_async_scheduling_the_computed_count_runs_ahead_by_the_tokens_in_flight() {
+    // An 8-token prompt prefilled, then a decode step with 3 drafts scheduled while that step
+    // is in flight: vLLM's count is 8 + 4 = 12 before the next step, 4 ahead of the 8 known
+    // tokens, all of them in flight.
+    let mut m = manager(vec![GroupSpec::full(4)], 64, Some(0));
+    m.add_request("a", &tokens(0, 8), ExtraKeys::default())
+        .unwrap();
+    m.allocate_slots("a", &chunk(8, 0)).unwrap().unwrap();
+    let ahead = |in_flight| AllocateArgs {
+        num_new_tokens: 4,
+        num_computed_tokens: 12,
+        num_in_flight_tokens: in_flight,
+        ..Default::default()
+    };
+    let before = m.block_ids("a", 0).unwrap().to_vec();
+    assert!(matches!(
+        m.allocate_slots("a", &ahead(3)),
+        Err(CoreError::OutOfRange(_))
+    ));
+    assert_eq!(m.block_ids("a", 0).unwrap(), &before[..]);
+    let new = m.allocate_slots("a", &ahead(4)).unwrap().unwrap();
+    assert_eq!(new[0].len(), 2, "slots up to 16 tokens: blocks 2 and 3");
+    // Only known tokens are cached: still the two prompt blocks.
+    assert_eq!(m.num_cached_keys(), 2);
+}
+
+#[test]
 fn eagle_with_chunked_local_attention_is_refused_as_in_vllm() {
     let mut c = config(
         vec![GroupSpec::full(4), GroupSpec::chunked_local(4, 16)],

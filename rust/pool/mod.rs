@@ -306,7 +306,7 @@ impl BlockPool {
         self.states.claim_reserved(n, out);
         if self.enable_caching {
             for &id in &out[start..] {
-                self.evict_key(id);
+                self.evict_key(id, true);
             }
         }
         Ok(())
@@ -547,13 +547,14 @@ impl BlockPool {
         groups.iter().map(|&g| self.lookup(hash, g)).collect()
     }
 
-    fn evict_key(&self, id: BlockId) -> bool {
+    fn evict_key(&self, id: BlockId, on_reuse: bool) -> bool {
         self.keys[id as usize].take(|key| {
             self.map.remove(&key, id);
             if let Some(events) = &self.events {
                 events.push(KvEvent::BlockRemoved {
                     block_hash: key.hash,
                     group_id: key.group,
+                    on_reuse,
                 });
             }
         })
@@ -563,7 +564,7 @@ impl BlockPool {
     pub fn evict_blocks(&self, ids: &[BlockId]) -> Result<()> {
         self.check_ids(ids)?;
         for &id in ids {
-            self.evict_key(id);
+            self.evict_key(id, false);
         }
         Ok(())
     }

@@ -159,7 +159,7 @@ impl RefBlockPool {
         out
     }
 
-    fn evict(&mut self, id: BlockId) {
+    fn evict(&mut self, id: BlockId, on_reuse: bool) {
         if let Some(key) = self.key[id as usize].take() {
             if let Some(holders) = self.map.get_mut(&key) {
                 holders.retain(|&b| b != id);
@@ -171,6 +171,7 @@ impl RefBlockPool {
                 events.push(KvEvent::BlockRemoved {
                     block_hash: key.hash,
                     group_id: key.group,
+                    on_reuse,
                 });
             }
         }
@@ -188,7 +189,7 @@ impl RefBlockPool {
             let id = self.head;
             self.unlink(id);
             if self.enable_caching {
-                self.evict(id);
+                self.evict(id, true);
             }
             self.ref_cnt[id as usize] = 1;
             blocks.push(id);
@@ -308,7 +309,7 @@ impl RefBlockPool {
     pub fn evict_blocks(&mut self, ids: &[BlockId]) -> Result<()> {
         self.check_ids(ids)?;
         for &id in ids {
-            self.evict(id);
+            self.evict(id, false);
         }
         Ok(())
     }

@@ -93,7 +93,8 @@ fn reusing_a_cached_block_evicts_its_key_and_reports_it() {
         pool.take_events(),
         vec![KvEvent::BlockRemoved {
             block_hash: h(8),
-            group_id: 3
+            group_id: 3,
+            on_reuse: true,
         }]
     );
 }

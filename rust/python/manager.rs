@@ -655,20 +655,10 @@ impl PyKVCacheManager {
     ) -> PyResult<Option<Py<PyKVCacheBlocks>>> {
         if num_computed_tokens.is_some() || num_in_flight_tokens.is_some() {
             // The scheduler's counts, set on the request as by its setters (one call less).
-            let mut record = lock(&request.record);
-            if let Some(n) = num_computed_tokens {
-                record.set_num_computed_tokens(n.get())?;
-            }
-            if let Some(n) = num_in_flight_tokens {
-                if n.get() > record.num_tokens() {
-                    return Err(OutOfRangeError::new_err(format!(
-                        "num_in_flight_tokens {} exceeds the request's {} tokens",
-                        n.get(),
-                        record.num_tokens()
-                    )));
-                }
-                record.num_in_flight_tokens = n.get();
-            }
+            lock(&request.record).set_progress(
+                num_computed_tokens.map(Count::get),
+                num_in_flight_tokens.map(Count::get),
+            )?;
         }
         if let Some(b) = new_computed_blocks {
             if b.manager_id != self.shared.id {

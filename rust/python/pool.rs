@@ -207,14 +207,17 @@ impl BlockStored {
 pub(crate) struct BlockRemoved {
     block_hash: u128,
     group_id: u32,
+    on_reuse: bool,
 }
 
 #[pymethods]
 impl BlockRemoved {
     fn __repr__(&self) -> String {
         format!(
-            "BlockRemoved(block_hash={:#x}, group_id={})",
-            self.block_hash, self.group_id
+            "BlockRemoved(block_hash={:#x}, group_id={}, on_reuse={})",
+            self.block_hash,
+            self.group_id,
+            if self.on_reuse { "True" } else { "False" }
         )
     }
 }
@@ -286,11 +289,13 @@ pub(crate) fn event_to_py(
         KvEvent::BlockRemoved {
             block_hash,
             group_id,
+            on_reuse,
         } => Py::new(
             py,
             BlockRemoved {
                 block_hash: block_hash.0,
                 group_id,
+                on_reuse,
             },
         )?
         .into_any(),

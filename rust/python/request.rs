@@ -133,16 +133,7 @@ impl PyRequest {
 
     #[setter]
     fn set_num_in_flight_tokens(&self, value: Count) -> PyResult<()> {
-        let mut r = lock(&self.record);
-        if value.get() > r.num_tokens() {
-            return Err(super::errors::OutOfRangeError::new_err(format!(
-                "num_in_flight_tokens {} exceeds the request's {} tokens",
-                value.get(),
-                r.num_tokens()
-            )));
-        }
-        r.num_in_flight_tokens = value.get();
-        Ok(())
+        Ok(lock(&self.record).set_progress(None, Some(value.get()))?)
     }
 
     /// The request reads no prefix-cache hit (vLLM sets this for prompt-logprobs requests); its
