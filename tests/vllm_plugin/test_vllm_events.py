@@ -56,19 +56,28 @@ def recorded_events(options: harness.Options, scheduler_cls: Any = None) -> list
 
 
 @pytest.mark.parametrize(
-    "layout,num_blocks,dense",
+    "layout,num_blocks,dense,eagle",
     [
-        ("full", 260, True),
-        ("gpt-oss", 330, True),
-        ("gemma3", 1400, True),
-        ("gpt-oss", 330, False),
-        ("gemma3", 1400, False),
-        ("jamba", 700, False),
+        ("full", 260, True, ""),
+        ("gpt-oss", 330, True, ""),
+        ("gemma3", 1400, True, ""),
+        ("gpt-oss", 330, False, ""),
+        ("gemma3", 1400, False, ""),
+        ("jamba", 700, False, ""),
+        # Lookahead hashes (EAGLE-3's default): every stored block's hash covers the next token.
+        ("gpt-oss", 330, False, "eagle3"),
+        # Multi-token prediction: exported Mamba checkpoints re-keyed at their slot's prefix.
+        ("granite4", 700, False, "mtp"),
     ],
 )
-def test_events_equal_stock_vllms(layout: str, num_blocks: int, dense: bool) -> None:
+def test_events_equal_stock_vllms(layout: str, num_blocks: int, dense: bool, eagle: str) -> None:
     options = harness.Options(
-        layout=layout, num_blocks=num_blocks, kv_events=True, dense_retention=dense
+        layout=layout,
+        num_blocks=num_blocks,
+        kv_events=True,
+        dense_retention=dense,
+        eagle_tokens=2 if eagle else 0,
+        eagle_method=eagle or "eagle3",
     )
     expected = recorded_events(options)
     got = recorded_events(options, hkv.Scheduler)

@@ -127,6 +127,90 @@ def test_same_outputs_as_vllm_with_ngram_on_window_groups() -> None:
     assert run.spec_tokens > 0 and run.preempted > 0
 
 
+# (layout, pool blocks) for the EAGLE-family runs: small enough to preempt.
+EAGLE_LAYOUTS = [
+    ("full", 300),
+    ("gpt-oss", 330),
+    ("gemma3", 1400),
+    ("llama4", 1200),
+    ("jamba", 700),
+    ("granite4", 700),
+]
+
+
+@pytest.mark.parametrize("lookahead_hashes", [True, False], ids=["lookahead-hashes", "block-drop"])
+@pytest.mark.parametrize("layout,num_blocks", EAGLE_LAYOUTS)
+def test_same_outputs_as_vllm_with_eagle(
+    layout: str, num_blocks: int, lookahead_hashes: bool
+) -> None:
+    # vLLM's default for EAGLE-3: block hashes cover the next token and hits drop nothing;
+    # with `disable_lookahead_block_hashes`, hits drop their last block in the drafter's group.
+    options = harness.Options(
+        layout=layout,
+        num_blocks=num_blocks,
+        dense_retention=False,
+        eagle_tokens=3,
+        eagle_lookahead_hashes=lookahead_hashes,
+    )
+    stock = harness.build_scheduler(options)
+    assert stock.kv_cache_manager.coordinator.drop_eagle_group_ids == (
+        set() if lookahead_hashes else {0}
+    )
+    assert stock.num_hash_lookahead_tokens == int(lookahead_hashes)
+    run = run_both(options, WORKLOAD)
+    assert run.preempted > 0 and run.hits > 0 and run.spec_tokens > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("layout,num_blocks", [EAGLE_LAYOUTS[i] for i in (1, 2, 5)])
+def test_same_outputs_as_vllm_with_multi_token_prediction(
+    layout: str, num_blocks: int, async_scheduling: bool
+) -> None:
+    # Two MTP modules: the drafter reads 2 prefill tokens ahead, so sliding windows keep one
+    # more token, the last computed token is not cached, and hashes cover 2 more tokens.
+    options = harness.Options(
+        layout=layout,
+        num_blocks=num_blocks,
+        dense_retention=False,
+        eagle_tokens=2,
+        eagle_method="mtp",
+        async_scheduling=async_scheduling,
+    )
+    config = harness.vllm_config(options)
+    assert (config.num_prefill_lookahead_tokens, config.num_hash_lookahead_tokens) == (2, 2)
+    run = run_both(options, WORKLOAD)
+    assert run.preempted > 0 and run.hits > 0 and run.spec_tokens > 0
+
+
+@pytest.mark.parametrize("layout,num_blocks", [("full", 300), ("gemma3", 1400), ("granite4", 700)])
+def test_same_outputs_as_vllm_with_eagle_and_async_scheduling(layout: str, num_blocks: int) -> None:
+    # The scheduler's computed count runs ahead of the known tokens by unprocessed drafts.
+    options = harness.Options(
+        layout=layout, num_blocks=num_blocks, eagle_tokens=3, async_scheduling=True
+    )
+    run = run_both(options, WORKLOAD)
+    assert run.preempted > 0 and run.spec_tokens > 0
+
+
+def test_a_window_not_widened_for_the_drafter_falls_back() -> None:
+    # vLLM's planner widens sliding windows by the tokens a multi-module drafter re-prefills; a
+    # KVCacheConfig without that is not one the core's rules match.
+    options = harness.Options(layout="gpt-oss", eagle_tokens=2, eagle_method="mtp")
+    config = harness.vllm_config(options)
+    kv = harness.kv_cache_config(options, config)
+    group = kv.kv_cache_groups[1]
+    group.kv_cache_spec = dataclasses.replace(group.kv_cache_spec, extra_retained_tokens=0)
+    scheduler = hkv.Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv,
+        structured_output_manager=harness.StructuredOutputManager(config),
+        block_size=options.block_size,
+        log_stats=True,
+    )
+    assert not scheduler.uses_hybrid_kv
+    assert isinstance(scheduler.kv_cache_manager, VllmKVCacheManager)
+
+
 @pytest.mark.parametrize("layout", ["gpt-oss", "gemma3"])
 def test_same_outputs_as_vllm_with_default_retention(layout: str) -> None:
     # vLLM's default: prefix_cache_retention_interval=0 (sparse checkpoints).
@@ -237,8 +321,6 @@ def _context(options: harness.Options, **config_changes: Any) -> hkv.BuildContex
 @pytest.mark.parametrize(
     "manager_kwargs,option",
     [
-        ({"use_eagle": True}, "EAGLE"),
-        ({"num_hash_lookahead_tokens": 1}, "EAGLE"),
         ({"enable_mamba_shared_prefix_checkpoint": True}, "enable_mamba_shared_prefix_checkpoint"),
         ({"dcp_world_size": 2}, "context parallelism"),
         ({"metrics_collector": object()}, "kv_cache_metrics"),
@@ -299,6 +381,9 @@ def test_supported_configurations_have_no_fallback_reason() -> None:
     assert (
         hkv.fallback_reason(_context(harness.Options(layout="jamba", prefix_caching=False))) is None
     )
+    for eagle in ("eagle3", "mtp"):
+        options = harness.Options(layout="granite4", eagle_tokens=2, eagle_method=eagle)
+        assert hkv.fallback_reason(_context(options)) is None
 
 
 def test_block_ids_cross_as_lists_of_ints() -> None:

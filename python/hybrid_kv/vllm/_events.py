@@ -29,6 +29,7 @@ from vllm.distributed.kv_events import (
 )
 from vllm.v1.core.kv_cache_utils import (
     generate_block_hash_extra_keys,
+    generate_lookahead_block_hash_extra_keys,
     maybe_convert_block_hash,
     to_event_extra_keys,
 )
@@ -44,11 +45,11 @@ class EventTranslator:
         self,
         core: hk.KVCacheManager,
         metadata: list[tuple[str, int | None]],
-        block_sizes: list[int],
+        num_hash_lookahead_tokens: int = 0,
     ) -> None:
         self._core = core
         self._metadata = metadata
-        self._block_sizes = block_sizes
+        self._lookahead = num_hash_lookahead_tokens
         # (core hash, group) -> [vLLM external hash, blocks holding it]
         self._stored: dict[tuple[int, int], list[Any]] = {}
         self._pending: list[KVCacheEvent] = []
@@ -61,10 +62,11 @@ class EventTranslator:
     def collect(self, request: Request | None) -> None:
         """Converts the core's pending events; stores are attributed to `request`.
 
-        Within one call vLLM allocates every group's blocks (evicting) before it caches any, so
-        its removals come before its stores; the core interleaves them group by group. The
-        events of one call are published in vLLM's order: removals, then stores, each in the
-        core's order.
+        Within one call vLLM allocates every group's blocks (evicting on reuse) before it caches
+        any, so those removals come before its stores; the core interleaves them group by
+        group. The events of one call are published in vLLM's order: removals on reuse, then
+        stores and explicit removals (a Mamba state re-keyed at a longer prefix, a transient
+        checkpoint dropped), each in the core's order, which is vLLM's for them.
         """
         stores: list[KVCacheEvent] = []
         for event in self._core.take_events():
@@ -78,33 +80,43 @@ class EventTranslator:
                 entry[1] -= 1
                 if entry[1] == 0:
                     del self._stored[key]
-                self._pending.append(
-                    BlockRemoved(
-                        block_hashes=[entry[0]], medium=MEDIUM_GPU, group_idx=event.group_id
-                    )
+                removed = BlockRemoved(
+                    block_hashes=[entry[0]], medium=MEDIUM_GPU, group_idx=event.group_id
                 )
+                (self._pending if event.on_reuse else stores).append(removed)
             else:
                 self._stored.clear()
                 self._pending.append(AllBlocksCleared())
         self._pending.extend(stores)
 
     def _stored_event(self, request: Request, event: hk.BlockStored) -> BlockStored:
+        # Positions are in units of the event's block size: the group's, or the hash block
+        # size for a Mamba state keyed at a hash boundary.
         group = event.group_id
-        block_size = self._block_sizes[group]
+        block_size = event.block_size
         start = event.first_block
         num_blocks = len(event.token_ids) // block_size
         vllm_hashes = request.block_hashes
+        tokens = request.all_token_ids
+        lookahead = self._lookahead
         hashes = []
         extra_keys = []
+        lookahead_ids: list[list[int]] | None = [] if lookahead else None
         mm_index = 0
         for i, core_hash in zip(event.block_indices, event.block_hashes, strict=True):
             external = maybe_convert_block_hash(vllm_hashes[i])
             hashes.append(external)
             entry = self._stored.setdefault((core_hash, group), [external, 0])
             entry[1] += 1
-            keys, mm_index = generate_block_hash_extra_keys(
-                request, i * block_size, (i + 1) * block_size, mm_index
-            )
+            begin, end = i * block_size, (i + 1) * block_size
+            if lookahead_ids is None:
+                keys, mm_index = generate_block_hash_extra_keys(request, begin, end, mm_index)
+            else:
+                # The hash covers the tokens after the block too (vLLM's lookahead hashes).
+                keys, mm_index = generate_lookahead_block_hash_extra_keys(
+                    request, begin, end, end + lookahead, mm_index
+                )
+                lookahead_ids.append(tokens[end : end + lookahead])
             extra_keys.append(keys)
         lora = request.lora_request
         kind, sliding_window = self._metadata[group]
@@ -113,7 +125,7 @@ class EventTranslator:
             parent_block_hash=None
             if start == 0
             else maybe_convert_block_hash(vllm_hashes[start - 1]),
-            token_ids=request.all_token_ids[start * block_size : (start + num_blocks) * block_size],
+            token_ids=tokens[start * block_size : (start + num_blocks) * block_size],
             block_size=block_size,
             lora_id=lora.adapter_id if lora else None,
             medium=MEDIUM_GPU,
@@ -123,4 +135,5 @@ class EventTranslator:
             kv_cache_spec_kind=kind,
             kv_cache_spec_sliding_window=sliding_window,
             session_id=request.session_id,
+            lookahead_token_ids=lookahead_ids,
         )

@@ -128,14 +128,21 @@ class SingleTypeManagerView:
 class CoordinatorView:
     """What vLLM's scheduler and engine core read of the coordinator."""
 
-    def __init__(self, kv_cache_config: KVCacheConfig) -> None:
+    def __init__(
+        self, kv_cache_config: KVCacheConfig, use_eagle: bool, num_prefill_lookahead: int
+    ) -> None:
+        groups = kv_cache_config.kv_cache_groups
         self.single_type_managers = [
-            SingleTypeManagerView(i, group.kv_cache_spec)
-            for i, group in enumerate(kv_cache_config.kv_cache_groups)
+            SingleTypeManagerView(i, group.kv_cache_spec) for i, group in enumerate(groups)
         ]
         self.enable_partial_hash_hits = False
-        self.eagle_group_ids: tuple[int, ...] = ()
-        self.num_reprefillable_tokens = 0
+        # vLLM's: the groups holding draft layers, all of them when EAGLE drops and none is
+        # flagged; the drop applies to them only with `use_eagle`.
+        self.eagle_group_ids = {i for i, g in enumerate(groups) if g.is_eagle_group}
+        if use_eagle and not self.eagle_group_ids:
+            self.eagle_group_ids = set(range(len(groups)))
+        self.drop_eagle_group_ids = self.eagle_group_ids if use_eagle else set()
+        self.num_reprefillable_tokens = max(0, num_prefill_lookahead - 1)
         self.full_attention_group_id = next(
             (
                 i
@@ -199,6 +206,16 @@ class HybridKVCacheManager:
         if watermark < 0:
             raise ValueError("watermark must be non-negative")
         groups = kv_cache_config.kv_cache_groups
+        # The core widens sliding windows by the tokens a multi-module drafter re-prefills, as
+        # vLLM's planner tags the specs; a config tagged otherwise is not vLLM's planner's.
+        extra_retained = max(0, num_prefill_lookahead - 1)
+        for index, group in enumerate(groups):
+            tagged = getattr(group.kv_cache_spec, "extra_retained_tokens", extra_retained)
+            if tagged != extra_retained:
+                raise Unsupported(
+                    f"group {index} retains {tagged} extra tokens below its window "
+                    f"(num_prefill_lookahead={num_prefill_lookahead} implies {extra_retained})"
+                )
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
@@ -211,7 +228,7 @@ class HybridKVCacheManager:
         self.mamba_shared_prefix_checkpoint = False
         self.retained_hit_group_ids: tuple[int, ...] = ()
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
-        self.coordinator = CoordinatorView(kv_cache_config)
+        self.coordinator = CoordinatorView(kv_cache_config, use_eagle, num_prefill_lookahead)
         eagle_groups = [i for i, g in enumerate(groups) if g.is_eagle_group]
         self.core = hk.KVCacheManager(
             [_group_spec(i, g.kv_cache_spec) for i, g in enumerate(groups)],
@@ -250,7 +267,7 @@ class HybridKVCacheManager:
                     )
                     for g in groups
                 ],
-                [g.kv_cache_spec.block_size for g in groups],
+                num_hash_lookahead_tokens,
             )
 
     # ------------------------------------------------------------------ companion requests

@@ -131,16 +131,6 @@ FALLBACKS: tuple[tuple[str, Check, str], ...] = (
         "connectors need external computed tokens, block_pool access and delayed caching",
     ),
     (
-        "EAGLE / MTP speculative decoding",
-        lambda ctx: bool(
-            ctx.manager_kwargs.get("use_eagle")
-            or ctx.manager_kwargs.get("num_hash_lookahead_tokens")
-            or ctx.manager_kwargs.get("num_prefill_lookahead")
-        ),
-        "EAGLE block drops and lookahead hashes are not yet checked against vLLM here (the "
-        "offline tests have no drafter model)",
-    ),
-    (
         "KV cache group kind",
         _unknown_group,
         "only full, MLA, sliding-window, chunked-local and Mamba groups are implemented",

@@ -32,6 +32,7 @@ from vllm.config import (
     CacheConfig,
     KVEventsConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     VllmConfig,
@@ -137,30 +138,103 @@ class Options:
     max_model_len: int = 16384
     async_scheduling: bool = False
     ngram_tokens: int = 0
+    # EAGLE-family speculative decoding with this many draft tokens: "eagle3" (a local draft
+    # config.json) or "mtp" (the target becomes a GLM-4.5-like config with 2 MTP modules,
+    # so with 2+ draft tokens the drafter reads that many prefill tokens ahead).
+    eagle_tokens: int = 0
+    eagle_method: str = "eagle3"
+    # vLLM's default for EAGLE: block hashes cover the next token ("lookahead hashes"), so hits
+    # drop no block. False: `disable_lookahead_block_hashes`, hits drop their last block in the
+    # group that holds the drafter's layers (group 0, full attention, in every layout here).
+    eagle_lookahead_hashes: bool = True
     kv_events: bool = False
     log_stats: bool = True
     block_size: int = BLOCK_SIZE
 
 
-def kv_cache_config(options: Options) -> KVCacheConfig:
+def _speculative_tokens(options: Options) -> int:
+    return options.ngram_tokens or options.eagle_tokens
+
+
+def kv_cache_config(options: Options, config: VllmConfig | None = None) -> KVCacheConfig:
+    """The `KVCacheConfig` vLLM's planner would build for `options` (from `config`, the
+    scheduler's `VllmConfig`, if given)."""
+    if config is None:
+        config = vllm_config(options)
+    # vLLM's planner widens every sliding window by the tokens a multi-module drafter may
+    # re-prefill (get_kv_cache_groups' extra_retained_tokens).
+    extra_retained = max(0, config.num_prefill_lookahead_tokens - 1)
     specs = [
-        # vLLM's Mamba managers prefix-cache in "align" mode only.
-        dataclasses.replace(spec, mamba_cache_mode="align" if options.prefix_caching else "none")
+        # vLLM's Mamba managers prefix-cache in "align" mode only; with speculative decoding a
+        # Mamba layer declares one state block per draft token (MambaBase.get_kv_cache_spec).
+        dataclasses.replace(
+            spec,
+            mamba_cache_mode="align" if options.prefix_caching else "none",
+            num_speculative_blocks=_speculative_tokens(options),
+        )
         if isinstance(spec, MambaSpec)
+        else dataclasses.replace(spec, extra_retained_tokens=extra_retained)
+        if isinstance(spec, SlidingWindowSpec)
         else spec
         for spec in LAYOUTS[options.layout](options.block_size)
     ]
+    groups = [KVCacheGroupSpec([f"layers.{g}"], spec) for g, spec in enumerate(specs)]
+    if options.eagle_tokens and not options.eagle_lookahead_hashes and options.prefix_caching:
+        # vLLM's planner flags the groups holding draft layers when hits drop a block: the
+        # drafter's full-attention layers join the full-attention group.
+        groups[0].is_eagle_group = True
     return KVCacheConfig(
         num_blocks=options.num_blocks,
         kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec([f"layers.{g}"], spec) for g, spec in enumerate(specs)],
+        kv_cache_groups=groups,
         prefix_cache_retention_interval=None if options.dense_retention else 0,
     )
 
 
+# A GLM-4.5-like target (grouped-query attention, not MLA, whose CPU path would turn prefix
+# caching off) whose checkpoint carries 2 multi-token-prediction modules.
+_MTP_MODEL_CONFIG = dict(
+    _MODEL_CONFIG,
+    architectures=["Glm4MoeForCausalLM"],
+    model_type="glm4_moe",
+    num_nextn_predict_layers=2,
+    head_dim=64,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    first_k_dense_replace=1,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=1.0,
+    norm_topk_prob=True,
+    rope_theta=10000,
+    partial_rotary_factor=0.5,
+    use_qk_norm=False,
+)
+
+
+@cache
+def mtp_model_dir() -> str:
+    """A directory holding `_MTP_MODEL_CONFIG` as `config.json`."""
+    path = Path(tempfile.mkdtemp(prefix="hybrid-kv-mtp-"))
+    (path / "config.json").write_text(json.dumps(_MTP_MODEL_CONFIG))
+    return str(path)
+
+
+@cache
+def eagle_dir() -> str:
+    """A directory holding a one-layer EAGLE-3 draft `config.json` for the tiny target model."""
+    path = Path(tempfile.mkdtemp(prefix="hybrid-kv-eagle-"))
+    config = dict(_MODEL_CONFIG, num_hidden_layers=1, architectures=["LlamaForCausalLMEagle3"])
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
 def vllm_config(options: Options) -> VllmConfig:
+    mtp = bool(options.eagle_tokens) and options.eagle_method == "mtp"
     model = ModelConfig(
-        model=model_dir(),
+        model=mtp_model_dir() if mtp else model_dir(),
         skip_tokenizer_init=True,
         max_model_len=options.max_model_len,
         dtype="float16",
@@ -192,6 +266,15 @@ def vllm_config(options: Options) -> VllmConfig:
             prompt_lookup_max=3,
             prompt_lookup_min=2,
         )
+    elif options.eagle_tokens:
+        speculative = SpeculativeConfig(
+            method=options.eagle_method,
+            model=None if mtp else eagle_dir(),
+            num_speculative_tokens=options.eagle_tokens,
+            disable_lookahead_block_hashes=not options.eagle_lookahead_hashes,
+            target_model_config=model,
+            target_parallel_config=ParallelConfig(),
+        )
     events = None
     if options.kv_events:
         events = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
@@ -219,7 +302,7 @@ def build_scheduler(
         scheduler_cls = config.scheduler_config.get_scheduler_cls()
     return scheduler_cls(
         vllm_config=config,
-        kv_cache_config=kv_cache_config(options),
+        kv_cache_config=kv_cache_config(options, config),
         structured_output_manager=StructuredOutputManager(config),
         block_size=options.block_size,
         log_stats=options.log_stats,
@@ -271,20 +354,22 @@ def chat_workload(
 
 
 @cache
-def _block_hasher(block_size: int) -> Callable[[Request], list[Any]]:
+def _block_hasher(block_size: int, lookahead: int = 0) -> Callable[[Request], list[Any]]:
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)
-    return get_request_block_hasher(block_size, hash_fn)
+    return get_request_block_hasher(block_size, hash_fn, lookahead)
 
 
-def make_request(spec: RequestSpec, block_size: int = BLOCK_SIZE) -> Request:
+def make_request(spec: RequestSpec, block_size: int = BLOCK_SIZE, lookahead: int = 0) -> Request:
+    """A vLLM request for `spec`, hashed as vLLM's engine core hashes it (`lookahead`: the
+    config's `num_hash_lookahead_tokens`)."""
     return Request(
         request_id=spec.request_id,
         prompt_token_ids=list(spec.prompt),
         sampling_params=SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True),
         pooling_params=None,
         cache_salt=spec.cache_salt,
-        block_hasher=_block_hasher(block_size),
+        block_hasher=_block_hasher(block_size, lookahead),
         arrival_time=0.0,
     )
 
@@ -316,7 +401,13 @@ class Driver:
         while (
             self._next < len(self.workload) and self.workload[self._next].arrival_step <= self.step
         ):
-            self.scheduler.add_request(make_request(self.workload[self._next], self.block_size))
+            self.scheduler.add_request(
+                make_request(
+                    self.workload[self._next],
+                    self.block_size,
+                    self.scheduler.vllm_config.num_hash_lookahead_tokens,
+                )
+            )
             self._next += 1
 
     @property
