@@ -837,3 +837,158 @@ fn an_attention_free_layout_has_no_groups() {
     // With groups, a pool of only the null block is too small.
     assert!(KVCacheManager::new(&ManagerConfig::new(vec![GroupSpec::full(4)], 1, 64)).is_err());
 }
+
+// ----- Async scheduling with drafts, fuzzed -------------------------------------------------------
+
+use proptest::prelude::*;
+
+#[derive(Debug, Clone)]
+enum AsyncOp {
+    /// Schedule request `i`: `new` tokens past its computed ones, `drafts` lookahead slots.
+    Schedule { i: usize, new: usize, drafts: usize },
+    /// The oldest unprocessed step of request `i` completes: `rejected` of its positions roll
+    /// back, `sampled` tokens become known, and the processed prefix is cached.
+    Process {
+        i: usize,
+        rejected: usize,
+        sampled: usize,
+    },
+    /// Request `i` is preempted or finishes: its blocks go back.
+    Free { i: usize },
+}
+
+fn async_op() -> impl Strategy<Value = AsyncOp> {
+    prop_oneof![
+        4 => (0..3usize, 1..24usize, 0..4usize)
+            .prop_map(|(i, new, drafts)| AsyncOp::Schedule { i, new, drafts }),
+        3 => (0..3usize, 0..4usize, 1..5usize)
+            .prop_map(|(i, rejected, sampled)| AsyncOp::Process { i, rejected, sampled }),
+        1 => (0..3usize).prop_map(|i| AsyncOp::Free { i }),
+    ]
+}
+
+fn async_layouts() -> Vec<Vec<GroupSpec>> {
+    vec![
+        vec![GroupSpec::full(4), GroupSpec::sliding_window(4, 8)],
+        vec![GroupSpec::full(4), GroupSpec::chunked_local(4, 16)],
+        vec![GroupSpec::full(4), GroupSpec::mamba(4)],
+        vec![GroupSpec::full(4), GroupSpec::mamba_with_checkpoints(4, 1)],
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Async scheduling with drafts, as vLLM's scheduler drives a manager: steps scheduled
+    /// while earlier ones are in flight (the computed count runs ahead of the known tokens),
+    /// rejected drafts rolled back, tokens sampled, processed prefixes cached, requests freed
+    /// at any point. Every call within the documented bounds succeeds (never a panic), the
+    /// request's counts stay what was set, and nothing leaks.
+    #[test]
+    fn async_steps_with_drafts_stay_within_the_contract(
+        layout in 0..4usize,
+        lookahead in 0..3usize,
+        retention in prop_oneof![Just(None), Just(Some(0usize))],
+        num_blocks in 12..64usize,
+        ops in proptest::collection::vec(async_op(), 1..60),
+    ) {
+        let mut c = config(async_layouts().swap_remove(layout), num_blocks, retention);
+        c.num_hash_lookahead_tokens = lookahead;
+        c.num_prefill_lookahead = lookahead;
+        let mut m = KVCacheManager::new(&c).unwrap();
+        let ids = ["a", "b", "c"];
+        // Per request: computed count, steps in flight (sizes, oldest first), running.
+        let mut computed = [0usize; 3];
+        let mut in_flight: [Vec<usize>; 3] = Default::default();
+        let mut running = [false; 3];
+        for (k, id) in ids.iter().enumerate() {
+            // Shared first 12 tokens: hits happen.
+            let mut prompt = tokens(0, 12);
+            prompt.extend(tokens(1_000 * (k as u32 + 1), 5 + 7 * k));
+            m.add_request(id, &prompt, ExtraKeys::default()).unwrap();
+        }
+        for op in ops {
+            match op {
+                AsyncOp::Schedule { i, new, drafts } => {
+                    let id = ids[i];
+                    let known = m.request(id).unwrap().num_tokens();
+                    let flight: usize = in_flight[i].iter().sum();
+                    if !running[i] {
+                        if !in_flight[i].is_empty() {
+                            continue;
+                        }
+                        let hit = m.get_computed_blocks(id).unwrap();
+                        let n = (known - hit.num_computed_tokens).min(new);
+                        let args = AllocateArgs {
+                            num_new_tokens: n,
+                            num_new_computed_tokens: hit.num_computed_tokens,
+                            new_computed_blocks: Some(&hit),
+                            num_lookahead_tokens: drafts,
+                            full_sequence_must_fit: true,
+                            ..Default::default()
+                        };
+                        if m.allocate_slots(id, &args).unwrap().is_some() {
+                            running[i] = true;
+                            computed[i] = hit.num_computed_tokens + n;
+                            in_flight[i].push(n);
+                        }
+                        continue;
+                    }
+                    // Decode (1 + drafts) once the prompt is scheduled, a chunk before.
+                    let prompt = m.request(id).unwrap().num_prompt_tokens();
+                    let n = if computed[i] >= prompt { 1 + drafts } else { new.min(prompt - computed[i]) };
+                    if computed[i] + n > 1024 {
+                        continue;
+                    }
+                    let args = AllocateArgs {
+                        num_new_tokens: n,
+                        num_computed_tokens: computed[i],
+                        num_in_flight_tokens: flight,
+                        num_lookahead_tokens: drafts,
+                        ..Default::default()
+                    };
+                    prop_assert!(computed[i] - flight <= known);
+                    if m.allocate_slots(id, &args).unwrap().is_some() {
+                        computed[i] += n;
+                        in_flight[i].push(n);
+                    }
+                }
+                AsyncOp::Process { i, rejected, sampled } => {
+                    let id = ids[i];
+                    if in_flight[i].is_empty() {
+                        continue;
+                    }
+                    let step = in_flight[i].remove(0);
+                    let prompt = m.request(id).unwrap().num_prompt_tokens();
+                    let flight: usize = in_flight[i].iter().sum();
+                    let processed = computed[i] - flight;
+                    // Drafts are rejected only past the prompt; the rest become known tokens.
+                    let rejected = if processed > prompt { rejected.min(step - 1) } else { 0 };
+                    computed[i] -= rejected;
+                    let processed = processed - rejected;
+                    let known = m.request(id).unwrap().num_tokens();
+                    if processed >= prompt {
+                        let grow = (processed + sampled).saturating_sub(known);
+                        let out = tokens(50_000 + known as u32, grow);
+                        m.append_token_ids(id, &out).unwrap();
+                    }
+                    if running[i] {
+                        let known = m.request(id).unwrap().num_tokens();
+                        m.cache_blocks(id, processed.min(known)).unwrap();
+                    }
+                }
+                AsyncOp::Free { i } => {
+                    m.free(ids[i]).unwrap();
+                    running[i] = false;
+                    computed[i] = 0;
+                    in_flight[i].clear();
+                }
+            }
+            prop_assert!(m.num_free_blocks() < num_blocks);
+        }
+        for id in ids {
+            m.free(id).unwrap();
+        }
+        prop_assert_eq!(m.num_free_blocks(), num_blocks - 1);
+    }
+}
