@@ -192,6 +192,24 @@ def test_same_outputs_as_vllm_with_eagle_and_async_scheduling(layout: str, num_b
     assert run.preempted > 0 and run.spec_tokens > 0
 
 
+def test_shared_prefix_mamba_checkpoints_are_inert_with_one_block_size() -> None:
+    # vLLM turns the option on only with partial hash hits; with one block size its manager
+    # leaves it off, and so does hybrid-kv's: served, with the same outputs.
+    options = harness.Options(
+        layout="granite4",
+        num_blocks=700,
+        dense_retention=False,
+        eagle_tokens=2,
+        eagle_lookahead_hashes=False,
+        mamba_shared_prefix_checkpoint=True,
+    )
+    stock = harness.build_scheduler(options)
+    assert stock.cache_config.enable_mamba_shared_prefix_checkpoint
+    assert not stock.kv_cache_manager.mamba_shared_prefix_checkpoint
+    run = run_both(options, WORKLOAD)
+    assert run.hits > 0
+
+
 def test_a_window_not_widened_for_the_drafter_falls_back() -> None:
     # vLLM's planner widens sliding windows by the tokens a multi-module drafter re-prefills; a
     # KVCacheConfig without that is not one the core's rules match.
@@ -321,7 +339,6 @@ def _context(options: harness.Options, **config_changes: Any) -> hkv.BuildContex
 @pytest.mark.parametrize(
     "manager_kwargs,option",
     [
-        ({"enable_mamba_shared_prefix_checkpoint": True}, "enable_mamba_shared_prefix_checkpoint"),
         ({"dcp_world_size": 2}, "context parallelism"),
         ({"metrics_collector": object()}, "kv_cache_metrics"),
         ({"hash_block_size": 8}, "block sizes"),

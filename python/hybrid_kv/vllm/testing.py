@@ -147,6 +147,8 @@ class Options:
     # drop no block. False: `disable_lookahead_block_hashes`, hits drop their last block in the
     # group that holds the drafter's layers (group 0, full attention, in every layout here).
     eagle_lookahead_hashes: bool = True
+    # CacheConfig.enable_mamba_shared_prefix_checkpoint (acts only with partial hash hits).
+    mamba_shared_prefix_checkpoint: bool = False
     kv_events: bool = False
     log_stats: bool = True
     block_size: int = BLOCK_SIZE
@@ -252,6 +254,7 @@ def vllm_config(options: Options) -> VllmConfig:
         block_size=options.block_size,
         enable_prefix_caching=options.prefix_caching,
         prefix_cache_retention_interval=None if options.dense_retention else 0,
+        enable_mamba_shared_prefix_checkpoint=options.mamba_shared_prefix_checkpoint,
         # vLLM derives this from the model's Mamba layers; the tiny model here has none.
         mamba_cache_mode="align"
         if options.prefix_caching and options.layout in MAMBA_LAYOUTS
