@@ -4,6 +4,7 @@ run, and vLLM's ZMQ publisher carries them to a subscriber unchanged."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 from typing import Any
@@ -39,13 +40,15 @@ class Recorder:
         pass
 
 
-def recorded_events(options: harness.Options, scheduler_cls: Any = None) -> list[Any]:
+def recorded_events(
+    options: harness.Options, scheduler_cls: Any = None, workload: Any = WORKLOAD
+) -> list[Any]:
     scheduler = harness.build_scheduler(options, scheduler_cls)
     if scheduler_cls is not None:
         assert scheduler.uses_hybrid_kv
     recorder = Recorder()
     scheduler.kv_event_publisher = recorder
-    driver = harness.Driver(scheduler, WORKLOAD)
+    driver = harness.Driver(scheduler, workload)
     for _ in driver.run():
         pass
     events = [event for batch in recorder.batches for event in batch.events]
@@ -90,6 +93,26 @@ def test_events_equal_stock_vllms(layout: str, num_blocks: int, dense: bool, eag
     # not the core's XXH3 ones.
     stored = [e for e in got if isinstance(e, BlockStored)]
     assert all(0 <= h < 2**64 for e in stored for h in e.block_hashes)
+
+
+@pytest.mark.parametrize("layout,num_blocks", [("full", 260), ("gpt-oss", 330), ("jamba", 700)])
+def test_full_report_mode_publishes_the_blocks_a_hit_reuses(layout: str, num_blocks: int) -> None:
+    # A request may ask (SamplingParams.extra_args) for the blocks its prefix hit reuses to be
+    # published too; vLLM then emits a BlockStored per group for them.
+    workload = [
+        dataclasses.replace(spec, kv_cache_report_mode="full" if i % 2 else None)
+        for i, spec in enumerate(WORKLOAD)
+    ]
+    options = harness.Options(
+        layout=layout, num_blocks=num_blocks, kv_events=True, dense_retention=False
+    )
+    expected = recorded_events(options, workload=workload)
+    got = recorded_events(options, hkv.Scheduler, workload)
+    baseline = recorded_events(options)
+    assert len(expected) > len(baseline), "some hits should have been reported"
+    assert len(got) == len(expected)
+    for i, (ours, theirs) in enumerate(zip(got, expected, strict=True)):
+        assert ours == theirs, f"event {i} differs"
 
 
 def _free_port() -> int:

@@ -18,6 +18,7 @@ attributed to its request and the order of the stream is the core's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from vllm.distributed.kv_events import (
@@ -45,10 +46,12 @@ class EventTranslator:
         self,
         core: hk.KVCacheManager,
         metadata: list[tuple[str, int | None]],
+        block_sizes: list[int],
         num_hash_lookahead_tokens: int = 0,
     ) -> None:
         self._core = core
         self._metadata = metadata
+        self._block_sizes = block_sizes
         self._lookahead = num_hash_lookahead_tokens
         # (core hash, group) -> [vLLM external hash, blocks holding it]
         self._stored: dict[tuple[int, int], list[Any]] = {}
@@ -89,43 +92,72 @@ class EventTranslator:
                 self._pending.append(AllBlocksCleared())
         self._pending.extend(stores)
 
+    def reused(self, request: Request, hit: tuple[Any, ...]) -> None:
+        """Publishes the blocks of a prefix hit, per group from the request's first block (vLLM's
+        `emit_cached_block_events` for `kv_cache_report_mode="full"`); `hit` holds the hit's
+        block ids per group. The blocks stay stored: nothing here is counted for removals."""
+        for group, ids in enumerate(hit):
+            if len(ids):
+                n = len(ids)
+                block_size = self._block_sizes[group]
+                self._pending.append(self._event(request, group, block_size, 0, n, range(n)))
+
     def _stored_event(self, request: Request, event: hk.BlockStored) -> BlockStored:
         # Positions are in units of the event's block size: the group's, or the hash block
         # size for a Mamba state keyed at a hash boundary.
         group = event.group_id
-        block_size = event.block_size
-        start = event.first_block
-        num_blocks = len(event.token_ids) // block_size
+        vllm_hashes = request.block_hashes
+        for i, core_hash in zip(event.block_indices, event.block_hashes, strict=True):
+            entry = self._stored.setdefault(
+                (core_hash, group), [maybe_convert_block_hash(vllm_hashes[i]), 0]
+            )
+            entry[1] += 1
+        num_blocks = len(event.token_ids) // event.block_size
+        return self._event(
+            request,
+            group,
+            event.block_size,
+            event.first_block,
+            event.first_block + num_blocks,
+            event.block_indices,
+        )
+
+    def _event(
+        self,
+        request: Request,
+        group: int,
+        block_size: int,
+        start: int,
+        end: int,
+        indices: Sequence[int],
+    ) -> BlockStored:
+        """vLLM's `BlockStored` for the blocks at `indices` of a call covering blocks
+        `[start, end)` of the request (vLLM's `_build_block_stored_event`)."""
         vllm_hashes = request.block_hashes
         tokens = request.all_token_ids
         lookahead = self._lookahead
-        hashes = []
         extra_keys = []
         lookahead_ids: list[list[int]] | None = [] if lookahead else None
         mm_index = 0
-        for i, core_hash in zip(event.block_indices, event.block_hashes, strict=True):
-            external = maybe_convert_block_hash(vllm_hashes[i])
-            hashes.append(external)
-            entry = self._stored.setdefault((core_hash, group), [external, 0])
-            entry[1] += 1
-            begin, end = i * block_size, (i + 1) * block_size
+        for i in indices:
+            begin, stop = i * block_size, (i + 1) * block_size
             if lookahead_ids is None:
-                keys, mm_index = generate_block_hash_extra_keys(request, begin, end, mm_index)
+                keys, mm_index = generate_block_hash_extra_keys(request, begin, stop, mm_index)
             else:
                 # The hash covers the tokens after the block too (vLLM's lookahead hashes).
                 keys, mm_index = generate_lookahead_block_hash_extra_keys(
-                    request, begin, end, end + lookahead, mm_index
+                    request, begin, stop, stop + lookahead, mm_index
                 )
-                lookahead_ids.append(tokens[end : end + lookahead])
+                lookahead_ids.append(tokens[stop : stop + lookahead])
             extra_keys.append(keys)
         lora = request.lora_request
         kind, sliding_window = self._metadata[group]
         return BlockStored(
-            block_hashes=hashes,
+            block_hashes=[maybe_convert_block_hash(vllm_hashes[i]) for i in indices],
             parent_block_hash=None
             if start == 0
             else maybe_convert_block_hash(vllm_hashes[start - 1]),
-            token_ids=tokens[start * block_size : (start + num_blocks) * block_size],
+            token_ids=tokens[start * block_size : end * block_size],
             block_size=block_size,
             lora_id=lora.adapter_id if lora else None,
             medium=MEDIUM_GPU,

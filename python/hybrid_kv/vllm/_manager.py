@@ -267,6 +267,7 @@ class HybridKVCacheManager:
                     )
                     for g in groups
                 ],
+                [g.kv_cache_spec.block_size for g in groups],
                 num_hash_lookahead_tokens,
             )
 
@@ -349,7 +350,8 @@ class HybridKVCacheManager:
             self._companion(request), max_cache_hit_length
         )
         if self._events is not None and num_hit and request.kv_cache_report_mode == "full":
-            raise Unsupported("kv_cache_report_mode='full'")
+            # The request asked for the blocks its hit reuses to be published too.
+            self._events.reused(request, blocks.get_block_ids())
         if len(blocks) == 0:
             return self.empty_kv_cache_blocks, num_hit, blocks.shared_prefix_boundary
         return KVCacheBlocks(blocks), num_hit, blocks.shared_prefix_boundary

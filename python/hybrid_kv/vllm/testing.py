@@ -322,6 +322,9 @@ class RequestSpec:
     max_tokens: int
     arrival_step: int
     cache_salt: str | None = None
+    # vLLM's per-request `kv_cache_report_mode` (SamplingParams.extra_args): "full" also
+    # publishes the blocks a prefix hit reuses.
+    kv_cache_report_mode: str | None = None
 
 
 def chat_workload(
@@ -369,7 +372,13 @@ def make_request(spec: RequestSpec, block_size: int = BLOCK_SIZE, lookahead: int
     return Request(
         request_id=spec.request_id,
         prompt_token_ids=list(spec.prompt),
-        sampling_params=SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True),
+        sampling_params=SamplingParams(
+            max_tokens=spec.max_tokens,
+            ignore_eos=True,
+            extra_args=None
+            if spec.kv_cache_report_mode is None
+            else {"kv_cache_report_mode": spec.kv_cache_report_mode},
+        ),
         pooling_params=None,
         cache_salt=spec.cache_salt,
         block_hasher=_block_hasher(block_size, lookahead),
