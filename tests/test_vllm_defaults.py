@@ -380,3 +380,41 @@ def test_an_attention_free_model_needs_only_the_null_block() -> None:
     req = hk.Request("r", np.arange(10))
     assert m.allocate_slots(req, 10).get_block_ids() == ()
     assert (m.num_free_blocks, m.usage) == (0, 0.0)
+
+
+def test_allocate_running_syncs_a_vllm_request_in_one_call() -> None:
+    # What hybrid_kv.vllm does for a running request: the companion takes the tokens vLLM
+    # appended and the scheduler's counts, then allocates.
+    import types
+
+    m = hk.KVCacheManager([FULL], 64, 1024)
+    prompt = list(range(8))
+    req = hk.Request("a", prompt, block_size=4)
+    m.allocate_slots(req, 8)
+    vllm_req = types.SimpleNamespace(
+        _all_token_ids=[*prompt, 100], num_computed_tokens=8, num_in_flight_tokens=0
+    )
+    slot = [req, 8]
+    new = m.allocate_running(vllm_req, slot, 1, 0)
+    assert new is not None and new.get_block_ids()[0].tolist() != []
+    assert slot[1] == 9 and req.num_tokens == 9 and req.num_computed_tokens == 8
+    # Counts out of bounds change nothing, not even the tokens.
+    vllm_req._all_token_ids.append(101)
+    vllm_req.num_computed_tokens = 12
+    with pytest.raises(hk.OutOfRangeError):
+        m.allocate_running(vllm_req, slot, 1, 0)
+    assert slot[1] == 9 and req.num_tokens == 9 and req.num_computed_tokens == 8
+    # A token id out of range, a slot of the wrong shape, tokens that went away.
+    vllm_req.num_computed_tokens = 9
+    vllm_req._all_token_ids[-1] = 2**40
+    with pytest.raises(hk.OutOfRangeError):
+        m.allocate_running(vllm_req, slot, 1, 0)
+    vllm_req._all_token_ids[-1] = 101
+    with pytest.raises(TypeError):
+        m.allocate_running(vllm_req, ["a", 9], 1, 0)
+    with pytest.raises(NotImplementedError):
+        m.allocate_running(
+            types.SimpleNamespace(**{**vars(vllm_req), "_all_token_ids": prompt}), slot, 1, 0
+        )
+    assert m.allocate_running(vllm_req, slot, 1, 0) is not None
+    assert slot[1] == 10 and req.num_tokens == 10 and req.num_computed_tokens == 9

@@ -592,6 +592,16 @@ class KVCacheManager:
 
         A rejected call changes nothing and registers nothing.
         """
+    def allocate_running(
+        self, request: object, slot: list[object], num_new_tokens: int, num_lookahead_tokens: int
+    ) -> KVCacheBlocks | None:
+        """The step of a running request as vLLM's scheduler makes it, for `hybrid_kv.vllm`:
+        `slot` is `[companion Request, tokens it has seen]` for vLLM's `request`; the companion
+        takes the tokens vLLM appended since (`request._all_token_ids`, `slot[1]` updated) and
+        the request's `num_computed_tokens` and `num_in_flight_tokens`, then `allocate_slots`
+        runs with `num_new_tokens` and `num_lookahead_tokens`. Counts out of bounds change
+        nothing; an error from `allocate_slots` leaves the companion's tokens taken (they are
+        vLLM's)."""
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Caches the request's full blocks of its first `num_computed_tokens` tokens (after
         `allocate_slots(..., delay_cache_blocks=True)`, once the data arrived)."""

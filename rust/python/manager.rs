@@ -21,8 +21,9 @@ use crate::manager::{
 use crate::types::BlockId;
 use numpy::{PyArray2, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::exceptions::PyTypeError;
+use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyString, PyTuple};
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Scheduler calls that handle at least this many tokens release the GIL.
@@ -274,6 +275,41 @@ struct Current {
 }
 
 impl PyKVCacheManager {
+    /// `allocate_slots` once the request's counts are set.
+    fn allocate_with(
+        &self,
+        py: Python<'_>,
+        request: &PyRequest,
+        args: &AllocateArgs<'_>,
+    ) -> PyResult<Option<Py<PyKVCacheBlocks>>> {
+        let args = *args;
+        let long = args.num_new_tokens >= DETACH_SCHEDULE_TOKENS;
+        // None: out of blocks; Some(None): nothing new (the shared empty result).
+        let new = self.with_request(py, request, long, |inner, r| {
+            let args = AllocateArgs {
+                num_computed_tokens: r.num_computed_tokens,
+                num_in_flight_tokens: r.num_in_flight_tokens,
+                ..args
+            };
+            let Inner {
+                manager,
+                new_blocks,
+                ..
+            } = inner;
+            if !manager.allocate_slots_into(r.handle, &args, new_blocks)? {
+                return Ok(None);
+            }
+            Ok(Some(
+                (!new_blocks.iter().all(Vec::is_empty)).then(|| new_blocks.clone()),
+            ))
+        })?;
+        match new {
+            None => Ok(None),
+            Some(None) => Ok(Some(self.empty.clone_ref(py))),
+            Some(Some(blocks)) => self.blocks(py, ComputedBlocks::new(blocks, 0)).map(Some),
+        }
+    }
+
     /// Locks the manager and removes the requests whose `Request` was garbage collected.
     fn inner(&self) -> MutexGuard<'_, Inner> {
         let mut guard = lock(&self.shared.inner);
@@ -687,33 +723,71 @@ impl PyKVCacheManager {
             reserved_blocks: reserved_blocks.get(),
             skip_zeroing_group_ids: &skip_zeroing,
         };
-        let long = args.num_new_tokens >= DETACH_SCHEDULE_TOKENS;
-        // None: out of blocks; Some(None): nothing new (the shared empty result).
-        let new = self.with_request(py, request, long, |inner, r| {
-            let args = AllocateArgs {
-                num_computed_tokens: r.num_computed_tokens,
-                num_in_flight_tokens: r.num_in_flight_tokens,
-                ..args
-            };
-            let Inner {
-                manager,
-                new_blocks,
-                ..
-            } = inner;
-            if !manager.allocate_slots_into(r.handle, &args, new_blocks)? {
-                return Ok(None);
-            }
-            Ok(Some(
-                (!new_blocks.iter().all(Vec::is_empty)).then(|| new_blocks.clone()),
-            ))
-        })?;
-        match new {
-            None => Ok(None),
-            Some(None) => Ok(Some(self.empty.clone_ref(py))),
-            Some(Some(blocks)) => self.blocks(py, ComputedBlocks::new(blocks, 0)).map(Some),
-        }
+        self.allocate_with(py, request, &args)
     }
 
+    /// The step of a running request as vLLM's scheduler makes it (`hybrid_kv.vllm`'s
+    /// `allocate_slots(request, n, num_lookahead_tokens=k)`), in one call: `slot` is the
+    /// adapter's `[companion Request, tokens it has seen]` for vLLM's `request`. The companion
+    /// takes the tokens vLLM appended since (`request._all_token_ids`) and the scheduler's
+    /// `num_computed_tokens` and `num_in_flight_tokens`, then `allocate_slots` runs as above.
+    /// Counts out of bounds change nothing; an error from the allocation leaves the companion's
+    /// tokens taken (they are vLLM's).
+    fn allocate_running(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        slot: &Bound<'_, PyList>,
+        num_new_tokens: Count,
+        num_lookahead_tokens: Count,
+    ) -> PyResult<Option<Py<PyKVCacheBlocks>>> {
+        let companion = slot.get_item(0)?;
+        let companion = companion.cast::<PyRequest>()?.get();
+        let seen: usize = slot.get_item(1)?.extract()?;
+        let all = request.getattr(intern!(py, "_all_token_ids"))?;
+        let all = all.cast::<PyList>()?;
+        let computed = count_of(
+            &request.getattr(intern!(py, "num_computed_tokens"))?,
+            "num_computed_tokens",
+        )?;
+        let in_flight = count_of(
+            &request.getattr(intern!(py, "num_in_flight_tokens"))?,
+            "num_in_flight_tokens",
+        )?;
+        let num_tokens = all.len();
+        let new_tokens = if num_tokens > seen {
+            (seen..num_tokens)
+                .map(|i| Ok(all.get_item(i)?.extract::<super::convert::U32>()?.get()))
+                .collect::<PyResult<Vec<u32>>>()?
+        } else if num_tokens == seen {
+            Vec::new()
+        } else {
+            return Err(pyo3::exceptions::PyNotImplementedError::new_err(format!(
+                "request {:?} lost tokens ({seen} -> {num_tokens}); streaming-input sessions are \
+                 not served by hybrid-kv",
+                companion.request_id_str()
+            )));
+        };
+        {
+            let mut record = lock(&companion.record);
+            let before = record.output.len();
+            record.output.extend_from_slice(&new_tokens);
+            if let Err(e) = record.set_progress(Some(computed), Some(in_flight)) {
+                record.output.truncate(before);
+                return Err(e.into());
+            }
+        }
+        if !new_tokens.is_empty() {
+            slot.set_item(1, num_tokens)?;
+        }
+        let args = AllocateArgs {
+            num_new_tokens: num_new_tokens.get(),
+            num_lookahead_tokens: num_lookahead_tokens.get(),
+            has_scheduled_reqs: true,
+            ..Default::default()
+        };
+        self.allocate_with(py, companion, &args)
+    }
     /// Caches the request's full blocks of its first `num_computed_tokens` tokens (after an
     /// allocation with `delay_cache_blocks`, once the data arrived).
     fn cache_blocks(

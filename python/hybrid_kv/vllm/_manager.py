@@ -251,6 +251,7 @@ class HybridKVCacheManager:
         self.hash_block_size = hash_block_size
         # The core hands back this shared instance when a call allocated nothing.
         self._core_empty = self.core.empty_kv_cache_blocks
+        self._allocate_running = self.core.allocate_running
         self.empty_kv_cache_blocks = KVCacheBlocks(
             ids=tuple(_EMPTY_IDS for _ in groups), empty=True
         )
@@ -379,6 +380,28 @@ class HybridKVCacheManager:
             raise ValueError(
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
             )
+        if (
+            new_computed_blocks is None
+            and self._events is None
+            and not (
+                num_new_computed_tokens
+                or num_external_computed_tokens
+                or delay_cache_blocks
+                or num_encoder_tokens
+                or full_sequence_must_fit
+                or reserved_blocks
+            )
+        ):
+            slot = request.__dict__.get(self._key)
+            if slot is not None:
+                # A running request's step (the scheduler's most frequent call): the companion
+                # is brought up to date and the scheduler's counts read inside one core call.
+                new = self._allocate_running(request, slot, num_new_tokens, num_lookahead_tokens)
+                if new is None:
+                    return None
+                if new is self._core_empty:
+                    return self.empty_kv_cache_blocks
+                return KVCacheBlocks(new, empty=False)
         if num_external_computed_tokens or num_encoder_tokens or reserved_blocks:
             raise Unsupported("external computed tokens, encoder tokens or reserved blocks")
         companion = self._companion(request)
