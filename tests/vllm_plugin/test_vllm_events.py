@@ -115,6 +115,20 @@ def test_full_report_mode_publishes_the_blocks_a_hit_reuses(layout: str, num_blo
         assert ours == theirs, f"event {i} differs"
 
 
+def test_events_of_lora_requests_equal_stock_vllms() -> None:
+    loras = (None, ("alpha", 1, "/adapters/alpha"), ("alpha", 2, "/adapters/alpha-v2"))
+    workload = [dataclasses.replace(s, lora=loras[i % 3]) for i, s in enumerate(WORKLOAD)]
+    options = harness.Options(
+        layout="gpt-oss", num_blocks=330, kv_events=True, dense_retention=False, lora=True
+    )
+    expected = recorded_events(options, workload=workload)
+    got = recorded_events(options, hkv.Scheduler, workload)
+    assert any(isinstance(e, BlockStored) and e.lora_name == "alpha" for e in expected)
+    assert len(got) == len(expected)
+    for i, (ours, theirs) in enumerate(zip(got, expected, strict=True)):
+        assert ours == theirs, f"event {i} differs"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -210,6 +210,24 @@ def test_shared_prefix_mamba_checkpoints_are_inert_with_one_block_size() -> None
     assert run.hits > 0
 
 
+# Requests naming LoRA adapters: two adapters share a name but not a path (vLLM keys blocks by
+# both), and a step runs at most 2 adapters.
+LORAS = (None, ("alpha", 1, "/adapters/alpha"), ("beta", 2, "/adapters/beta"))
+LORAS += (("alpha", 3, "/adapters/alpha-v2"),)
+LORA_WORKLOAD = [
+    dataclasses.replace(spec, lora=LORAS[i % len(LORAS)]) for i, spec in enumerate(WORKLOAD)
+]
+
+
+@pytest.mark.parametrize("layout,num_blocks", [("full", 260), ("gpt-oss", 1000), ("jamba", 700)])
+def test_same_outputs_as_vllm_with_lora_requests(layout: str, num_blocks: int) -> None:
+    options = harness.Options(
+        layout=layout, num_blocks=num_blocks, dense_retention=False, lora=True
+    )
+    run = run_both(options, LORA_WORKLOAD)
+    assert run.hits > 0 and run.preempted > 0
+
+
 def test_a_window_not_widened_for_the_drafter_falls_back() -> None:
     # vLLM's planner widens sliding windows by the tokens a multi-module drafter re-prefills; a
     # KVCacheConfig without that is not one the core's rules match.

@@ -31,12 +31,14 @@ import torch
 from vllm.config import (
     CacheConfig,
     KVEventsConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     VllmConfig,
 )
+from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -149,6 +151,8 @@ class Options:
     eagle_lookahead_hashes: bool = True
     # CacheConfig.enable_mamba_shared_prefix_checkpoint (acts only with partial hash hits).
     mamba_shared_prefix_checkpoint: bool = False
+    # LoRA serving (at most 2 adapters per step), for workloads whose requests name adapters.
+    lora: bool = False
     kv_events: bool = False
     log_stats: bool = True
     block_size: int = BLOCK_SIZE
@@ -282,6 +286,7 @@ def vllm_config(options: Options) -> VllmConfig:
     if options.kv_events:
         events = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     config = VllmConfig(
+        lora_config=LoRAConfig(max_loras=2, max_lora_rank=8) if options.lora else None,
         model_config=model,
         scheduler_config=scheduler,
         cache_config=cache,
@@ -325,6 +330,8 @@ class RequestSpec:
     # vLLM's per-request `kv_cache_report_mode` (SamplingParams.extra_args): "full" also
     # publishes the blocks a prefix hit reuses.
     kv_cache_report_mode: str | None = None
+    # A LoRA adapter: (name, id, path).
+    lora: tuple[str, int, str] | None = None
 
 
 def chat_workload(
@@ -381,6 +388,7 @@ def make_request(spec: RequestSpec, block_size: int = BLOCK_SIZE, lookahead: int
         ),
         pooling_params=None,
         cache_salt=spec.cache_salt,
+        lora_request=None if spec.lora is None else LoRARequest(*spec.lora),
         block_hasher=_block_hasher(block_size, lookahead),
         arrival_time=0.0,
     )
