@@ -228,6 +228,21 @@ def test_same_outputs_as_vllm_with_lora_requests(layout: str, num_blocks: int) -
     assert run.hits > 0 and run.preempted > 0
 
 
+@pytest.mark.parametrize("layout,num_blocks", [("full", 260), ("gpt-oss", 1000), ("granite4", 700)])
+def test_same_outputs_as_vllm_with_prompt_logprobs_requests(layout: str, num_blocks: int) -> None:
+    # Every third request asks for prompt logprobs: it reads no prefix-cache hit, its blocks are
+    # still cached for others, and the prefix-cache stats leave it out.
+    workload = [
+        dataclasses.replace(spec, prompt_logprobs=1 if i % 3 == 0 else None)
+        for i, spec in enumerate(WORKLOAD)
+    ]
+    stock = harness.make_request(workload[0])
+    assert stock.skip_reading_prefix_cache
+    options = harness.Options(layout=layout, num_blocks=num_blocks, dense_retention=False)
+    run = run_both(options, workload)
+    assert run.hits > 0
+
+
 def test_a_window_not_widened_for_the_drafter_falls_back() -> None:
     # vLLM's planner widens sliding windows by the tokens a multi-module drafter re-prefills; a
     # KVCacheConfig without that is not one the core's rules match.

@@ -332,6 +332,9 @@ class RequestSpec:
     kv_cache_report_mode: str | None = None
     # A LoRA adapter: (name, id, path).
     lora: tuple[str, int, str] | None = None
+    # Prompt logprobs: vLLM then reads no prefix-cache hit for the request (its blocks are still
+    # cached).
+    prompt_logprobs: int | None = None
 
 
 def chat_workload(
@@ -382,6 +385,7 @@ def make_request(spec: RequestSpec, block_size: int = BLOCK_SIZE, lookahead: int
         sampling_params=SamplingParams(
             max_tokens=spec.max_tokens,
             ignore_eos=True,
+            prompt_logprobs=spec.prompt_logprobs,
             extra_args=None
             if spec.kv_cache_report_mode is None
             else {"kv_cache_report_mode": spec.kv_cache_report_mode},
