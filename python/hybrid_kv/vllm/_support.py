@@ -4,8 +4,7 @@ Each entry names a vLLM option (or a kind of KV cache group) that hybrid-kv's ma
 implement with vLLM 0.33's semantics yet, and the reason. When the scheduler is built, the first
 matching entry makes `hybrid_kv.vllm.Scheduler` keep vLLM's own `KVCacheManager` and log that
 reason once; no configuration is served with different semantics. The table shrinks as the core
-gains features: an entry whose feature lands is deleted (or its predicate reads the capability
-from the core, as `_overlap_needs_core` does).
+gains features: an entry whose feature lands is deleted.
 """
 
 from __future__ import annotations
@@ -26,8 +25,6 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-import hybrid_kv as hk
-
 # vLLM spec types served by hybrid-kv, matched by exact type (vLLM's subclasses such as RSWASpec,
 # SlidingWindowMLASpec or SinkFullAttentionSpec have other managers) -> the core's group kind.
 GROUP_KINDS: Mapping[type[KVCacheSpec], str] = {
@@ -37,10 +34,6 @@ GROUP_KINDS: Mapping[type[KVCacheSpec], str] = {
     ChunkedLocalAttentionSpec: "chunked_local",
     MambaSpec: "mamba",
 }
-
-
-def core_has_method(name: str) -> bool:
-    return hasattr(hk.KVCacheManager, name)
 
 
 @dataclass(frozen=True)
@@ -61,15 +54,6 @@ class BuildContext:
     @property
     def caching(self) -> bool:
         return bool(self.manager_kwargs.get("enable_caching", True))
-
-    @property
-    def overlapping_steps(self) -> bool:
-        """Steps are scheduled before the previous one's output arrives (async or PP)."""
-        return self.vllm_config.max_concurrent_batches > 1
-
-    @property
-    def spec_decode(self) -> bool:
-        return self.vllm_config.num_speculative_tokens > 0
 
 
 def _unknown_group(ctx: BuildContext) -> str | None:
@@ -99,30 +83,6 @@ def _mixed_block_sizes(ctx: BuildContext) -> str | None:
     return None
 
 
-def _overlap_needs_core(ctx: BuildContext) -> str | None:
-    # With overlapping steps vLLM frees out-of-window blocks on the processed-token basis
-    # (num_in_flight_tokens), and with overlap or speculative decoding it caches blocks in
-    # update_from_output (cache_blocks); both change which blocks sliding-window, chunked-local
-    # and Mamba groups hold. Full attention is unaffected by the first and served by a
-    # zero-token allocation for the second.
-    if not (ctx.overlapping_steps or ctx.spec_decode):
-        return None
-    if not ctx.has(SlidingWindowSpec, ChunkedLocalAttentionSpec, MambaSpec):
-        return None
-    missing = [
-        what
-        for what, present in (
-            ("Request.num_in_flight_tokens", hasattr(hk.Request, "num_in_flight_tokens")),
-            ("cache_blocks()", core_has_method("cache_blocks")),
-        )
-        if not present
-    ]
-    if not missing:
-        return None
-    mode = "async scheduling / pipeline parallelism" if ctx.overlapping_steps else "spec decoding"
-    return f"{mode} on window or Mamba groups needs the core's {' and '.join(missing)}"
-
-
 Check = Callable[[BuildContext], "str | bool | None"]
 
 # (vLLM option or feature, check, why hybrid-kv cannot serve it yet). A check returns a truthy
@@ -142,11 +102,6 @@ FALLBACKS: tuple[tuple[str, Check, str], ...] = (
         "block sizes",
         _mixed_block_sizes,
         "hybrid-kv's manager is checked against vLLM with one block size for all groups",
-    ),
-    (
-        "async scheduling or speculative decoding",
-        _overlap_needs_core,
-        "the core's Python API lacks what these need on window and Mamba groups",
     ),
     (
         "decode/prefill context parallelism",
