@@ -602,6 +602,11 @@ class KVCacheManager:
         runs with `num_new_tokens` and `num_lookahead_tokens`. Counts out of bounds change
         nothing; an error from `allocate_slots` leaves the companion's tokens taken (they are
         vLLM's)."""
+    def sync_companion(self, request: object, slot: list[object]) -> Request:
+        """`hybrid_kv.vllm`'s companion of vLLM's `request`: `slot` is `[companion Request,
+        tokens it has seen]`; the companion takes the tokens vLLM appended since
+        (`request._all_token_ids`, `slot[1]` updated) and is returned. A request with fewer
+        tokens than seen raises `NotImplementedError`."""
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Caches the request's full blocks of its first `num_computed_tokens` tokens (after
         `allocate_slots(..., delay_cache_blocks=True)`, once the data arrived)."""

@@ -29,6 +29,57 @@ use std::sync::{Arc, Mutex, MutexGuard};
 /// Scheduler calls that handle at least this many tokens release the GIL.
 const DETACH_SCHEDULE_TOKENS: usize = 4096;
 
+/// Brings the vLLM adapter's `slot` (`[companion Request, tokens it has seen]`) up to date with
+/// vLLM's `request._all_token_ids`; with `progress`, also sets the companion's counts from the
+/// request's `num_computed_tokens` and `num_in_flight_tokens`. Nothing changes on an error.
+fn sync_companion<'py>(
+    request: &Bound<'py, PyAny>,
+    slot: &Bound<'py, PyList>,
+    progress: bool,
+) -> PyResult<Bound<'py, PyRequest>> {
+    let py = request.py();
+    let companion = slot.get_item(0)?.cast_into::<PyRequest>()?;
+    let seen: usize = slot.get_item(1)?.extract()?;
+    let all = request.getattr(intern!(py, "_all_token_ids"))?;
+    let all = all.cast::<PyList>()?;
+    let counts = if progress {
+        let count =
+            |name: &Bound<'py, PyString>, what: &str| count_of(&request.getattr(name)?, what);
+        Some((
+            count(intern!(py, "num_computed_tokens"), "num_computed_tokens")?,
+            count(intern!(py, "num_in_flight_tokens"), "num_in_flight_tokens")?,
+        ))
+    } else {
+        None
+    };
+    let num_tokens = all.len();
+    if num_tokens < seen {
+        return Err(pyo3::exceptions::PyNotImplementedError::new_err(format!(
+            "request {:?} lost tokens ({seen} -> {num_tokens}); streaming-input sessions are not \
+             served by hybrid-kv",
+            companion.get().request_id_str()
+        )));
+    }
+    let new_tokens = (seen..num_tokens)
+        .map(|i| Ok(all.get_item(i)?.extract::<super::convert::U32>()?.get()))
+        .collect::<PyResult<Vec<u32>>>()?;
+    {
+        let mut record = lock(&companion.get().record);
+        let before = record.output.len();
+        record.output.extend_from_slice(&new_tokens);
+        if let Some((computed, in_flight)) = counts {
+            if let Err(e) = record.set_progress(Some(computed), Some(in_flight)) {
+                record.output.truncate(before);
+                return Err(e.into());
+            }
+        }
+    }
+    if !new_tokens.is_empty() {
+        slot.set_item(1, num_tokens)?;
+    }
+    Ok(companion)
+}
+
 // ----------------------------------------------------------------------------- KVCacheBlocks
 
 /// Blocks per KV cache group: a prefix-cache hit (`get_computed_blocks`) or the blocks newly
@@ -727,12 +778,11 @@ impl PyKVCacheManager {
     }
 
     /// The step of a running request as vLLM's scheduler makes it (`hybrid_kv.vllm`'s
-    /// `allocate_slots(request, n, num_lookahead_tokens=k)`), in one call: `slot` is the
-    /// adapter's `[companion Request, tokens it has seen]` for vLLM's `request`. The companion
-    /// takes the tokens vLLM appended since (`request._all_token_ids`) and the scheduler's
-    /// `num_computed_tokens` and `num_in_flight_tokens`, then `allocate_slots` runs as above.
-    /// Counts out of bounds change nothing; an error from the allocation leaves the companion's
-    /// tokens taken (they are vLLM's).
+    /// `allocate_slots(request, n, num_lookahead_tokens=k)`), in one call: the companion in
+    /// `slot` is brought up to date as by `sync_companion` and takes the scheduler's
+    /// `num_computed_tokens` and `num_in_flight_tokens` from vLLM's `request`, then
+    /// `allocate_slots` runs as above. Counts out of bounds change nothing; an error from the
+    /// allocation leaves the companion's tokens taken (they are vLLM's).
     fn allocate_running(
         &self,
         py: Python<'_>,
@@ -741,53 +791,27 @@ impl PyKVCacheManager {
         num_new_tokens: Count,
         num_lookahead_tokens: Count,
     ) -> PyResult<Option<Py<PyKVCacheBlocks>>> {
-        let companion = slot.get_item(0)?;
-        let companion = companion.cast::<PyRequest>()?.get();
-        let seen: usize = slot.get_item(1)?.extract()?;
-        let all = request.getattr(intern!(py, "_all_token_ids"))?;
-        let all = all.cast::<PyList>()?;
-        let computed = count_of(
-            &request.getattr(intern!(py, "num_computed_tokens"))?,
-            "num_computed_tokens",
-        )?;
-        let in_flight = count_of(
-            &request.getattr(intern!(py, "num_in_flight_tokens"))?,
-            "num_in_flight_tokens",
-        )?;
-        let num_tokens = all.len();
-        let new_tokens = if num_tokens > seen {
-            (seen..num_tokens)
-                .map(|i| Ok(all.get_item(i)?.extract::<super::convert::U32>()?.get()))
-                .collect::<PyResult<Vec<u32>>>()?
-        } else if num_tokens == seen {
-            Vec::new()
-        } else {
-            return Err(pyo3::exceptions::PyNotImplementedError::new_err(format!(
-                "request {:?} lost tokens ({seen} -> {num_tokens}); streaming-input sessions are \
-                 not served by hybrid-kv",
-                companion.request_id_str()
-            )));
-        };
-        {
-            let mut record = lock(&companion.record);
-            let before = record.output.len();
-            record.output.extend_from_slice(&new_tokens);
-            if let Err(e) = record.set_progress(Some(computed), Some(in_flight)) {
-                record.output.truncate(before);
-                return Err(e.into());
-            }
-        }
-        if !new_tokens.is_empty() {
-            slot.set_item(1, num_tokens)?;
-        }
+        let companion = sync_companion(request, slot, true)?;
         let args = AllocateArgs {
             num_new_tokens: num_new_tokens.get(),
             num_lookahead_tokens: num_lookahead_tokens.get(),
             has_scheduled_reqs: true,
             ..Default::default()
         };
-        self.allocate_with(py, companion, &args)
+        self.allocate_with(py, companion.get(), &args)
     }
+
+    /// `hybrid_kv.vllm`'s companion of a vLLM request: `slot` is `[companion Request, tokens it
+    /// has seen]`; the companion takes the tokens vLLM appended since
+    /// (`request._all_token_ids`) and `slot[1]` follows. Returns the companion.
+    fn sync_companion<'py>(
+        &self,
+        request: &Bound<'py, PyAny>,
+        slot: &Bound<'py, PyList>,
+    ) -> PyResult<Bound<'py, PyRequest>> {
+        sync_companion(request, slot, false)
+    }
+
     /// Caches the request's full blocks of its first `num_computed_tokens` tokens (after an
     /// allocation with `delay_cache_blocks`, once the data arrived).
     fn cache_blocks(

@@ -252,6 +252,7 @@ class HybridKVCacheManager:
         # The core hands back this shared instance when a call allocated nothing.
         self._core_empty = self.core.empty_kv_cache_blocks
         self._allocate_running = self.core.allocate_running
+        self._sync_companion = self.core.sync_companion
         self.empty_kv_cache_blocks = KVCacheBlocks(
             ids=tuple(_EMPTY_IDS for _ in groups), empty=True
         )
@@ -277,7 +278,6 @@ class HybridKVCacheManager:
     def _companion(self, request: Request) -> hk.Request:
         """The request's `hybrid_kv.Request`, brought up to date with vLLM's."""
         slot = request.__dict__.get(self._key)
-        num_tokens = len(request._all_token_ids)
         if slot is None:
             lora = request.lora_request
             slot = [
@@ -299,22 +299,7 @@ class HybridKVCacheManager:
             if request.skip_reading_prefix_cache:
                 slot[0].skip_reading_prefix_cache = True
             request.__dict__[self._key] = slot
-        companion, synced = slot
-        if synced != num_tokens:
-            if num_tokens < synced:
-                raise Unsupported(
-                    f"request {request.request_id!r} lost tokens ({synced} -> {num_tokens}); "
-                    "streaming-input sessions are not served by hybrid-kv"
-                )
-            if num_tokens == synced + 1:
-                # One sampled token per step: an int crosses faster than a one-item list.
-                companion.append_output_token_ids(request._all_token_ids[-1])
-            else:
-                companion.append_output_token_ids(
-                    request._output_token_ids[synced - request.num_prompt_tokens :]
-                )
-            slot[1] = num_tokens
-        return companion
+        return self._sync_companion(request, slot)
 
     # ------------------------------------------------------------------ the scheduler's calls
 
@@ -380,9 +365,10 @@ class HybridKVCacheManager:
             raise ValueError(
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
             )
+        slot = None
         if (
             new_computed_blocks is None
-            and self._events is None
+            and has_scheduled_reqs
             and not (
                 num_new_computed_tokens
                 or num_external_computed_tokens
@@ -393,41 +379,36 @@ class HybridKVCacheManager:
             )
         ):
             slot = request.__dict__.get(self._key)
-            if slot is not None:
-                # A running request's step (the scheduler's most frequent call): the companion
-                # is brought up to date and the scheduler's counts read inside one core call.
-                new = self._allocate_running(request, slot, num_new_tokens, num_lookahead_tokens)
-                if new is None:
-                    return None
-                if new is self._core_empty:
-                    return self.empty_kv_cache_blocks
-                return KVCacheBlocks(new, empty=False)
-        if num_external_computed_tokens or num_encoder_tokens or reserved_blocks:
-            raise Unsupported("external computed tokens, encoder tokens or reserved blocks")
-        companion = self._companion(request)
-        hit = None
-        if (
-            new_computed_blocks is not None
-            and new_computed_blocks is not self.empty_kv_cache_blocks
-        ):
-            hit = new_computed_blocks._core
-        # Positional arguments cross faster; the scheduler's counts travel with the call.
-        new = self.core.allocate_slots(
-            companion,
-            num_new_tokens,
-            num_new_computed_tokens,
-            hit,
-            num_lookahead_tokens,
-            0,
-            delay_cache_blocks,
-            0,
-            full_sequence_must_fit,
-            0,
-            has_scheduled_reqs,
-            (),
-            request.num_computed_tokens,
-            request.num_in_flight_tokens,
-        )
+        if slot is not None:
+            # A running request's step (the scheduler's most frequent call): the companion is
+            # brought up to date and the scheduler's counts read inside one core call.
+            new = self._allocate_running(request, slot, num_new_tokens, num_lookahead_tokens)
+        else:
+            if num_external_computed_tokens or num_encoder_tokens or reserved_blocks:
+                raise Unsupported("external computed tokens, encoder tokens or reserved blocks")
+            hit = None
+            if (
+                new_computed_blocks is not None
+                and new_computed_blocks is not self.empty_kv_cache_blocks
+            ):
+                hit = new_computed_blocks._core
+            # Positional arguments cross faster; the scheduler's counts travel with the call.
+            new = self.core.allocate_slots(
+                self._companion(request),
+                num_new_tokens,
+                num_new_computed_tokens,
+                hit,
+                num_lookahead_tokens,
+                0,
+                delay_cache_blocks,
+                0,
+                full_sequence_must_fit,
+                0,
+                has_scheduled_reqs,
+                (),
+                request.num_computed_tokens,
+                request.num_in_flight_tokens,
+            )
         if self._events is not None:
             self._events.collect(request)
         if new is None:
