@@ -565,17 +565,21 @@ impl Coordinator {
         Ok(())
     }
 
-    /// Frees every group's blocks, tail first.
+    /// Frees every group's blocks, tail first, group after group (vLLM's order), in one
+    /// release of the pool.
     pub(crate) fn free(
         &self,
         pool: &BlockPool,
         tables: &mut [GroupTable],
         scratch: &mut Vec<BlockId>,
     ) -> Result<()> {
+        scratch.clear();
+        let mut ends = Vec::with_capacity(self.groups.len());
         for (m, t) in self.groups.iter().zip(tables.iter_mut()) {
-            m.free(pool, t, scratch)?;
+            m.collect_for_free(t, scratch);
+            ends.push(scratch.len());
         }
-        Ok(())
+        pool.free_held(scratch, &ends)
     }
 
     /// Empties every group's table without freeing: the blocks in allocation order, groups

@@ -866,7 +866,7 @@ impl GroupManager {
                     if let Some(slot) = table.blocks.get_mut(idx) {
                         if *slot != NULL_BLOCK {
                             let block = std::mem::replace(slot, NULL_BLOCK);
-                            pool.free_blocks(&[block])?;
+                            pool.free_held(&[block], &[1])?;
                         }
                     }
                 }
@@ -896,7 +896,7 @@ impl GroupManager {
             }
         }
         if !scratch.is_empty() {
-            pool.free_blocks(scratch)?;
+            pool.free_held(scratch, &[scratch.len()])?;
         }
         table.num_retired = last;
         Ok(())
@@ -914,18 +914,12 @@ impl GroupManager {
         table.clear();
     }
 
-    /// Frees a request's blocks tail first and forgets them. Null blocks are left out (the pool
-    /// skips them anyway): sparse retention leaves windowed groups of long requests mostly null.
-    pub(crate) fn free(
-        &self,
-        pool: &BlockPool,
-        table: &mut GroupTable,
-        scratch: &mut Vec<BlockId>,
-    ) -> Result<()> {
-        scratch.clear();
-        scratch.extend(table.blocks.iter().rev().filter(|&&b| b != NULL_BLOCK));
+    /// Appends the table's blocks tail first to `out` and forgets them: what freeing the
+    /// request releases in this group. Null blocks are left out (the pool skips them anyway):
+    /// sparse retention leaves windowed groups of long requests mostly null.
+    pub(crate) fn collect_for_free(&self, table: &mut GroupTable, out: &mut Vec<BlockId>) {
+        out.extend(table.blocks.iter().rev().filter(|&&b| b != NULL_BLOCK));
         table.clear();
-        pool.free_blocks(scratch)
     }
 }
 
@@ -953,7 +947,7 @@ fn remove_blocks_in_range(
     if scratch.is_empty() {
         return Ok(());
     }
-    pool.free_blocks(scratch)?;
+    pool.free_held(scratch, &[scratch.len()])?;
     table.blocks[last - scratch.len()..last].fill(NULL_BLOCK);
     Ok(())
 }

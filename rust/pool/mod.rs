@@ -64,6 +64,11 @@
 //! the block that reached zero is reported as `DoubleFree`, and no count is ever undone, so no
 //! block gets two owners and the free counter stays exact.
 //!
+//! The manager frees the blocks its requests' tables hold with `free_held`: no validation pass
+//! (those references are its own), and a request's groups released in one publication, in the
+//! free order one `free_blocks` per group would give. A block found at zero there can only be
+//! one someone else freed without holding it; it is reported the same way.
+//!
 //! # Memory
 //!
 //! Every per-block array (reference counts, key slots, map tables, the free-order stack) is
@@ -350,6 +355,67 @@ impl BlockPool {
                     failed.get_or_insert(err);
                 }
             }
+        }
+        self.states.publish(&front, &back);
+        failed.map_or(Ok(()), Err)
+    }
+
+    /// [`BlockPool::free_blocks`] of references the caller holds (a request's block table), in
+    /// batches: `blocks[..ends[0]]`, then `blocks[ends[0]..ends[1]]`, and so on, each in its
+    /// given order. The free order ends as calls of `free_blocks` on each batch in turn would
+    /// leave it (a later batch's uncached blocks ahead of an earlier one's, cached ones after
+    /// them), and the blocks become available to allocations at once.
+    ///
+    /// No validation pass: a reference the caller holds cannot reach zero under it. A block
+    /// found without references (someone freed a reference they did not hold) is reported as
+    /// `DoubleFree` after every other block is released, as `free_blocks` does for that race.
+    /// Ids must be in range (the manager's tables only hold the pool's ids).
+    pub(crate) fn free_held(&self, blocks: &[BlockId], ends: &[usize]) -> Result<()> {
+        debug_assert!(ends.windows(2).all(|w| w[0] <= w[1]));
+        debug_assert_eq!(ends.last().copied().unwrap_or(0), blocks.len());
+        let mut front = Vec::with_capacity(blocks.len().min(self.num_blocks));
+        let mut back = Vec::new();
+        // Where each batch's uncached entries start in `front`.
+        let mut starts = Vec::with_capacity(if ends.len() > 1 { ends.len() } else { 0 });
+        let mut failed = None;
+        let mut start = 0;
+        for &end in ends {
+            if ends.len() > 1 {
+                starts.push(front.len());
+            }
+            for k in start..end {
+                let id = blocks[k];
+                if let Some(&ahead) = blocks.get(k + PREFETCH_AHEAD) {
+                    self.prefetch_block(ahead);
+                }
+                if id == NULL_BLOCK {
+                    continue;
+                }
+                match self.states.release(id) {
+                    Ok(None) => {}
+                    Ok(Some(entry)) => {
+                        if self.enable_caching && self.keys[id as usize].is_set() {
+                            back.push(entry)
+                        } else {
+                            front.push(entry)
+                        }
+                    }
+                    Err(err) => {
+                        failed.get_or_insert(err);
+                    }
+                }
+            }
+            start = end;
+        }
+        if starts.len() > 1 {
+            // Later batches go in front of earlier ones.
+            let mut ordered = Vec::with_capacity(front.len());
+            let mut end = front.len();
+            for &s in starts.iter().rev() {
+                ordered.extend_from_slice(&front[s..end]);
+                end = s;
+            }
+            front = ordered;
         }
         self.states.publish(&front, &back);
         failed.map_or(Ok(()), Err)

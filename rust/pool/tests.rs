@@ -428,3 +428,72 @@ fn a_request_sized_batch_is_validated_block_by_block() {
     pool.free_blocks(&rest).unwrap();
     assert_eq!(pool.num_free_blocks(), 8999);
 }
+
+/// The same blocks freed as `free_blocks` batches in turn and as one `free_held` of the
+/// batches: the same free order, the same free count, for every way of cutting the list.
+#[test]
+fn free_held_in_batches_leaves_the_order_of_one_free_per_batch() {
+    // Blocks 1..=12: 1-6 cached (some held twice), 7-12 not; the request's "groups" mix both.
+    let build = || {
+        let pool = BlockPool::new(16).unwrap();
+        let blocks = pool.get_new_blocks(12).unwrap();
+        cache(&pool, &blocks[..6], &[1, 2, 3, 4, 5, 6], 0);
+        pool.touch(&[2, 5, 9]).unwrap();
+        pool
+    };
+    let all: Vec<BlockId> = vec![9, 3, 1, 12, 8, 2, 11, 6, 5, 10, 7, 4];
+    for cuts in [
+        vec![12],
+        vec![3, 12],
+        vec![0, 5, 5, 12],
+        vec![2, 4, 7, 9, 12],
+    ] {
+        let reference = build();
+        let mut start = 0;
+        for &end in &cuts {
+            reference.free_blocks(&all[start..end]).unwrap();
+            start = end;
+        }
+        let batched = build();
+        batched.free_held(&all, &cuts).unwrap();
+        assert_eq!(
+            batched.free_order(),
+            reference.free_order(),
+            "cuts {cuts:?}"
+        );
+        assert_eq!(batched.num_free_blocks(), reference.num_free_blocks());
+        for id in [2, 5, 9] {
+            assert_eq!(batched.ref_count(id).unwrap(), 1);
+        }
+        // Allocations see the same order.
+        let n = batched.num_free_blocks();
+        assert_eq!(
+            batched.get_new_blocks(n).unwrap(),
+            reference.get_new_blocks(n).unwrap()
+        );
+    }
+}
+
+/// A block that someone else freed without holding it is found at zero: reported as a double
+/// free, every other block still released, nothing counted twice.
+#[test]
+fn free_held_reports_a_block_already_at_zero_and_releases_the_rest() {
+    let pool = BlockPool::new(8).unwrap();
+    let blocks = pool.get_new_blocks(4).unwrap();
+    pool.free_blocks(&[blocks[1]]).unwrap();
+    let free_before = pool.num_free_blocks();
+    assert_eq!(
+        pool.free_held(&blocks, &[2, 4]),
+        Err(CoreError::DoubleFree(blocks[1]))
+    );
+    assert_eq!(pool.num_free_blocks(), free_before + 3);
+    for &b in &blocks {
+        assert_eq!(pool.ref_count(b).unwrap(), 0);
+    }
+    let order = pool.free_order();
+    assert_eq!(order.len(), 7);
+    let mut sorted = order.clone();
+    sorted.sort_unstable();
+    sorted.dedup();
+    assert_eq!(sorted.len(), 7, "each free block once: {order:?}");
+}
