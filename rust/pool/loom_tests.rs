@@ -80,7 +80,13 @@ fn check_counts(pool: &BlockPool) {
 fn check_keys(pool: &BlockPool) {
     let mut keyed = 0;
     for id in 1..pool.num_blocks() as BlockId {
-        if let Some(key) = pool.block_key(id).unwrap() {
+        let key = pool.block_key(id).unwrap();
+        assert_eq!(
+            pool.keyed_bit(id),
+            key.is_some(),
+            "cached bit of block {id}"
+        );
+        if let Some(key) = key {
             keyed += 1;
             assert_eq!(pool.lookup(key.hash, key.group), Some(id), "block {id}");
         }

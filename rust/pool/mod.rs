@@ -129,7 +129,7 @@ impl KeySlot {
     /// Sets the key if the block has none; `false` if it already has one or `publish` refuses
     /// (the map had no room). `publish` runs before the key can be taken again, so a map entry is
     /// inserted before it can be removed.
-    fn set(&self, key: CacheKey, publish: impl FnOnce(CacheKey) -> bool) -> bool {
+    fn set(&self, key: CacheKey, mark: Marker<'_>, publish: impl FnOnce(CacheKey) -> bool) -> bool {
         if self
             .state
             .compare_exchange(KEY_NONE, KEY_WRITING, Ordering::Acquire, Ordering::Relaxed)
@@ -137,11 +137,13 @@ impl KeySlot {
         {
             return false;
         }
+        mark.set();
         let (lo, hi) = key.hash.to_parts();
         self.lo.store(lo, Ordering::Relaxed);
         self.hi.store(hi, Ordering::Relaxed);
         self.group.store(key.group, Ordering::Relaxed);
         if !publish(key) {
+            mark.clear();
             self.state.store(KEY_NONE, Ordering::Release);
             return false;
         }
@@ -151,7 +153,7 @@ impl KeySlot {
 
     /// Takes the key out (exclusive: one caller gets it). `done` runs before the slot is free
     /// again, so a key is removed from the map before the block can be given a new one.
-    fn take(&self, done: impl FnOnce(CacheKey)) -> bool {
+    fn take(&self, mark: Marker<'_>, done: impl FnOnce(CacheKey)) -> bool {
         if self.state.load(Ordering::Relaxed) != KEY_SET {
             return false;
         }
@@ -163,6 +165,7 @@ impl KeySlot {
             return false;
         }
         done(self.read());
+        mark.clear();
         self.state.store(KEY_NONE, Ordering::Release);
         true
     }
@@ -180,9 +183,57 @@ impl KeySlot {
     fn get(&self) -> Option<CacheKey> {
         (self.state.load(Ordering::Acquire) == KEY_SET).then(|| self.read())
     }
+}
 
-    fn is_set(&self) -> bool {
-        self.state.load(Ordering::Acquire) != KEY_NONE
+/// One bit per block, set while its key slot is not `KEY_NONE` (written, set or being
+/// cleared): what a free reads to put a block at the back (cached) or in front. A free reads a
+/// bit among those of 63 other blocks instead of the block's 24-byte slot, so a request's free
+/// touches a few cache lines of bits rather than one slot line per block.
+///
+/// The bit changes just after a slot leaves `KEY_NONE` and just before it returns to it, by
+/// the thread that owns the slot's transition. So a thread sees the bit as it would see
+/// "the slot is not `KEY_NONE`" after any call it made or synchronized with; a free racing a
+/// concurrent keying or eviction of the same block reads one side of it, as a read of the slot
+/// would.
+struct KeyedBits(Box<[AtomicU64]>);
+
+/// The bit of one block, for the slot's transitions to set or clear.
+#[derive(Clone, Copy)]
+struct Marker<'a> {
+    word: &'a AtomicU64,
+    bit: u64,
+}
+
+impl Marker<'_> {
+    fn set(self) {
+        self.word.fetch_or(self.bit, Ordering::Release);
+    }
+
+    fn clear(self) {
+        self.word.fetch_and(!self.bit, Ordering::Release);
+    }
+}
+
+impl KeyedBits {
+    fn new(num_blocks: usize) -> Result<Self, AllocFailed> {
+        Ok(KeyedBits(alloc::boxed_slice(
+            "cached-block bits",
+            num_blocks.div_ceil(64),
+            |_| AtomicU64::new(0),
+        )?))
+    }
+
+    #[inline]
+    fn marker(&self, id: BlockId) -> Marker<'_> {
+        Marker {
+            word: &self.0[id as usize / 64],
+            bit: 1 << (id % 64),
+        }
+    }
+
+    #[inline]
+    fn get(&self, id: BlockId) -> bool {
+        self.0[id as usize / 64].load(Ordering::Acquire) & (1 << (id % 64)) != 0
     }
 }
 
@@ -193,6 +244,7 @@ pub struct BlockPool {
     enable_caching: bool,
     states: BlockStates,
     keys: Box<[KeySlot]>,
+    keyed: KeyedBits,
     map: CacheMap,
     events: Option<SegQueue<KvEvent>>,
 }
@@ -225,6 +277,7 @@ impl BlockPool {
             states: BlockStates::new(num_blocks).map_err(oom)?,
             keys: alloc::boxed_slice("cache-key slots", num_blocks, |_| KeySlot::new())
                 .map_err(oom)?,
+            keyed: KeyedBits::new(num_blocks).map_err(oom)?,
             map: CacheMap::with_capacity(if enable_caching { num_blocks } else { 0 })
                 .map_err(oom)?,
             events: enable_events.then(SegQueue::new),
@@ -280,6 +333,12 @@ impl BlockPool {
     pub fn ref_count(&self, id: BlockId) -> Result<u32> {
         self.check_id(id)?;
         Ok(self.states.ref_count(id))
+    }
+
+    /// The cached bit a free reads (tests check it against the key slot).
+    #[cfg(test)]
+    pub(crate) fn keyed_bit(&self, id: BlockId) -> bool {
+        self.keyed.get(id)
     }
 
     /// The key a block is cached under, if any.
@@ -339,7 +398,7 @@ impl BlockPool {
             match self.states.release(id) {
                 Ok(None) => {}
                 Ok(Some(entry)) => {
-                    if self.enable_caching && self.keys[id as usize].is_set() {
+                    if self.enable_caching && self.keyed.get(id) {
                         if back.capacity() == 0 {
                             back.reserve_exact(most);
                         }
@@ -394,7 +453,7 @@ impl BlockPool {
                 match self.states.release(id) {
                     Ok(None) => {}
                     Ok(Some(entry)) => {
-                        if self.enable_caching && self.keys[id as usize].is_set() {
+                        if self.enable_caching && self.keyed.get(id) {
                             back.push(entry)
                         } else {
                             front.push(entry)
@@ -555,7 +614,10 @@ impl BlockPool {
                 continue;
             }
             let key = CacheKey { hash, group };
-            if self.keys[id as usize].set(key, |key| self.map.insert(key, id)) && events.is_some() {
+            if self.keys[id as usize]
+                .set(key, self.keyed.marker(id), |key| self.map.insert(key, id))
+                && events.is_some()
+            {
                 stored.push(hash);
                 extra_keys.push(info.block_extra_keys.and_then(|f| f(i)));
                 block_indices.push(info.first_block + i);
@@ -594,17 +656,12 @@ impl BlockPool {
         self.map.prefetch(&CacheKey { hash, group })
     }
 
-    /// Starts loading what a free of block `id` reads: its state and, with caching on, its key
-    /// slot (the release reads it after a compare-and-swap, which waits for earlier loads).
+    /// Starts loading the state word a free of block `id` reads and updates (its cached bit
+    /// shares a line with 511 other blocks' and is usually loaded already).
     #[inline]
     fn prefetch_block(&self, id: BlockId) {
         if let Some(state) = self.states.cell(id) {
             crate::sync::prefetch(state);
-        }
-        if self.enable_caching {
-            if let Some(slot) = self.keys.get(id as usize) {
-                crate::sync::prefetch(slot);
-            }
         }
     }
 
@@ -614,7 +671,7 @@ impl BlockPool {
     }
 
     fn evict_key(&self, id: BlockId, on_reuse: bool) -> bool {
-        self.keys[id as usize].take(|key| {
+        self.keys[id as usize].take(self.keyed.marker(id), |key| {
             self.map.remove(&key, id);
             if let Some(events) = &self.events {
                 events.push(KvEvent::BlockRemoved {
@@ -644,7 +701,7 @@ impl BlockPool {
             return false;
         }
         for (id, slot) in self.keys.iter().enumerate() {
-            slot.take(|key| {
+            slot.take(self.keyed.marker(id as BlockId), |key| {
                 self.map.remove(&key, id as BlockId);
             });
         }
