@@ -13,6 +13,11 @@ same decisions (the differential tests check this), so step i of one side is ste
 Only steps with the target number of running requests are kept. A second, instrumented pass times
 every call the scheduler makes on its `kv_cache_manager` to give the manager's share of the step.
 
+Once both schedulers and the workload are built, the heap is frozen (`gc.freeze()`), as vLLM's
+`EngineCore` freezes its startup heap before serving (`freeze_gc_heap`): the collector then scans
+only what the steps allocate, not the prebuilt workload nor vLLM's and torch's modules.
+`--no-freeze-gc` leaves them in the collector's scans, as earlier versions of this bench did.
+
 Setup: as for the tests, vLLM 0.33 without its dependency tree (`.ci/vllm`):
 
     python3 -m venv --system-site-packages VENV
@@ -22,7 +27,8 @@ Setup: as for the tests, vLLM 0.33 without its dependency tree (`.ci/vllm`):
 Run (from the repository root):
 
     VLLM_TARGET_DEVICE=cpu VENV/bin/python benches/vllm_scheduler.py [--sizes 32 128 256] \\
-        [--layouts full gemma3] [--steps 300] [--turn 25] [--retention default|dense]
+        [--layouts full gemma3] [--steps 300] [--turn 25] [--retention default|dense] \\
+        [--no-freeze-gc]
 """
 
 from __future__ import annotations
@@ -124,9 +130,19 @@ def instrument(manager: Any) -> dict[str, int]:
     return totals
 
 
-def manager_share(options: harness.Options, workload: Any, cls: Any, steps: int) -> float:
+def freeze_heap(enabled: bool) -> None:
+    """What `EngineCore` does once built (vLLM's `freeze_gc_heap`): collect, then freeze."""
+    gc.collect()
+    if enabled:
+        gc.freeze()
+
+
+def manager_share(
+    options: harness.Options, workload: Any, cls: Any, steps: int, freeze: bool
+) -> float:
     side = Side("share", options, workload, cls)
     totals = instrument(side.scheduler.kv_cache_manager)
+    freeze_heap(freeze)
     step_total = 0
     kept_manager = 0
     for _ in range(steps):
@@ -137,6 +153,7 @@ def manager_share(options: harness.Options, workload: Any, cls: Any, steps: int)
         if running == side.size:
             step_total += schedule_ns + update_ns
             kept_manager += totals.get("manager", 0) - before
+    gc.unfreeze()
     return kept_manager / step_total if step_total else float("nan")
 
 
@@ -145,13 +162,15 @@ def percentile(values: list[int], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1e3
 
 
-def measure(layout: str, size: int, steps: int, turn: int, dense: bool) -> dict[str, Any]:
+def measure(
+    layout: str, size: int, steps: int, turn: int, dense: bool, freeze: bool
+) -> dict[str, Any]:
     options = options_for(layout, size, dense)
     workload = workload_for(size, steps)
     stock = Side("vLLM", options, workload, None)
     ours = Side("hybrid-kv", options, workload, hkv.Scheduler)
     assert ours.scheduler.uses_hybrid_kv
-    gc.collect()
+    freeze_heap(freeze)
     total = 0
     while total < steps and not (stock.driver.done or ours.driver.done):
         for side in (stock, ours) if (total // turn) % 2 == 0 else (ours, stock):
@@ -161,6 +180,8 @@ def measure(layout: str, size: int, steps: int, turn: int, dense: bool) -> dict[
     if n == 0:
         raise RuntimeError(f"{layout} @ {size}: no step ran with {size} requests running")
     stock_times, our_times = stock.times[:n], ours.times[:n]
+    del stock, ours
+    gc.unfreeze()
     return {
         "layout": layout,
         "size": size,
@@ -171,8 +192,8 @@ def measure(layout: str, size: int, steps: int, turn: int, dense: bool) -> dict[
         "ours_p99": percentile(our_times, 0.99),
         "stock_mean": statistics.fmean(stock_times) / 1e3,
         "ours_mean": statistics.fmean(our_times) / 1e3,
-        "stock_share": manager_share(options, workload, None, steps),
-        "ours_share": manager_share(options, workload, hkv.Scheduler, steps),
+        "stock_share": manager_share(options, workload, None, steps, freeze),
+        "ours_share": manager_share(options, workload, hkv.Scheduler, steps, freeze),
     }
 
 
@@ -188,9 +209,21 @@ def main(argv: list[str] | None = None) -> None:
         default="default",
         help="prefix_cache_retention_interval: vLLM's default 0 (sparse) or None (dense)",
     )
+    parser.add_argument(
+        "--no-freeze-gc",
+        action="store_true",
+        help="leave the startup heap (workload, modules) in the collector's scans",
+    )
     args = parser.parse_args(argv)
     rows = [
-        measure(layout, size, args.steps, args.turn, args.retention == "dense")
+        measure(
+            layout,
+            size,
+            args.steps,
+            args.turn,
+            args.retention == "dense",
+            not args.no_freeze_gc,
+        )
         for layout in args.layouts
         for size in args.sizes
     ]
