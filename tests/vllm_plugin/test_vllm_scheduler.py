@@ -19,6 +19,7 @@ from hybrid_kv.vllm import testing as harness  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager  # noqa: E402
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler  # noqa: E402
+from vllm.v1.engine import FinishReason  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -447,9 +448,54 @@ def test_block_ids_cross_as_lists_of_ints() -> None:
             assert type(group) is list and all(type(b) is int for b in group)
 
 
-def test_streaming_input_requests_are_refused_not_diverged() -> None:
-    scheduler = harness.build_scheduler(harness.Options(), hkv.Scheduler)
-    request = harness.make_request(WORKLOAD[0])
-    request.resumable = True
-    with pytest.raises(ValueError, match="streaming-input"):
-        scheduler.add_request(request)
+def _refusals(results: list[Any]) -> list[Any]:
+    return [
+        out
+        for outputs in results
+        for eco in outputs.values()
+        for out in eco.outputs
+        if out.finish_reason is not None and out.error is not None
+    ]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("alone", [False, True])
+def test_streaming_input_requests_are_refused_and_the_engine_serves_the_rest(
+    async_scheduling: bool, alone: bool
+) -> None:
+    """A streaming-input (resumable) request is not served differently, nor does it stop the
+    engine loop: it gets one error output (a validation error, vLLM's 400) at the next
+    `update_from_output`, and every other request runs as it would without it."""
+    options = harness.Options(layout="gpt-oss", async_scheduling=async_scheduling)
+    workload = [] if alone else WORKLOAD[:6]
+    plain = harness.Driver(harness.build_scheduler(options, hkv.Scheduler), workload)
+    expected = [(harness.summarize(o), harness.summarize_results(r)) for o, r in plain.run()]
+
+    scheduler = harness.build_scheduler(options, hkv.Scheduler)
+    assert scheduler.uses_hybrid_kv
+    streaming = harness.make_request(dataclasses.replace(WORKLOAD[7], request_id="stream"))
+    streaming.resumable = True
+    scheduler.add_request(streaming)  # no exception: that would stop the engine loop
+    assert "stream" not in scheduler.requests
+    assert scheduler.has_requests()  # the engine keeps stepping until the refusal is out
+    driver = harness.Driver(scheduler, workload)
+    got, refusals = [], []
+    for output, results in driver.run(max_steps=10_000):
+        assert "stream" not in output.num_scheduled_tokens
+        refusals += _refusals(results)
+        for outputs in results:
+            for eco in outputs.values():
+                eco.outputs = [o for o in eco.outputs if o.request_id != "stream"]
+        got.append((harness.summarize(output), harness.summarize_results(results)))
+    assert len(refusals) == 1
+    (refusal,) = refusals
+    assert refusal.request_id == "stream"
+    assert refusal.finish_reason == FinishReason.ERROR
+    assert refusal.error.code == "validation_error"
+    assert "streaming-input" in refusal.error.message
+    assert not scheduler.has_requests()
+    if alone:
+        assert len(got) >= 1
+    else:
+        # The other requests' steps and outputs are those of the run without the refusal.
+        assert got == expected

@@ -14,11 +14,15 @@ from typing import Any
 
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
+from vllm.outputs import RequestError
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 from vllm.v1.core.sched import scheduler as _vllm_scheduler_module
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
 from hybrid_kv.vllm._manager import HybridKVCacheManager, Unsupported
@@ -34,6 +38,11 @@ if _vllm_scheduler_module.KVCacheManager is not VllmKVCacheManager:
 
 # Scheduler construction rebinds a module global of vLLM's scheduler module for its duration.
 _BUILD_LOCK = threading.RLock()
+
+STREAMING_INPUT_REFUSAL = (
+    "this server's scheduler (hybrid_kv.vllm) does not serve streaming-input (resumable) "
+    "requests yet"
+)
 
 
 def build_kv_cache_manager(
@@ -64,6 +73,9 @@ class _HybridKvMixin:
     kv_cache_manager: HybridKVCacheManager | VllmKVCacheManager
 
     def __init__(self, vllm_config: VllmConfig, *args: Any, **kwargs: Any) -> None:
+        # Streaming-input requests refused since the last output (see `add_request`).
+        self._refused: list[Request] = []
+
         def factory(**manager_kwargs: Any) -> HybridKVCacheManager | VllmKVCacheManager:
             return build_kv_cache_manager(vllm_config, manager_kwargs)
 
@@ -80,12 +92,51 @@ class _HybridKvMixin:
         return isinstance(self.kv_cache_manager, HybridKVCacheManager)
 
     def add_request(self, request: Request) -> None:
+        """vLLM's `add_request`, except for streaming-input (resumable) requests when
+        hybrid-kv's manager serves: those are refused. An exception here would stop vLLM's
+        engine loop for every client, so the request is not queued, and the next
+        `update_from_output` finishes it with a validation error (the client's HTTP 400), as vLLM
+        finishes a request that fails validation; the engine keeps serving the others."""
         if request.resumable and self.uses_hybrid_kv:
-            raise ValueError(
-                "hybrid_kv.vllm does not serve streaming-input (resumable) requests yet; "
-                "run without --scheduler-cls hybrid_kv.vllm.Scheduler for them"
+            logger.warning(
+                "hybrid-kv: refusing streaming-input request %s: %s",
+                request.request_id,
+                STREAMING_INPUT_REFUSAL,
             )
+            self._refused.append(request)
+            return
         super().add_request(request)  # type: ignore[misc]
+
+    def has_requests(self) -> bool:
+        # A refusal not yet reported keeps the engine stepping until it is.
+        return bool(self._refused) or super().has_requests()  # type: ignore[misc]
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        outputs: dict[int, EngineCoreOutputs] = super().update_from_output(  # type: ignore[misc]
+            scheduler_output, model_runner_output
+        )
+        if self._refused:
+            refused, self._refused = self._refused, []
+            for request in refused:
+                eco = outputs.get(request.client_index)
+                if eco is None:
+                    eco = outputs[request.client_index] = EngineCoreOutputs()
+                eco.outputs.append(
+                    EngineCoreOutput(
+                        request.request_id,
+                        [],
+                        finish_reason=FinishReason.ERROR,
+                        error=RequestError(
+                            code="validation_error", message=STREAMING_INPUT_REFUSAL
+                        ),
+                    )
+                )
+                if self.finished_req_ids_dict is not None:  # type: ignore[attr-defined]
+                    # Multi-engine clients track request lifetimes by these ids.
+                    eco.finished_requests = (eco.finished_requests or set()) | {request.request_id}
+        return outputs
 
 
 class Scheduler(_HybridKvMixin, VllmScheduler):
