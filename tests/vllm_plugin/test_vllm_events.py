@@ -67,6 +67,9 @@ def recorded_events(
         ("gpt-oss", 330, False, ""),
         ("gemma3", 1400, False, ""),
         ("jamba", 700, False, ""),
+        # Block sizes 16 and 32: the window group stores every second request hash.
+        ("mixed-bs", 300, False, ""),
+        ("mixed-bs", 300, True, ""),
         # Lookahead hashes (EAGLE-3's default): every stored block's hash covers the next token.
         ("gpt-oss", 330, False, "eagle3"),
         # Multi-token prediction: exported Mamba checkpoints re-keyed at their slot's prefix.
@@ -95,7 +98,9 @@ def test_events_equal_stock_vllms(layout: str, num_blocks: int, dense: bool, eag
     assert all(0 <= h < 2**64 for e in stored for h in e.block_hashes)
 
 
-@pytest.mark.parametrize("layout,num_blocks", [("full", 260), ("gpt-oss", 330), ("jamba", 700)])
+@pytest.mark.parametrize(
+    "layout,num_blocks", [("full", 260), ("gpt-oss", 330), ("jamba", 700), ("mixed-bs", 300)]
+)
 def test_full_report_mode_publishes_the_blocks_a_hit_reuses(layout: str, num_blocks: int) -> None:
     # A request may ask (SamplingParams.extra_args) for the blocks its prefix hit reuses to be
     # published too; vLLM then emits a BlockStored per group for them.

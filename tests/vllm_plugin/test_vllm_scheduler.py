@@ -44,8 +44,8 @@ def run_both(
     if require_hybrid:
         assert ours.uses_hybrid_kv, "hybrid_kv.vllm fell back to vLLM's manager"
     run = Run()
-    stock_steps = harness.Driver(stock, workload, options.block_size).run()
-    our_steps = harness.Driver(ours, workload, options.block_size).run()
+    stock_steps = harness.Driver(stock, workload).run()
+    our_steps = harness.Driver(ours, workload).run()
     for (stock_out, stock_results), (our_out, our_results) in zip(
         stock_steps, our_steps, strict=True
     ):
@@ -72,7 +72,13 @@ def run_both(
 WORKLOAD = harness.chat_workload(48, seed=1, salts=(None, None, "tenant-a"))
 
 # (layout, pool blocks under memory pressure); each pool is small enough to force preemptions.
-DENSE_LAYOUTS = [("full", 260), ("gpt-oss", 330), ("gemma3", 1400), ("llama4", 1200)]
+DENSE_LAYOUTS = [
+    ("full", 260),
+    ("gpt-oss", 330),
+    ("gemma3", 1400),
+    ("llama4", 1200),
+    ("mixed-bs", 330),
+]
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["caching", "no-caching"])
@@ -136,6 +142,7 @@ EAGLE_LAYOUTS = [
     ("llama4", 1200),
     ("jamba", 700),
     ("granite4", 700),
+    ("mixed-bs", 300),
 ]
 
 
@@ -191,6 +198,25 @@ def test_same_outputs_as_vllm_with_eagle_and_async_scheduling(layout: str, num_b
     )
     run = run_both(options, WORKLOAD)
     assert run.preempted > 0 and run.spec_tokens > 0
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{}, {"async_scheduling": True, "eagle_tokens": 2, "eagle_method": "mtp"}],
+    ids=["default-retention", "mtp-async"],
+)
+def test_same_outputs_as_vllm_with_groups_of_different_block_sizes(changes: dict) -> None:
+    # Window groups with half the KV heads get twice the block size from vLLM's planner: hits
+    # land on the lcm of the block sizes (32), requests are hashed every gcd (16).
+    options = harness.Options(layout="mixed-bs", num_blocks=300, dense_retention=False, **changes)
+    stock = harness.build_scheduler(options)
+    assert (stock.block_size, stock.hash_block_size) == (32, 16)
+    assert [m.block_size for m in stock.kv_cache_manager.coordinator.single_type_managers] == [
+        16,
+        32,
+    ]
+    run = run_both(options, WORKLOAD)
+    assert run.preempted > 0 and run.hits > 0
 
 
 def test_shared_prefix_mamba_checkpoints_are_inert_with_one_block_size() -> None:
@@ -375,7 +401,6 @@ def _context(options: harness.Options, **config_changes: Any) -> hkv.BuildContex
     [
         ({"dcp_world_size": 2}, "context parallelism"),
         ({"metrics_collector": object()}, "kv_cache_metrics"),
-        ({"hash_block_size": 8}, "block sizes"),
     ],
 )
 def test_unsupported_manager_arguments_have_a_fallback_reason(
@@ -387,6 +412,27 @@ def test_unsupported_manager_arguments_have_a_fallback_reason(
     )
     reason = hkv.fallback_reason(ctx)
     assert reason is not None and option in reason
+
+
+def test_a_hash_block_below_the_groups_block_sizes_falls_back() -> None:
+    # `prefix_match_unit` below every group's block size: hashes finer than the gcd of the
+    # block sizes, which hybrid-kv's manager derives its hashing from.
+    options = harness.Options(layout="mixed-bs")
+    config = harness.vllm_config(options)
+    config.cache_config.prefix_match_unit = 8
+    scheduler = harness.build_scheduler(options, hkv.Scheduler, config)
+    assert scheduler.hash_block_size == 8
+    assert type(scheduler.kv_cache_manager) is VllmKVCacheManager
+
+
+def test_a_mamba_block_larger_than_the_hash_block_falls_back() -> None:
+    # vLLM's coordinator turns fine-grained partial hash hits on for such a Mamba group.
+    options = harness.Options(layout="jamba")
+    ctx = _context(options)
+    mamba = ctx.kv_cache_config.kv_cache_groups[1]
+    mamba.kv_cache_spec = dataclasses.replace(mamba.kv_cache_spec, block_size=32)
+    reason = hkv.fallback_reason(ctx)
+    assert reason is not None and reason.startswith("partial hash hits")
 
 
 def test_unsupported_configuration_builds_vllms_own_manager() -> None:

@@ -47,11 +47,13 @@ class EventTranslator:
         core: hk.KVCacheManager,
         metadata: list[tuple[str, int | None]],
         block_sizes: list[int],
+        hash_block_size: int,
         num_hash_lookahead_tokens: int = 0,
     ) -> None:
         self._core = core
         self._metadata = metadata
         self._block_sizes = block_sizes
+        self._hash_block_size = hash_block_size
         self._lookahead = num_hash_lookahead_tokens
         # (core hash, group) -> [vLLM external hash, blocks holding it]
         self._stored: dict[tuple[int, int], list[Any]] = {}
@@ -106,10 +108,9 @@ class EventTranslator:
         # Positions are in units of the event's block size: the group's, or the hash block
         # size for a Mamba state keyed at a hash boundary.
         group = event.group_id
-        vllm_hashes = request.block_hashes
         for i, core_hash in zip(event.block_indices, event.block_hashes, strict=True):
             entry = self._stored.setdefault(
-                (core_hash, group), [maybe_convert_block_hash(vllm_hashes[i]), 0]
+                (core_hash, group), [self._vllm_hash(request, i, event.block_size), 0]
             )
             entry[1] += 1
         num_blocks = len(event.token_ids) // event.block_size
@@ -133,7 +134,6 @@ class EventTranslator:
     ) -> BlockStored:
         """vLLM's `BlockStored` for the blocks at `indices` of a call covering blocks
         `[start, end)` of the request (vLLM's `_build_block_stored_event`)."""
-        vllm_hashes = request.block_hashes
         tokens = request.all_token_ids
         lookahead = self._lookahead
         extra_keys = []
@@ -153,10 +153,10 @@ class EventTranslator:
         lora = request.lora_request
         kind, sliding_window = self._metadata[group]
         return BlockStored(
-            block_hashes=[maybe_convert_block_hash(vllm_hashes[i]) for i in indices],
-            parent_block_hash=None
-            if start == 0
-            else maybe_convert_block_hash(vllm_hashes[start - 1]),
+            block_hashes=[self._vllm_hash(request, i, block_size) for i in indices],
+            parent_block_hash=(
+                None if start == 0 else self._vllm_hash(request, start - 1, block_size)
+            ),
             token_ids=tokens[start * block_size : end * block_size],
             block_size=block_size,
             lora_id=lora.adapter_id if lora else None,
@@ -169,3 +169,10 @@ class EventTranslator:
             session_id=request.session_id,
             lookahead_token_ids=lookahead_ids,
         )
+
+    def _vllm_hash(self, request: Request, index: int, block_size: int) -> Any:
+        """vLLM's external hash of block `index` of `block_size` tokens: the request's hash
+        at the block's last hash boundary (vLLM's `BlockHashListWithBlockSize` view when the
+        block is larger than the hash block)."""
+        scale = block_size // self._hash_block_size
+        return maybe_convert_block_hash(request.block_hashes[(index + 1) * scale - 1])

@@ -248,6 +248,11 @@ class HybridKVCacheManager:
             raise Unsupported(
                 f"hash block size {hash_block_size} (hybrid-kv derives {self.core.hash_block_size})"
             )
+        if self.core.scheduler_block_size != scheduler_block_size:
+            raise Unsupported(
+                f"scheduler block size {scheduler_block_size} "
+                f"(hybrid-kv derives {self.core.scheduler_block_size})"
+            )
         self.hash_block_size = hash_block_size
         # The core hands back this shared instance when a call allocated nothing.
         self._core_empty = self.core.empty_kv_cache_blocks
@@ -270,6 +275,7 @@ class HybridKVCacheManager:
                     for g in groups
                 ],
                 [g.kv_cache_spec.block_size for g in groups],
+                hash_block_size,
                 num_hash_lookahead_tokens,
             )
 

@@ -68,18 +68,24 @@ def _unknown_group(ctx: BuildContext) -> str | None:
     return None
 
 
-def _mixed_block_sizes(ctx: BuildContext) -> str | None:
-    # This also covers `enable_mamba_shared_prefix_checkpoint`: vLLM's manager acts on it only
-    # with fine-grained partial hash hits (a Mamba block larger than the hash block); with one
-    # block size it stays off, in vLLM's manager as in this one.
-    sizes = {spec.block_size for spec in ctx.specs}
+def _partial_hash_hits(ctx: BuildContext) -> str | None:
+    # vLLM's hybrid coordinator turns fine-grained partial hash hits on when a Mamba "align"
+    # group's block is larger than the hash block (`partial_hash_hits_enabled`); with them,
+    # `enable_mamba_shared_prefix_checkpoint` and `cache_hit_alignment_tokens` below the
+    # scheduler block size take effect too. Groups of different block sizes without a larger
+    # Mamba block (hits at the lcm of the block sizes, hashes at their gcd) are served.
     hash_block_size = ctx.manager_kwargs.get("hash_block_size")
-    scheduler_block_size = ctx.manager_kwargs.get("scheduler_block_size")
-    if len(sizes) > 1 or sizes != {hash_block_size} or sizes != {scheduler_block_size}:
-        return (
-            f"block sizes {sorted(sizes)} with hash_block_size={hash_block_size} and "
-            f"scheduler_block_size={scheduler_block_size} (partial hash hits)"
-        )
+    for index, spec in enumerate(ctx.specs):
+        if (
+            isinstance(spec, MambaSpec)
+            and spec.mamba_cache_mode == "align"
+            and hash_block_size is not None
+            and spec.block_size > hash_block_size
+        ):
+            return (
+                f"group {index} is a Mamba group of block size {spec.block_size} "
+                f"> hash_block_size={hash_block_size}"
+            )
     return None
 
 
@@ -99,9 +105,10 @@ FALLBACKS: tuple[tuple[str, Check, str], ...] = (
         "only full, MLA, sliding-window, chunked-local and Mamba groups are implemented",
     ),
     (
-        "block sizes",
-        _mixed_block_sizes,
-        "hybrid-kv's manager is checked against vLLM with one block size for all groups",
+        "partial hash hits",
+        _partial_hash_hits,
+        "fine-grained partial hash hits (multi-key blocks, copy-on-write of a partial tail) "
+        "are not implemented",
     ),
     (
         "decode/prefill context parallelism",

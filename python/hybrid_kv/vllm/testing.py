@@ -41,7 +41,11 @@ from vllm.config import (
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import (
+    get_request_block_hasher,
+    init_none_hash,
+    resolve_kv_cache_block_sizes,
+)
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
@@ -82,8 +86,13 @@ def model_dir() -> str:
     return str(path)
 
 
-def _attention(block_size: int) -> dict[str, Any]:
-    return {"block_size": block_size, "num_kv_heads": 8, "head_size": 128, "dtype": torch.float16}
+def _attention(block_size: int, num_kv_heads: int = 8) -> dict[str, Any]:
+    return {
+        "block_size": block_size,
+        "num_kv_heads": num_kv_heads,
+        "head_size": 128,
+        "dtype": torch.float16,
+    }
 
 
 def _mamba(block_size: int, checkpoint_blocks: int = 0) -> MambaSpec:
@@ -116,6 +125,13 @@ LAYOUTS: dict[str, Callable[[int], list[KVCacheSpec]]] = {
         [FullAttentionSpec(**_attention(bs))]
         + [ChunkedLocalAttentionSpec(**_attention(bs), attention_chunk_size=8192) for _ in range(3)]
     ),
+    # Sliding-window layers with half the KV heads of the full-attention ones (as in MiMo-V2):
+    # vLLM's planner unifies page sizes by doubling the window groups' block size, so the
+    # groups have block sizes 16 and 32 (scheduler block size 32, hashes every 16 tokens).
+    "mixed-bs": lambda bs: [
+        FullAttentionSpec(**_attention(bs)),
+        SlidingWindowSpec(**_attention(2 * bs, num_kv_heads=4), sliding_window=128),
+    ],
     # Jamba-like: Mamba + full attention.
     "jamba": lambda bs: [FullAttentionSpec(**_attention(bs)), _mamba(bs)],
     # Granite-4.0-H / Nemotron-H-like: vLLM 0.33's Mamba-2 mixer exports the prompt's state
@@ -308,11 +324,16 @@ def build_scheduler(
         config = vllm_config(options)
     if scheduler_cls is None:
         scheduler_cls = config.scheduler_config.get_scheduler_cls()
+    kv_config = kv_cache_config(options, config)
+    # As vLLM's EngineCore: the scheduler's block size is the lcm of the groups', hashes are
+    # made every gcd of them.
+    scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_config, config)
     return scheduler_cls(
         vllm_config=config,
-        kv_cache_config=kv_cache_config(options, config),
+        kv_cache_config=kv_config,
         structured_output_manager=StructuredOutputManager(config),
-        block_size=options.block_size,
+        block_size=scheduler_block_size,
+        hash_block_size=hash_block_size,
         log_stats=options.log_stats,
     )
 
@@ -416,7 +437,6 @@ class Driver:
 
     scheduler: Any
     workload: list[RequestSpec]
-    block_size: int = BLOCK_SIZE
     step: int = 0
     _next: int = 0
     _in_flight: deque[tuple[SchedulerOutput, set[str]]] = field(default_factory=deque)
@@ -428,7 +448,9 @@ class Driver:
             self.scheduler.add_request(
                 make_request(
                     self.workload[self._next],
-                    self.block_size,
+                    # Requests are hashed every `hash_block_size` tokens (the gcd of the
+                    # groups' block sizes), as vLLM's engine core hashes them.
+                    self.scheduler.hash_block_size,
                     self.scheduler.vllm_config.num_hash_lookahead_tokens,
                 )
             )
