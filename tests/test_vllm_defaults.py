@@ -418,3 +418,33 @@ def test_allocate_running_syncs_a_vllm_request_in_one_call() -> None:
         )
     assert m.allocate_running(vllm_req, slot, 1, 0) is not None
     assert slot[1] == 10 and req.num_tokens == 10 and req.num_computed_tokens == 9
+
+
+def test_the_scheduler_and_hash_block_sizes_can_be_given_as_vllm_resolves_them() -> None:
+    # vLLM's EngineCore resolves both: the lcm of the groups' block sizes, and their gcd or
+    # `prefix_match_unit`. Blocks key on the hash at their last boundary; hits land on the
+    # scheduler block size whatever the hashes.
+    full8 = {"kind": "full", "block_size": 8}
+    sw8 = {"kind": "sliding_window", "block_size": 8, "sliding_window": 16}
+    default = hk.KVCacheManager([full8, sw8], 64, 1024)
+    assert (default.scheduler_block_size, default.hash_block_size) == (8, 8)
+    # Dense retention: the window group keeps every full block, so a hit can end anywhere.
+    dense = {"prefix_cache_retention_interval": None}
+    fine = hk.KVCacheManager([full8, sw8], 64, 1024, hash_block_size=4, **dense)
+    assert (fine.scheduler_block_size, fine.hash_block_size) == (8, 4)
+    coarse = hk.KVCacheManager(
+        [full8, sw8], 64, 1024, scheduler_block_size=16, hash_block_size=4, **dense
+    )
+    assert (coarse.scheduler_block_size, coarse.hash_block_size) == (16, 4)
+    prompt = list(range(40))
+    for m, hit in ((fine, 24), (coarse, 16)):
+        _, first_hit, _ = admit(m, hk.Request("a", prompt, block_size=4))
+        assert first_hit == 0
+        # 28 shared tokens: full blocks cover 24 of them; the coarse manager aligns to 16.
+        other = prompt[:28] + [999] * 12
+        _, got, new = admit(m, hk.Request("b", other, block_size=4))
+        assert got == hit, (m.scheduler_block_size, got)
+        assert new is not None
+    for bad in ({"hash_block_size": 3}, {"hash_block_size": 16}, {"scheduler_block_size": 12}):
+        with pytest.raises(hk.InvalidConfigError):
+            hk.KVCacheManager([full8, sw8], 64, 1024, **bad)

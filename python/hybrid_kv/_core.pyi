@@ -427,6 +427,8 @@ class KVCacheManager:
         eagle_groups: Sequence[int] | None = None,
         num_hash_lookahead_tokens: int = 0,
         num_prefill_lookahead: int = 0,
+        scheduler_block_size: int | None = None,
+        hash_block_size: int | None = None,
     ) -> KVCacheManager:
         """A manager over a pool of `num_blocks` blocks (the null block included), with
         vLLM 0.33's `KVCacheManager` semantics as vLLM configures itself by default.
@@ -470,6 +472,12 @@ class KVCacheManager:
             num_prefill_lookahead: multi-token prediction: the last
                 `num_prefill_lookahead - 1` tokens may be re-prefilled: not cached, kept below
                 sliding windows.
+            scheduler_block_size: the token alignment of hits and cached prefixes (vLLM's
+                scheduler block size). None: the lcm of the groups' block sizes.
+            hash_block_size: tokens per request hash (vLLM's `prefix_match_unit` when set).
+                None: the gcd of the prefix-cacheable groups' block sizes (the scheduler block
+                size with caching off or a Mamba group outside `align` mode). It must divide
+                every prefix-cacheable group's block size.
 
         Raises:
             InvalidConfigError: an unknown kind, a missing field, block sizes that do not

@@ -467,7 +467,7 @@ impl PyKVCacheManager {
 #[pymethods]
 impl PyKVCacheManager {
     #[new]
-    #[pyo3(signature = (groups, num_blocks, max_model_len, *, enable_caching = true, enable_kv_events = false, hash_algo = Text::Static("xxh3"), hash_seed = Text::Static(""), watermark = 0.0, max_in_flight_tokens = None, prefix_cache_retention_interval = Some(UInt(0)), use_eagle = false, eagle_groups = None, num_hash_lookahead_tokens = UInt(0), num_prefill_lookahead = UInt(0)), text_signature = "(groups, num_blocks, max_model_len, *, enable_caching=True, enable_kv_events=False, hash_algo='xxh3', hash_seed='', watermark=0.0, max_in_flight_tokens=None, prefix_cache_retention_interval=0, use_eagle=False, eagle_groups=None, num_hash_lookahead_tokens=0, num_prefill_lookahead=0)")]
+    #[pyo3(signature = (groups, num_blocks, max_model_len, *, enable_caching = true, enable_kv_events = false, hash_algo = Text::Static("xxh3"), hash_seed = Text::Static(""), watermark = 0.0, max_in_flight_tokens = None, prefix_cache_retention_interval = Some(UInt(0)), use_eagle = false, eagle_groups = None, num_hash_lookahead_tokens = UInt(0), num_prefill_lookahead = UInt(0), scheduler_block_size = None, hash_block_size = None), text_signature = "(groups, num_blocks, max_model_len, *, enable_caching=True, enable_kv_events=False, hash_algo='xxh3', hash_seed='', watermark=0.0, max_in_flight_tokens=None, prefix_cache_retention_interval=0, use_eagle=False, eagle_groups=None, num_hash_lookahead_tokens=0, num_prefill_lookahead=0, scheduler_block_size=None, hash_block_size=None)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -485,6 +485,8 @@ impl PyKVCacheManager {
         eagle_groups: Option<Vec<Count>>,
         num_hash_lookahead_tokens: Count,
         num_prefill_lookahead: Count,
+        scheduler_block_size: Option<Count>,
+        hash_block_size: Option<Count>,
     ) -> PyResult<Self> {
         if groups.is_instance_of::<PyString>() || groups.is_instance_of::<PyDict>() {
             return Err(PyTypeError::new_err(
@@ -509,6 +511,8 @@ impl PyKVCacheManager {
         config.eagle_groups = eagle_groups.map(|g| g.into_iter().map(Count::get).collect());
         config.num_hash_lookahead_tokens = num_hash_lookahead_tokens.get();
         config.num_prefill_lookahead = num_prefill_lookahead.get();
+        config.scheduler_block_size = scheduler_block_size.map(Count::get);
+        config.hash_block_size = hash_block_size.map(Count::get);
         let manager = KVCacheManager::new(&config)?;
         let num_groups = manager.num_groups();
         let id = manager.id();

@@ -414,15 +414,42 @@ def test_unsupported_manager_arguments_have_a_fallback_reason(
     assert reason is not None and option in reason
 
 
-def test_a_hash_block_below_the_groups_block_sizes_falls_back() -> None:
-    # `prefix_match_unit` below every group's block size: hashes finer than the gcd of the
-    # block sizes, which hybrid-kv's manager derives its hashing from.
-    options = harness.Options(layout="mixed-bs")
-    config = harness.vllm_config(options)
-    config.cache_config.prefix_match_unit = 8
-    scheduler = harness.build_scheduler(options, hkv.Scheduler, config)
-    assert scheduler.hash_block_size == 8
+@pytest.mark.parametrize(
+    "layout,num_blocks,changes",
+    [
+        ("gpt-oss", 330, {"dense_retention": True}),
+        ("gemma3", 1400, {}),
+        ("llama4", 1200, {}),
+        ("mixed-bs", 300, {}),
+        ("gpt-oss", 330, {"eagle_tokens": 2, "eagle_method": "mtp", "async_scheduling": True}),
+        ("gemma3", 1400, {"eagle_tokens": 3}),
+    ],
+)
+def test_same_outputs_as_vllm_with_a_prefix_match_unit_below_the_block_sizes(
+    layout: str, num_blocks: int, changes: dict
+) -> None:
+    # `prefix_match_unit=8`: requests are hashed every 8 tokens, blocks of 16 and 32 key on
+    # the hash at their last boundary, hits land on the scheduler block size.
+    settings = {"dense_retention": False, **changes}
+    options = harness.Options(layout=layout, num_blocks=num_blocks, prefix_match_unit=8, **settings)
+    stock = harness.build_scheduler(options)
+    assert stock.hash_block_size == 8
+    run = run_both(options, WORKLOAD)
+    assert run.hits > 0 and run.preempted > 0
+
+
+def test_a_prefix_match_unit_below_the_block_sizes_with_eagle_block_drop_falls_back() -> None:
+    options = harness.Options(
+        layout="gemma3",
+        num_blocks=1400,
+        eagle_tokens=3,
+        eagle_lookahead_hashes=False,
+        prefix_match_unit=8,
+    )
+    scheduler = harness.build_scheduler(options, hkv.Scheduler)
     assert type(scheduler.kv_cache_manager) is VllmKVCacheManager
+    options = dataclasses.replace(options, prefix_match_unit=None)
+    assert harness.build_scheduler(options, hkv.Scheduler).uses_hybrid_kv
 
 
 def test_a_mamba_block_larger_than_the_hash_block_falls_back() -> None:

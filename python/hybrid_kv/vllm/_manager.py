@@ -230,29 +230,28 @@ class HybridKVCacheManager:
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         self.coordinator = CoordinatorView(kv_cache_config, use_eagle, num_prefill_lookahead)
         eagle_groups = [i for i, g in enumerate(groups) if g.is_eagle_group]
-        self.core = hk.KVCacheManager(
-            [_group_spec(i, g.kv_cache_spec) for i, g in enumerate(groups)],
-            kv_cache_config.num_blocks,
-            max_model_len,
-            enable_caching=enable_caching,
-            enable_kv_events=enable_kv_cache_events,
-            watermark=watermark,
-            max_in_flight_tokens=max_in_flight_tokens,
-            prefix_cache_retention_interval=kv_cache_config.prefix_cache_retention_interval,
-            use_eagle=use_eagle,
-            eagle_groups=eagle_groups or None,
-            num_hash_lookahead_tokens=num_hash_lookahead_tokens,
-            num_prefill_lookahead=num_prefill_lookahead,
-        )
-        if self.core.hash_block_size != hash_block_size:
-            raise Unsupported(
-                f"hash block size {hash_block_size} (hybrid-kv derives {self.core.hash_block_size})"
+        try:
+            self.core = hk.KVCacheManager(
+                [_group_spec(i, g.kv_cache_spec) for i, g in enumerate(groups)],
+                kv_cache_config.num_blocks,
+                max_model_len,
+                enable_caching=enable_caching,
+                enable_kv_events=enable_kv_cache_events,
+                watermark=watermark,
+                max_in_flight_tokens=max_in_flight_tokens,
+                prefix_cache_retention_interval=kv_cache_config.prefix_cache_retention_interval,
+                use_eagle=use_eagle,
+                eagle_groups=eagle_groups or None,
+                num_hash_lookahead_tokens=num_hash_lookahead_tokens,
+                num_prefill_lookahead=num_prefill_lookahead,
+                # As vLLM's EngineCore resolved them: the lcm of the block sizes, and their
+                # gcd or `prefix_match_unit`.
+                scheduler_block_size=scheduler_block_size,
+                hash_block_size=hash_block_size,
             )
-        if self.core.scheduler_block_size != scheduler_block_size:
-            raise Unsupported(
-                f"scheduler block size {scheduler_block_size} "
-                f"(hybrid-kv derives {self.core.scheduler_block_size})"
-            )
+        except hk.InvalidConfigError as error:
+            # A combination vLLM accepts and the core refuses: vLLM's manager serves it.
+            raise Unsupported(str(error)) from error
         self.hash_block_size = hash_block_size
         # The core hands back this shared instance when a call allocated nothing.
         self._core_empty = self.core.empty_kv_cache_blocks

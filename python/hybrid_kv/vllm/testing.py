@@ -172,6 +172,9 @@ class Options:
     kv_events: bool = False
     log_stats: bool = True
     block_size: int = BLOCK_SIZE
+    # CacheConfig.prefix_match_unit: hash requests every this many tokens (None: the gcd of
+    # the groups' block sizes).
+    prefix_match_unit: int | None = None
 
 
 def _speculative_tokens(options: Options) -> int:
@@ -275,6 +278,7 @@ def vllm_config(options: Options) -> VllmConfig:
         enable_prefix_caching=options.prefix_caching,
         prefix_cache_retention_interval=None if options.dense_retention else 0,
         enable_mamba_shared_prefix_checkpoint=options.mamba_shared_prefix_checkpoint,
+        prefix_match_unit=options.prefix_match_unit,
         # vLLM derives this from the model's Mamba layers; the tiny model here has none.
         mamba_cache_mode="align"
         if options.prefix_caching and options.layout in MAMBA_LAYOUTS
