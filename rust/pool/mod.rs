@@ -395,28 +395,40 @@ impl BlockPool {
             if id == NULL_BLOCK {
                 continue;
             }
-            match self.states.release(id) {
-                Ok(None) => {}
-                Ok(Some(entry)) => {
-                    if self.enable_caching && self.keyed.get(id) {
-                        if back.capacity() == 0 {
-                            back.reserve_exact(most);
-                        }
-                        back.push(entry)
-                    } else {
-                        front.push(entry)
-                    }
-                }
-                // Only when the caller frees a reference it does not hold while its holders free
-                // it: nothing this call released is undone (an undo could give a block that
-                // another thread freed and reallocated meanwhile a second owner).
-                Err(err) => {
-                    failed.get_or_insert(err);
-                }
-            }
+            self.release_one(id, most, &mut front, &mut back, &mut failed);
         }
         self.states.publish(&front, &back);
         failed.map_or(Ok(()), Err)
+    }
+
+    /// Drops one reference to `id` (not the null block); if that was the last, queues its
+    /// free-order entry: at the back if the block is cached, in front otherwise. A block found
+    /// at zero is kept in `failed` (the first one): only when a caller frees a reference it does
+    /// not hold while its holders free it. Nothing released is undone then (an undo could give
+    /// a block that another thread freed and reallocated meanwhile a second owner).
+    #[inline]
+    fn release_one(
+        &self,
+        id: BlockId,
+        most: usize,
+        front: &mut Vec<u64>,
+        back: &mut Vec<u64>,
+        failed: &mut Option<CoreError>,
+    ) {
+        match self.states.release(id) {
+            Ok(None) => {}
+            Ok(Some(entry)) if self.enable_caching && self.keyed.get(id) => {
+                // Sized on first use: many frees release no cached block.
+                if back.capacity() == 0 {
+                    back.reserve_exact(most);
+                }
+                back.push(entry)
+            }
+            Ok(Some(entry)) => front.push(entry),
+            Err(err) => {
+                failed.get_or_insert(err);
+            }
+        }
     }
 
     /// [`BlockPool::free_blocks`] of references the caller holds (a request's block table), in
@@ -432,7 +444,8 @@ impl BlockPool {
     pub(crate) fn free_held(&self, blocks: &[BlockId], ends: &[usize]) -> Result<()> {
         debug_assert!(ends.windows(2).all(|w| w[0] <= w[1]));
         debug_assert_eq!(ends.last().copied().unwrap_or(0), blocks.len());
-        let mut front = Vec::with_capacity(blocks.len().min(self.num_blocks));
+        let most = blocks.len().min(self.num_blocks);
+        let mut front = Vec::with_capacity(most);
         let mut back = Vec::new();
         // Where each batch's uncached entries start in `front`.
         let mut starts = Vec::with_capacity(if ends.len() > 1 { ends.len() } else { 0 });
@@ -450,19 +463,7 @@ impl BlockPool {
                 if id == NULL_BLOCK {
                     continue;
                 }
-                match self.states.release(id) {
-                    Ok(None) => {}
-                    Ok(Some(entry)) => {
-                        if self.enable_caching && self.keyed.get(id) {
-                            back.push(entry)
-                        } else {
-                            front.push(entry)
-                        }
-                    }
-                    Err(err) => {
-                        failed.get_or_insert(err);
-                    }
-                }
+                self.release_one(id, most, &mut front, &mut back, &mut failed);
             }
             start = end;
         }
