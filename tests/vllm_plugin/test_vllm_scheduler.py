@@ -419,37 +419,34 @@ def test_unsupported_manager_arguments_have_a_fallback_reason(
     [
         ("gpt-oss", 330, {"dense_retention": True}),
         ("gemma3", 1400, {}),
-        ("llama4", 1200, {}),
-        ("mixed-bs", 300, {}),
-        ("gpt-oss", 330, {"eagle_tokens": 2, "eagle_method": "mtp", "async_scheduling": True}),
-        ("gemma3", 1400, {"eagle_tokens": 3}),
+        ("gemma3", 1400, {"eagle_tokens": 3, "eagle_lookahead_hashes": False}),
     ],
 )
-def test_same_outputs_as_vllm_with_a_prefix_match_unit_below_the_block_sizes(
+def test_a_prefix_match_unit_below_the_full_attention_block_falls_back(
     layout: str, num_blocks: int, changes: dict
 ) -> None:
-    # `prefix_match_unit=8`: requests are hashed every 8 tokens, blocks of 16 and 32 key on
-    # the hash at their last boundary, hits land on the scheduler block size.
+    # vLLM then keys each prompt's tail block at its last hash boundary as well (a partial
+    # key): that key shows in KV events and in the free order, so vLLM's own manager serves
+    # these configurations.
     settings = {"dense_retention": False, **changes}
     options = harness.Options(layout=layout, num_blocks=num_blocks, prefix_match_unit=8, **settings)
-    stock = harness.build_scheduler(options)
-    assert stock.hash_block_size == 8
-    run = run_both(options, WORKLOAD)
-    assert run.hits > 0 and run.preempted > 0
-
-
-def test_a_prefix_match_unit_below_the_block_sizes_with_eagle_block_drop_falls_back() -> None:
-    options = harness.Options(
-        layout="gemma3",
-        num_blocks=1400,
-        eagle_tokens=3,
-        eagle_lookahead_hashes=False,
-        prefix_match_unit=8,
-    )
     scheduler = harness.build_scheduler(options, hkv.Scheduler)
+    assert scheduler.hash_block_size == 8
     assert type(scheduler.kv_cache_manager) is VllmKVCacheManager
     options = dataclasses.replace(options, prefix_match_unit=None)
     assert harness.build_scheduler(options, hkv.Scheduler).uses_hybrid_kv
+
+
+def test_a_full_attention_block_larger_than_the_hash_block_falls_back() -> None:
+    # Full attention with twice the window groups' block size: hashes every 16 tokens, and
+    # vLLM gives the full blocks of 32 partial tail keys.
+    ctx = _context(harness.Options(layout="gpt-oss"))
+    full = ctx.kv_cache_config.kv_cache_groups[0]
+    full.kv_cache_spec = dataclasses.replace(full.kv_cache_spec, block_size=32)
+    reason = hkv.fallback_reason(ctx)
+    assert reason is not None and reason.startswith("full-attention blocks larger")
+    # The 16/32 layout served above has its larger blocks in the window group.
+    assert hkv.fallback_reason(_context(harness.Options(layout="mixed-bs"))) is None
 
 
 def test_a_mamba_block_larger_than_the_hash_block_falls_back() -> None:

@@ -9,7 +9,6 @@ gains features: an entry whose feature lands is deleted.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -90,15 +89,21 @@ def _partial_hash_hits(ctx: BuildContext) -> str | None:
     return None
 
 
-def _fine_hashes_with_eagle_drop(ctx: BuildContext) -> str | None:
-    # A `prefix_match_unit` finer than every block size, with EAGLE hits dropping a block:
-    # the differential runs showed a different free order on Gemma-3-like and 16/32 layouts.
+def _partial_tail_keys(ctx: BuildContext) -> str | None:
+    # vLLM's FullAttentionManager.cache_blocks also keys a block at the prompt's last hash
+    # boundary inside it (`_cache_partial_tail_block`) whenever its block is larger than the
+    # hash block, partial hits on or off: that key makes the block cached when freed (the back
+    # of the free order) and is published in KV events.
     hash_block_size = ctx.manager_kwargs.get("hash_block_size")
-    if not ctx.manager_kwargs.get("use_eagle") or hash_block_size is None:
+    if not ctx.caching or hash_block_size is None:
         return None
-    sizes = [spec.block_size for spec in ctx.specs]
-    if sizes and hash_block_size < math.gcd(*sizes):
-        return f"hash_block_size={hash_block_size} below every block size {sorted(set(sizes))}"
+    for index, spec in enumerate(ctx.specs):
+        full = type(spec) in (FullAttentionSpec, MLAAttentionSpec)
+        if full and spec.block_size > hash_block_size:
+            return (
+                f"group {index} is a full-attention group of block size {spec.block_size} "
+                f"> hash_block_size={hash_block_size}"
+            )
     return None
 
 
@@ -124,10 +129,10 @@ FALLBACKS: tuple[tuple[str, Check, str], ...] = (
         "are not implemented",
     ),
     (
-        "prefix_match_unit with EAGLE block drop",
-        _fine_hashes_with_eagle_drop,
-        "hits that drop the drafter's block, with hashes finer than every block, do not match "
-        "vLLM's yet",
+        "full-attention blocks larger than the hash block",
+        _partial_tail_keys,
+        "the partial prompt-tail keys vLLM gives such blocks (multi-key blocks) are not "
+        "implemented",
     ),
     (
         "decode/prefill context parallelism",
