@@ -98,6 +98,24 @@ def test_events_equal_stock_vllms(layout: str, num_blocks: int, dense: bool, eag
     assert all(0 <= h < 2**64 for e in stored for h in e.block_hashes)
 
 
+def test_events_of_prompt_embedding_requests_equal_stock_vllms() -> None:
+    # Each stored block's extra keys carry vLLM's digest of its embeddings (published bare: a
+    # 32-byte SHA-256).
+    options = harness.Options(
+        layout="gpt-oss", num_blocks=330, kv_events=True, dense_retention=False, prompt_embeds=True
+    )
+    workload = [dataclasses.replace(spec, embeds=i % 2 == 0) for i, spec in enumerate(WORKLOAD)]
+    expected = recorded_events(options, workload=workload)
+    got = recorded_events(options, hkv.Scheduler, workload=workload)
+    assert any(
+        key is not None and any(isinstance(k, bytes) and len(k) == 32 for k in key)
+        for e in expected
+        if isinstance(e, BlockStored)
+        for key in (e.extra_keys or [])
+    )
+    assert got == expected
+
+
 @pytest.mark.parametrize(
     "layout,num_blocks", [("full", 260), ("gpt-oss", 330), ("jamba", 700), ("mixed-bs", 300)]
 )

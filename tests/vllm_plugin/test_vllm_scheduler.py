@@ -255,6 +255,31 @@ def test_same_outputs_as_vllm_with_lora_requests(layout: str, num_blocks: int) -
     assert run.hits > 0 and run.preempted > 0
 
 
+@pytest.mark.parametrize(
+    "layout,num_blocks,dense,every",
+    [
+        ("full", 260, True, 1),
+        ("full", 260, True, 2),
+        ("gemma3", 1400, False, 1),
+        ("llama4", 1200, False, 1),
+        ("jamba", 700, False, 1),
+    ],
+)
+def test_same_outputs_as_vllm_with_prompt_embeddings(
+    layout: str, num_blocks: int, dense: bool, every: int
+) -> None:
+    # Every `every`-th request sends its prompt as embeddings: vLLM holds token id 0 at each of
+    # those positions and keys each block by a digest of its embeddings. Without those keys
+    # every embedding prompt would share blocks with every other (all zeros): the run would
+    # differ from vLLM's at once.
+    workload = [dataclasses.replace(spec, embeds=i % every == 0) for i, spec in enumerate(WORKLOAD)]
+    options = harness.Options(
+        layout=layout, num_blocks=num_blocks, dense_retention=dense, prompt_embeds=True
+    )
+    run = run_both(options, workload)
+    assert run.hits > 0 and run.preempted > 0
+
+
 @pytest.mark.parametrize("layout,num_blocks", [("full", 260), ("gpt-oss", 1000), ("granite4", 700)])
 def test_same_outputs_as_vllm_with_prompt_logprobs_requests(layout: str, num_blocks: int) -> None:
     # Every third request asks for prompt logprobs: it reads no prefix-cache hit, its blocks are
@@ -497,8 +522,9 @@ def test_unknown_group_kind_falls_back() -> None:
 
 
 def test_supported_configurations_have_no_fallback_reason() -> None:
-    for layout in ("full", "gpt-oss", "gemma3", "llama4", "jamba", "granite4"):
+    for layout in ("full", "gpt-oss", "gemma3", "llama4", "jamba", "granite4", "mixed-bs"):
         assert hkv.fallback_reason(_context(harness.Options(layout=layout))) is None
+    assert hkv.fallback_reason(_context(harness.Options(prompt_embeds=True))) is None
     assert (
         hkv.fallback_reason(_context(harness.Options(layout="jamba", prefix_caching=False))) is None
     )

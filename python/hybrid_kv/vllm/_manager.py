@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 from vllm.logger import init_logger
-from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy, _gen_prompt_embeds_extra_hash_keys
 from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheSpec,
@@ -41,6 +41,21 @@ _ids_counter = itertools.count()
 
 class Unsupported(NotImplementedError):
     """A call that only a configuration in the fallback table makes (vLLM's manager serves it)."""
+
+
+def _prompt_embeds_inputs(request: Request, hash_block_size: int) -> list[tuple[str, int, int]]:
+    """The prompt's embeddings as one keyed input per hash block: vLLM's extra key of each
+    block (`_gen_prompt_embeds_extra_hash_keys`, a SHA-256 of the block's slice, cached on the
+    request) over the prompt positions the block covers. Blocks past the prompt get vLLM's
+    digest of an empty slice, the same for every request with embeddings, which matches no
+    fewer and no more blocks than leaving it out."""
+    num_prompt = request.num_prompt_tokens
+    inputs = []
+    for start in range(0, num_prompt, hash_block_size):
+        ((_, digest),) = _gen_prompt_embeds_extra_hash_keys(request, start, start + hash_block_size)
+        end = min(start + hash_block_size, num_prompt)
+        inputs.append((f"prompt_embeds:{digest.hex()}", start, end - start))
+    return inputs
 
 
 class KVCacheBlocks:
@@ -285,18 +300,24 @@ class HybridKVCacheManager:
         slot = request.__dict__.get(self._key)
         if slot is None:
             lora = request.lora_request
+            inputs = [
+                (f.identifier, f.mm_position.offset, f.mm_position.length)
+                for f in request.mm_features
+            ]
+            tokens = request.prompt_token_ids
+            if request.prompt_embeds is not None:
+                # vLLM hashes the token ids it holds (0 where an embedding stands) with a
+                # per-block digest of the embeddings as an extra key.
+                tokens = request.all_token_ids[: request.num_prompt_tokens]
+                inputs += _prompt_embeds_inputs(request, self.hash_block_size)
             slot = [
                 hk.Request(
                     request.request_id,
-                    request.prompt_token_ids,
+                    tokens,
                     request.cache_salt,
                     # vLLM keys LoRA blocks by name and path.
                     f"{lora.lora_name}\0{lora.lora_path}" if lora is not None else None,
-                    [
-                        (f.identifier, f.mm_position.offset, f.mm_position.length)
-                        for f in request.mm_features
-                    ]
-                    or None,
+                    inputs or None,
                     block_size=self.hash_block_size,
                 ),
                 request.num_prompt_tokens,

@@ -164,11 +164,6 @@ FALLBACKS: tuple[tuple[str, Check, str], ...] = (
         "hits aligned to other than the scheduler block size are not implemented",
     ),
     (
-        "enable_prompt_embeds",
-        lambda ctx: ctx.vllm_config.model_config.enable_prompt_embeds,
-        "block hashes of prompt embeddings are not computed by hybrid-kv",
-    ),
-    (
         "aux_output_config",
         lambda ctx: ctx.vllm_config.aux_output_config.enabled,
         "auxiliary-output connectors cap cache hits (max_cache_hit_length)",

@@ -175,6 +175,8 @@ class Options:
     # CacheConfig.prefix_match_unit: hash requests every this many tokens (None: the gcd of
     # the groups' block sizes).
     prefix_match_unit: int | None = None
+    # ModelConfig.enable_prompt_embeds, for workloads whose requests send embeddings.
+    prompt_embeds: bool = False
 
 
 def _speculative_tokens(options: Options) -> int:
@@ -264,6 +266,7 @@ def vllm_config(options: Options) -> VllmConfig:
         max_model_len=options.max_model_len,
         dtype="float16",
         seed=0,
+        enable_prompt_embeds=options.prompt_embeds,
     )
     scheduler = SchedulerConfig(
         max_num_seqs=options.max_num_seqs,
@@ -360,6 +363,15 @@ class RequestSpec:
     # Prompt logprobs: vLLM then reads no prefix-cache hit for the request (its blocks are still
     # cached).
     prompt_logprobs: int | None = None
+    # Send the prompt as embeddings (a tensor derived from `prompt`, one row per token) instead
+    # of token ids; the scheduler needs `Options.prompt_embeds`.
+    embeds: bool = False
+
+
+def prompt_embeddings(prompt: Sequence[int]) -> torch.Tensor:
+    """Embeddings standing for `prompt`: equal prompts (and prefixes) give equal rows."""
+    ids = torch.tensor(prompt, dtype=torch.float32).unsqueeze(1)
+    return torch.cat((ids, ids % 97, ids % 13, -ids), dim=1).to(torch.float16)
 
 
 def chat_workload(
@@ -406,7 +418,8 @@ def make_request(spec: RequestSpec, block_size: int = BLOCK_SIZE, lookahead: int
     config's `num_hash_lookahead_tokens`)."""
     return Request(
         request_id=spec.request_id,
-        prompt_token_ids=list(spec.prompt),
+        prompt_token_ids=None if spec.embeds else list(spec.prompt),
+        prompt_embeds=prompt_embeddings(spec.prompt) if spec.embeds else None,
         sampling_params=SamplingParams(
             max_tokens=spec.max_tokens,
             ignore_eos=True,
