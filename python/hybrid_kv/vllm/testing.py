@@ -78,12 +78,17 @@ _MODEL_CONFIG = {
 }
 
 
+def _config_dir(prefix: str, config: dict[str, Any]) -> str:
+    """A new temporary directory holding `config` as `config.json`."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
 @cache
 def model_dir() -> str:
     """A directory holding a tiny llama-like `config.json` (the scheduler reads no weights)."""
-    path = Path(tempfile.mkdtemp(prefix="hybrid-kv-vllm-"))
-    (path / "config.json").write_text(json.dumps(_MODEL_CONFIG))
-    return str(path)
+    return _config_dir("hybrid-kv-vllm-", _MODEL_CONFIG)
 
 
 def _attention(block_size: int, num_kv_heads: int = 8) -> dict[str, Any]:
@@ -244,18 +249,14 @@ _MTP_MODEL_CONFIG = dict(
 @cache
 def mtp_model_dir() -> str:
     """A directory holding `_MTP_MODEL_CONFIG` as `config.json`."""
-    path = Path(tempfile.mkdtemp(prefix="hybrid-kv-mtp-"))
-    (path / "config.json").write_text(json.dumps(_MTP_MODEL_CONFIG))
-    return str(path)
+    return _config_dir("hybrid-kv-mtp-", _MTP_MODEL_CONFIG)
 
 
 @cache
 def eagle_dir() -> str:
     """A directory holding a one-layer EAGLE-3 draft `config.json` for the tiny target model."""
-    path = Path(tempfile.mkdtemp(prefix="hybrid-kv-eagle-"))
     config = dict(_MODEL_CONFIG, num_hidden_layers=1, architectures=["LlamaForCausalLMEagle3"])
-    (path / "config.json").write_text(json.dumps(config))
-    return str(path)
+    return _config_dir("hybrid-kv-eagle-", config)
 
 
 def vllm_config(options: Options) -> VllmConfig:
