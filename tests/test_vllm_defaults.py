@@ -10,6 +10,7 @@ import pytest
 
 FULL = {"kind": "full", "block_size": 4}
 SW8 = {"kind": "sliding_window", "block_size": 4, "sliding_window": 8}
+CHUNKED8 = {"kind": "chunked_local", "block_size": 4, "attention_chunk_size": 8}
 MAMBA = {"kind": "mamba", "block_size": 4}
 
 
@@ -394,16 +395,20 @@ def test_allocate_running_syncs_a_vllm_request_in_one_call() -> None:
     vllm_req = types.SimpleNamespace(
         _all_token_ids=[*prompt, 100], num_computed_tokens=8, num_in_flight_tokens=0
     )
-    slot = [req, 8]
+    slot = [req, 8, -1, 0, 0]
     new = m.allocate_running(vllm_req, slot, 1, 0)
     assert new is not None and new.get_block_ids()[0].tolist() != []
     assert slot[1] == 9 and req.num_tokens == 9 and req.num_computed_tokens == 8
-    # Counts out of bounds change nothing, not even the tokens.
+    # The running horizon follows: 3 blocks (12 slots), 2 cached (the third is cached at 12
+    # tokens), nothing ever leaves full attention.
+    assert slot[2:] == [12, 12, 2**64 - 1] and tuple(slot[2:]) == m.running_horizon(req)
+    # Counts out of bounds change nothing, not even the tokens; the horizon is dropped.
     vllm_req._all_token_ids.append(101)
     vllm_req.num_computed_tokens = 12
     with pytest.raises(hk.OutOfRangeError):
         m.allocate_running(vllm_req, slot, 1, 0)
     assert slot[1] == 9 and req.num_tokens == 9 and req.num_computed_tokens == 8
+    assert slot[2] == -1
     # A token id out of range, a slot of the wrong shape, tokens that went away.
     vllm_req.num_computed_tokens = 9
     vllm_req._all_token_ids[-1] = 2**40
@@ -411,7 +416,9 @@ def test_allocate_running_syncs_a_vllm_request_in_one_call() -> None:
         m.allocate_running(vllm_req, slot, 1, 0)
     vllm_req._all_token_ids[-1] = 101
     with pytest.raises(TypeError):
-        m.allocate_running(vllm_req, ["a", 9], 1, 0)
+        m.allocate_running(vllm_req, ["a", 9, -1, 0, 0], 1, 0)
+    with pytest.raises(TypeError):
+        m.allocate_running(vllm_req, [req, 9], 1, 0)
     with pytest.raises(NotImplementedError):
         m.allocate_running(
             types.SimpleNamespace(**{**vars(vllm_req), "_all_token_ids": prompt}), slot, 1, 0
@@ -448,3 +455,47 @@ def test_the_scheduler_and_hash_block_sizes_can_be_given_as_vllm_resolves_them()
     for bad in ({"hash_block_size": 3}, {"hash_block_size": 16}, {"scheduler_block_size": 12}):
         with pytest.raises(hk.InvalidConfigError):
             hk.KVCacheManager([full8, sw8], 64, 1024, **bad)
+
+
+# ----- running horizon ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "groups,retention",
+    [([FULL], None), ([FULL, SW8], 0), ([FULL, SW8], None), ([SW8, CHUNKED8], 0)],
+    ids=["full", "full+sw-default", "full+sw-dense", "sw+chunked"],
+)
+def test_running_horizon_bounds_the_steps_that_change_nothing(
+    groups: list[dict], retention: int | None
+) -> None:
+    # One request decodes with 0-2 lookahead slots; before each step the horizon says whether
+    # the step changes nothing. It must, exactly then: no new block, no free, no cache entry,
+    # no event, and the block tables unchanged.
+    m = hk.KVCacheManager(
+        groups, 64, 1024, prefix_cache_retention_interval=retention, enable_kv_events=True
+    )
+    req = hk.Request("r", list(range(10)), block_size=4)
+    assert m.running_horizon(req) is None  # holds no blocks yet
+    admit(m, req)
+    req.num_computed_tokens = 10
+    inside_steps = 0
+    for step in range(60):
+        req.append_output_token_ids(100 + step)
+        computed, lookahead = req.num_computed_tokens, step % 3
+        slots, cache, removal = m.running_horizon(req)
+        inside = computed + 1 + lookahead <= slots and computed + 1 < cache and computed < removal
+        m.take_events()
+        before = (m.get_block_ids("r"), m.num_free_blocks, m.num_cached_blocks)
+        new = m.allocate_slots(req, 1, num_lookahead_tokens=lookahead)
+        after = (m.get_block_ids("r"), m.num_free_blocks, m.num_cached_blocks)
+        unchanged = (
+            all(len(g) == 0 for g in new.get_block_ids())
+            and not m.take_events()
+            and before[1:] == after[1:]
+            and all(np.array_equal(x, y) for x, y in zip(before[0], after[0], strict=True))
+        )
+        assert unchanged == inside, f"step {step}: horizon {(slots, cache, removal)}"
+        inside_steps += inside
+        req.num_computed_tokens = computed + 1
+    # Most decode steps are inside: only block boundaries leave it.
+    assert inside_steps >= 30

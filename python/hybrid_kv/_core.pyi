@@ -604,12 +604,13 @@ class KVCacheManager:
         self, request: object, slot: list[object], num_new_tokens: int, num_lookahead_tokens: int
     ) -> KVCacheBlocks | None:
         """The step of a running request as vLLM's scheduler makes it, for `hybrid_kv.vllm`:
-        `slot` is `[companion Request, tokens it has seen]` for vLLM's `request`; the companion
-        takes the tokens vLLM appended since (`request._all_token_ids`, `slot[1]` updated) and
-        the request's `num_computed_tokens` and `num_in_flight_tokens`, then `allocate_slots`
-        runs with `num_new_tokens` and `num_lookahead_tokens`. Counts out of bounds change
-        nothing; an error from `allocate_slots` leaves the companion's tokens taken (they are
-        vLLM's)."""
+        `slot` is `[companion Request, tokens it has seen, slots, cache, removal]` for vLLM's
+        `request`; the companion takes the tokens vLLM appended since (`request._all_token_ids`,
+        `slot[1]` updated) and the request's `num_computed_tokens` and `num_in_flight_tokens`,
+        then `allocate_slots` runs with `num_new_tokens` and `num_lookahead_tokens`, and
+        `slot[2:5]` becomes the request's `running_horizon()` (`slot[2]` is -1 when there is
+        none). Counts out of bounds change nothing; an error from `allocate_slots` leaves the
+        companion's tokens taken (they are vLLM's) and `slot[2]` at -1."""
     def sync_companion(self, request: object, slot: list[object]) -> Request:
         """`hybrid_kv.vllm`'s companion of vLLM's `request`: `slot` is `[companion Request,
         tokens it has seen]`; the companion takes the tokens vLLM appended since
@@ -646,6 +647,14 @@ class KVCacheManager:
         `num_computed_tokens` (Mamba groups whole)."""
     def estimate_cached_tokens(self, request: Request) -> int:
         """Tokens of the request's own blocks in the prefix cache, the least over groups."""
+    def running_horizon(self, request: Request) -> tuple[int, int, int] | None:
+        """How far the running request's next `allocate_slots` calls can go without changing
+        anything, as `(slots, cache, removal)`: a call with `n` new tokens, `k` lookahead tokens,
+        `c` computed and `f` in flight, adopting no hit, with no external tokens, no delayed
+        caching, no full-sequence check and no reserved blocks, takes, frees and caches no
+        block and returns no new blocks when `c + n + k <= slots`, `c + n < cache` and
+        `c - f < removal`, until another call changes the request's blocks. None when the
+        request holds no blocks yet or a Mamba or circular-buffer group keeps per-step state."""
     def truncate_computed_blocks(
         self, blocks: KVCacheBlocks, num_computed_tokens: int
     ) -> KVCacheBlocks:

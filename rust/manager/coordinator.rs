@@ -8,9 +8,10 @@
 
 use super::request::Request;
 use super::single_type::{
-    find_longest_cache_hit, CacheCtx, ChunkCtx, Effects, GroupManager, GroupTable,
+    find_longest_cache_hit, first_at_least, CacheCtx, ChunkCtx, Effects, GroupManager, GroupTable,
 };
 use super::spec::{AttentionKind, GroupSpec, ManagerConfig};
+use super::RunningHorizon;
 use crate::error::{bad_config, Result};
 use crate::pool::BlockPool;
 use crate::types::{BlockHash, BlockId, GroupId};
@@ -645,6 +646,40 @@ impl Coordinator {
             )?;
         }
         Ok(true)
+    }
+
+    /// [`RunningHorizon`] of a request with these tables, `None` unless its next call takes
+    /// [`Coordinator::running_step`]. Each bound is the tightest over the groups: a step that
+    /// needs no new block in any group, caches no block in any group and removes none is the
+    /// running step's no-op.
+    pub(crate) fn running_horizon(
+        &self,
+        tables: &[GroupTable],
+        num_prompt_tokens: usize,
+        enable_caching: bool,
+        max_model_len: usize,
+    ) -> Option<RunningHorizon> {
+        if !self.fast_running || tables.iter().any(|t| t.num_cached.is_none()) {
+            return None;
+        }
+        let mut horizon = RunningHorizon {
+            slots: max_model_len,
+            cache: usize::MAX,
+            removal: usize::MAX,
+        };
+        for (m, t) in self.groups.iter().zip(tables) {
+            let bs = m.spec.block_size;
+            horizon.slots = horizon.slots.min(t.blocks.len() * bs);
+            if enable_caching && m.spec.prefix_cacheable() {
+                // Caching is bounded by the request's hashes and blocks too; leaving those
+                // bounds out can only make the horizon earlier.
+                let next = (t.num_cached.unwrap_or(0) + 1) * bs;
+                let at = first_at_least(|tokens| self.cacheable_tokens(m, tokens), next);
+                horizon.cache = horizon.cache.min(at);
+            }
+            horizon.removal = horizon.removal.min(m.removal_horizon(t, num_prompt_tokens));
+        }
+        Some(horizon)
     }
 }
 

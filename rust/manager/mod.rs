@@ -116,6 +116,26 @@ pub struct AllocateArgs<'a> {
     pub skip_zeroing_group_ids: &'a [usize],
 }
 
+/// How far a running request's next `allocate_slots` calls can go without changing anything
+/// (see [`KVCacheManager::running_horizon`]).
+///
+/// A call with `n` new tokens, `k` lookahead tokens, `c` computed and `f` in flight, that adopts
+/// no hit and has no external tokens, no delayed caching, no full-sequence admission check and
+/// no reserved blocks, takes no block, frees none, caches none and returns no new blocks when
+/// `c + n + k <= slots`, `c + n < cache` and `c - f < removal`, as long as no other call
+/// changed the request's blocks since the horizon was read. Its argument checks still apply.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RunningHorizon {
+    /// Slots the request's blocks cover in every group, at most `max_model_len`.
+    pub slots: usize,
+    /// The fewest tokens to cache at which a group would cache another block
+    /// (`usize::MAX`: caching is off).
+    pub cache: usize,
+    /// The fewest processed tokens at which a group would free a block that left its window
+    /// or chunk (`usize::MAX`: none will).
+    pub removal: usize,
+}
+
 /// Prefix-cache hit statistics (vLLM's `PrefixCacheStats`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PrefixCacheStats {
@@ -959,6 +979,22 @@ impl KVCacheManager {
         let state = self.state(request)?;
         self.check_group(group)?;
         Ok(&state.tables[group].blocks)
+    }
+
+    /// The request's [`RunningHorizon`]; `None` when its next call would not take the running
+    /// path (it holds no blocks yet, or a Mamba or circular-buffer group keeps per-step state):
+    /// then no call is known to change nothing.
+    pub fn running_horizon<'a>(
+        &self,
+        request: impl Into<RequestKey<'a>>,
+    ) -> Result<Option<RunningHorizon>> {
+        let state = self.state(request)?;
+        Ok(self.coordinator.running_horizon(
+            &state.tables,
+            state.request.num_prompt_tokens(),
+            self.enable_caching,
+            self.max_model_len,
+        ))
     }
 
     /// The request's block tables, one per group.

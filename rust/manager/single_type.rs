@@ -839,40 +839,59 @@ impl GroupManager {
         num_prompt_tokens: Option<usize>,
         scratch: &mut Vec<BlockId>,
     ) -> Result<()> {
-        let bs = self.bs();
-        match (self.spec.kind, num_prompt_tokens) {
-            (AttentionKind::CircularBuffer, _) => return Ok(()),
-            (AttentionKind::Rswa { window }, Some(prompt)) => {
-                let first = prompt.div_ceil(bs);
-                let last = prompt.max(num_computed_tokens.saturating_sub(window)) / bs;
-                return remove_blocks_in_range(pool, table, first, last, scratch);
-            }
-            _ => {}
+        if matches!(self.spec.kind, AttentionKind::CircularBuffer) {
+            return Ok(());
         }
-        let skipped = self.skipped_tokens(num_computed_tokens);
-        if skipped > 0 {
-            let last = (skipped / bs).min(table.blocks.len());
-            if self.spec.is_mamba_align() {
-                self.retire_mamba_blocks(pool, table, last, scratch)?;
-            } else {
-                remove_blocks_in_range(pool, table, 0, last, scratch)?;
-            }
+        let (first, last) = self.skipped_range(num_computed_tokens, num_prompt_tokens);
+        if !self.spec.is_mamba_align() {
+            return remove_blocks_in_range(pool, table, first, last, scratch);
         }
-        if self.spec.is_mamba_align() {
-            // The state the previous step started from is no longer needed once the request
-            // is more than one block past it.
-            if let Some(idx) = table.last_state {
-                if idx + 1 < num_computed_tokens.div_ceil(bs) {
-                    if let Some(slot) = table.blocks.get_mut(idx) {
-                        if *slot != NULL_BLOCK {
-                            let block = std::mem::replace(slot, NULL_BLOCK);
-                            pool.free_held(&[block], &[1])?;
-                        }
+        self.retire_mamba_blocks(pool, table, last.min(table.blocks.len()), scratch)?;
+        // The state the previous step started from is no longer needed once the request is
+        // more than one block past it.
+        if let Some(idx) = table.last_state {
+            if idx + 1 < num_computed_tokens.div_ceil(self.bs()) {
+                if let Some(slot) = table.blocks.get_mut(idx) {
+                    if *slot != NULL_BLOCK {
+                        let block = std::mem::replace(slot, NULL_BLOCK);
+                        pool.free_held(&[block], &[1])?;
                     }
                 }
             }
         }
         Ok(())
+    }
+
+    /// The slots `[first, last)` that `remove_skipped_blocks` empties after
+    /// `num_computed_tokens` (from `last - 1` down to the first null block; `last` is not
+    /// clamped to the table). Both grow with the tokens.
+    fn skipped_range(
+        &self,
+        num_computed_tokens: usize,
+        num_prompt_tokens: Option<usize>,
+    ) -> (usize, usize) {
+        let bs = self.bs();
+        if let (AttentionKind::Rswa { window }, Some(prompt)) = (self.spec.kind, num_prompt_tokens)
+        {
+            let last = prompt.max(num_computed_tokens.saturating_sub(window)) / bs;
+            return (prompt.div_ceil(bs), last);
+        }
+        (0, self.skipped_tokens(num_computed_tokens) / bs)
+    }
+
+    /// The fewest processed tokens at which `remove_skipped_blocks` would free one of the
+    /// table's blocks (`usize::MAX`: at no count), for a table that takes no new block
+    /// meanwhile. Not for circular buffers or Mamba `align` groups (they keep other state).
+    pub(crate) fn removal_horizon(&self, table: &GroupTable, num_prompt_tokens: usize) -> usize {
+        let prompt = Some(num_prompt_tokens);
+        let (first, _) = self.skipped_range(0, prompt);
+        // A removal up to `last` frees something only if slot `last - 1` holds a block: the
+        // first live slot at or after `first` is the earliest that can go.
+        let Some(live) = (first..table.blocks.len()).find(|&i| table.blocks[i] != NULL_BLOCK)
+        else {
+            return usize::MAX;
+        };
+        first_at_least(|p| self.skipped_range(p, prompt).1, live + 1)
     }
 
     /// Mamba align: frees the live blocks of `[retired, last)` (nulls between states are
@@ -921,6 +940,32 @@ impl GroupManager {
         out.extend(table.blocks.iter().rev().filter(|&&b| b != NULL_BLOCK));
         table.clear();
     }
+}
+
+/// The smallest `x` with `f(x) >= target` for a non-decreasing `f`; `usize::MAX` if there is
+/// none below `usize::MAX / 2`.
+pub(crate) fn first_at_least(f: impl Fn(usize) -> usize, target: usize) -> usize {
+    if f(0) >= target {
+        return 0;
+    }
+    let mut hi = 1usize;
+    while f(hi) < target {
+        if hi > usize::MAX / 4 {
+            return usize::MAX;
+        }
+        hi *= 2;
+    }
+    // f(lo) < target <= f(hi)
+    let mut lo = hi / 2;
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if f(mid) >= target {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    hi
 }
 
 /// Frees the blocks of `[first, last)` from the last backwards, stopping at the first null

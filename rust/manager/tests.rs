@@ -1162,3 +1162,203 @@ proptest! {
         }
     }
 }
+
+/// Layouts and configs the running horizon is checked on: every kind the running path takes,
+/// dense and sparse retention, caching off, EAGLE and multi-token prediction.
+fn horizon_configs() -> Vec<ManagerConfig> {
+    let layouts = [
+        vec![GroupSpec::full(4)],
+        vec![GroupSpec::full(4), GroupSpec::sliding_window(4, 6)],
+        vec![
+            GroupSpec::sliding_window(4, 5),
+            GroupSpec::chunked_local(4, 8),
+        ],
+        vec![GroupSpec::full(8), GroupSpec::sliding_window(8, 12)],
+        vec![
+            GroupSpec::full(4),
+            GroupSpec::new(AttentionKind::Rswa { window: 6 }, 4),
+        ],
+        vec![GroupSpec::full(4), GroupSpec::sliding_window(8, 9)],
+    ];
+    let mut configs = Vec::new();
+    for groups in layouts {
+        let dense = ManagerConfig::new(groups.clone(), 64, 256).dense();
+        let sparse = ManagerConfig::new(groups, 64, 256);
+        let no_caching = ManagerConfig {
+            enable_caching: false,
+            ..sparse.clone()
+        };
+        let eagle = ManagerConfig {
+            use_eagle: true,
+            ..sparse.clone()
+        };
+        let mtp = ManagerConfig {
+            num_prefill_lookahead: 3,
+            ..dense.clone()
+        };
+        configs.extend([dense, sparse, no_caching, eagle, mtp]);
+    }
+    // EAGLE with chunked local attention is refused, as by vLLM.
+    configs.retain(|c| KVCacheManager::new(c).is_ok());
+    configs
+}
+
+/// Everything a call could change, for comparing before and after.
+fn observable(m: &KVCacheManager, ids: &[&str]) -> impl PartialEq + std::fmt::Debug {
+    let tables: Vec<_> = ids
+        .iter()
+        .filter_map(|id| m.state(*id).ok())
+        .map(|s| {
+            s.tables
+                .iter()
+                .map(|t| (t.blocks.clone(), t.num_cached))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    (
+        m.pool().free_order(),
+        m.num_cached_keys(),
+        m.pool().num_free_blocks(),
+        tables,
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(160))]
+
+    /// A call the request's `running_horizon` covers changes nothing (blocks, free order,
+    /// cache entries, events) and returns no new blocks, whatever the layout, retention and
+    /// counts in flight.
+    #[test]
+    fn a_call_inside_the_running_horizon_changes_nothing(
+        config in 0..horizon_configs().len(),
+        num_blocks in 8..48usize,
+        ops in proptest::collection::vec((pair_op(), 0..6usize), 1..90),
+    ) {
+        let mut config = horizon_configs().swap_remove(config);
+        config.num_blocks = num_blocks;
+        config.enable_events = true;
+        let mut m = KVCacheManager::new(&config).unwrap();
+        let ids = ["a", "b", "c", "d"];
+        for (k, id) in ids.iter().enumerate() {
+            let mut prompt = tokens(100, 16);
+            prompt.extend(tokens(1_000 * (k as u32 + 1), 3 + 5 * k));
+            m.add_request(id, &prompt, ExtraKeys::default()).unwrap();
+        }
+        let mut computed = [0usize; 4];
+        for (op, in_flight) in ops {
+            match op {
+                PairOp::Step { i, n, lookahead, delay } => {
+                    let id = ids[i];
+                    let num_tokens = m.request(id).unwrap().num_tokens();
+                    if computed[i] == num_tokens {
+                        continue;
+                    }
+                    if computed[i] == 0 {
+                        if let Some((hit, _)) = admit_chunk(&mut m, id, n) {
+                            computed[i] = hit;
+                        }
+                        continue;
+                    }
+                    let n = (num_tokens - computed[i]).min(n);
+                    let f = in_flight.min(computed[i]);
+                    let args = AllocateArgs {
+                        num_new_tokens: n,
+                        num_computed_tokens: computed[i],
+                        num_in_flight_tokens: f,
+                        num_lookahead_tokens: lookahead,
+                        delay_cache_blocks: delay,
+                        ..Default::default()
+                    };
+                    let c = computed[i];
+                    let inside = !delay
+                        && m.running_horizon(id).unwrap().is_some_and(|h| {
+                            c + n + lookahead <= h.slots && c + n < h.cache && c - f < h.removal
+                        });
+                    let before = observable(&m, &ids);
+                    m.take_events();
+                    let got = m.allocate_slots(id, &args).unwrap();
+                    if inside {
+                        let groups = config.groups.len();
+                        prop_assert_eq!(&got, &Some(vec![Vec::new(); groups]));
+                        prop_assert_eq!(before, observable(&m, &ids));
+                        prop_assert!(m.take_events().is_empty());
+                    }
+                    if got.is_some() {
+                        computed[i] += n;
+                    }
+                }
+                PairOp::Sample { i } => {
+                    let id = ids[i];
+                    if computed[i] > 0 && computed[i] == m.request(id).unwrap().num_tokens() {
+                        m.append_token_ids(id, &[7 + computed[i] as u32]).unwrap();
+                    }
+                }
+                PairOp::Free { i } => {
+                    m.free(ids[i]).unwrap();
+                    computed[i] = 0;
+                }
+            }
+        }
+    }
+}
+
+/// Admits request `id` with a first chunk of at most `n` tokens after its hit; returns the
+/// tokens computed after the call.
+fn admit_chunk(m: &mut KVCacheManager, id: &str, n: usize) -> Option<(usize, ())> {
+    let hit = m.get_computed_blocks(id).unwrap();
+    let num_tokens = m.request(id).unwrap().num_tokens();
+    let n = (num_tokens - hit.num_computed_tokens).min(n.max(1));
+    let args = AllocateArgs {
+        num_new_tokens: n,
+        num_new_computed_tokens: hit.num_computed_tokens,
+        new_computed_blocks: Some(&hit),
+        full_sequence_must_fit: true,
+        ..Default::default()
+    };
+    m.allocate_slots(id, &args)
+        .unwrap()
+        .map(|_| (hit.num_computed_tokens + n, ()))
+}
+
+/// Decoding one token per step, a request's calls leave the horizon only where a call does
+/// something: a block fills (it is cached), a new block is needed, or a block leaves the window.
+#[test]
+fn decode_leaves_the_running_horizon_only_at_block_boundaries() {
+    for (groups, window) in [
+        (vec![GroupSpec::full(16)], None),
+        (
+            vec![GroupSpec::full(16), GroupSpec::sliding_window(16, 64)],
+            Some(64),
+        ),
+    ] {
+        let mut m = manager(groups.clone(), 200);
+        m.add_request("r", &tokens(0, 40), ExtraKeys::default())
+            .unwrap();
+        admit(&mut m, "r").unwrap();
+        let mut outside = Vec::new();
+        for c in 40..400usize {
+            m.append_token_ids("r", &[c as u32]).unwrap();
+            let h = m.running_horizon("r").unwrap().unwrap();
+            let n = 1;
+            let inside = c + n <= h.slots && c + n < h.cache && c < h.removal;
+            let before = observable(&m, &["r"]);
+            let got = m.allocate_slots("r", &new_tokens(1, c)).unwrap().unwrap();
+            let changed = got.iter().any(|g| !g.is_empty()) || before != observable(&m, &["r"]);
+            assert_eq!(changed, !inside, "{groups:?} at {c} computed tokens: {h:?}");
+            if !inside {
+                outside.push(c);
+            }
+        }
+        // Full attention: the block filling at c + 1 = 16k is cached, the next token needs a
+        // new block; the window frees a block 16 tokens later each time.
+        let expected: Vec<usize> = (40..400)
+            .filter(|c| {
+                (c + 1) % 16 == 0
+                    || c % 16 == 0
+                    || window.is_some_and(|w| (c + 1) >= w && (c + 1 - w) % 16 == 0)
+            })
+            .collect();
+        assert_eq!(outside, expected, "{groups:?}");
+    }
+}

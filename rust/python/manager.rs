@@ -16,7 +16,7 @@ use crate::hashing::{ExtraKeys, HashAlgo, TokenId};
 use crate::manager::registry::{DropQueue, Lookup, Registry, Synced};
 use crate::manager::{
     AllocateArgs, AttentionKind, ComputedBlocks, GroupSpec, KVCacheManager, KindParams,
-    ManagerConfig, PrefixCacheStats, Prober, RequestHandle,
+    ManagerConfig, PrefixCacheStats, Prober, RequestHandle, RunningHorizon,
 };
 use crate::types::BlockId;
 use numpy::{PyArray2, PyArrayMethods, PyUntypedArrayMethods};
@@ -333,10 +333,22 @@ impl PyKVCacheManager {
         request: &PyRequest,
         args: &AllocateArgs<'_>,
     ) -> PyResult<Option<Py<PyKVCacheBlocks>>> {
+        Ok(self.allocate_reading_horizon(py, request, args, false)?.0)
+    }
+
+    /// `allocate_with`, also reading the request's [`RunningHorizon`] after the call when
+    /// `horizon` (and the pool supplied the blocks).
+    fn allocate_reading_horizon(
+        &self,
+        py: Python<'_>,
+        request: &PyRequest,
+        args: &AllocateArgs<'_>,
+        horizon: bool,
+    ) -> PyResult<(Option<Py<PyKVCacheBlocks>>, Option<RunningHorizon>)> {
         let args = *args;
         let long = args.num_new_tokens >= DETACH_SCHEDULE_TOKENS;
         // None: out of blocks; Some(None): nothing new (the shared empty result).
-        let new = self.with_request(py, request, long, |inner, r| {
+        let (new, reach) = self.with_request(py, request, long, |inner, r| {
             let args = AllocateArgs {
                 num_computed_tokens: r.num_computed_tokens,
                 num_in_flight_tokens: r.num_in_flight_tokens,
@@ -348,17 +360,22 @@ impl PyKVCacheManager {
                 ..
             } = inner;
             if !manager.allocate_slots_into(r.handle, &args, new_blocks)? {
-                return Ok(None);
+                return Ok((None, None));
             }
-            Ok(Some(
-                (!new_blocks.iter().all(Vec::is_empty)).then(|| new_blocks.clone()),
-            ))
+            let new = (!new_blocks.iter().all(Vec::is_empty)).then(|| new_blocks.clone());
+            let reach = if horizon {
+                manager.running_horizon(r.handle)?
+            } else {
+                None
+            };
+            Ok((Some(new), reach))
         })?;
-        match new {
-            None => Ok(None),
-            Some(None) => Ok(Some(self.empty.clone_ref(py))),
-            Some(Some(blocks)) => self.blocks(py, ComputedBlocks::new(blocks, 0)).map(Some),
-        }
+        let new = match new {
+            None => None,
+            Some(None) => Some(self.empty.clone_ref(py)),
+            Some(Some(blocks)) => Some(self.blocks(py, ComputedBlocks::new(blocks, 0))?),
+        };
+        Ok((new, reach))
     }
 
     /// Locks the manager and removes the requests whose `Request` was garbage collected.
@@ -787,6 +804,9 @@ impl PyKVCacheManager {
     /// `num_computed_tokens` and `num_in_flight_tokens` from vLLM's `request`, then
     /// `allocate_slots` runs as above. Counts out of bounds change nothing; an error from the
     /// allocation leaves the companion's tokens taken (they are vLLM's).
+    ///
+    /// `slot[2:5]` is then the request's running horizon (`slots`, `cache`, `removal`; see
+    /// `running_horizon`), or `slot[2]` is -1 when no later call is known to change nothing.
     fn allocate_running(
         &self,
         py: Python<'_>,
@@ -795,6 +815,13 @@ impl PyKVCacheManager {
         num_new_tokens: Count,
         num_lookahead_tokens: Count,
     ) -> PyResult<Option<Py<PyKVCacheBlocks>>> {
+        if slot.len() != 5 {
+            return Err(PyTypeError::new_err(
+                "slot must be [companion, tokens seen, slots, cache, removal]",
+            ));
+        }
+        // Until the call succeeds, no later call is known to be a no-op.
+        slot.set_item(2, -1)?;
         let companion = sync_companion(request, slot, true)?;
         let args = AllocateArgs {
             num_new_tokens: num_new_tokens.get(),
@@ -802,7 +829,13 @@ impl PyKVCacheManager {
             has_scheduled_reqs: true,
             ..Default::default()
         };
-        self.allocate_with(py, companion.get(), &args)
+        let (new, horizon) = self.allocate_reading_horizon(py, companion.get(), &args, true)?;
+        if let Some(h) = horizon {
+            slot.set_item(3, h.cache)?;
+            slot.set_item(4, h.removal)?;
+            slot.set_item(2, h.slots)?;
+        }
+        Ok(new)
     }
 
     /// `hybrid_kv.vllm`'s companion of a vLLM request: `slot` is `[companion Request, tokens it
@@ -929,6 +962,21 @@ impl PyKVCacheManager {
     fn estimate_cached_tokens(&self, py: Python<'_>, request: &PyRequest) -> PyResult<usize> {
         self.with_request(py, request, false, |inner, r| {
             Ok(inner.manager.estimate_cached_tokens(r.handle)?)
+        })
+    }
+
+    /// How far the request's next running steps can go without changing anything:
+    /// `(slots, cache, removal)` (see `hybrid_kv.vllm`), or None when no step is known to.
+    fn running_horizon(
+        &self,
+        py: Python<'_>,
+        request: &PyRequest,
+    ) -> PyResult<Option<(usize, usize, usize)>> {
+        self.with_request(py, request, false, |inner, r| {
+            Ok(inner
+                .manager
+                .running_horizon(r.handle)?
+                .map(|h| (h.slots, h.cache, h.removal)))
         })
     }
 
