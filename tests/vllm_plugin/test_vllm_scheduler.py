@@ -8,12 +8,14 @@ prefix-cache stats, KV cache usage)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (see .ci/run)")
 
+import hybrid_kv as hk  # noqa: E402
 import hybrid_kv.vllm as hkv  # noqa: E402
 from hybrid_kv.vllm import testing as harness  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager  # noqa: E402
@@ -35,14 +37,20 @@ class Run:
 
 
 def run_both(
-    options: harness.Options, workload: list[harness.RequestSpec], require_hybrid: bool = True
+    options: harness.Options,
+    workload: list[harness.RequestSpec],
+    require_hybrid: bool = True,
+    watch: Callable[[Any], None] | None = None,
 ) -> Run:
-    """Drives stock vLLM and hybrid_kv.vllm.Scheduler in lock step; asserts every step equal."""
+    """Drives stock vLLM and hybrid_kv.vllm.Scheduler in lock step; asserts every step equal.
+    `watch` gets hybrid-kv's scheduler before the run."""
     stock = harness.build_scheduler(options)
     ours = harness.build_scheduler(options, hkv.Scheduler)
     assert isinstance(stock.kv_cache_manager, VllmKVCacheManager)
     if require_hybrid:
         assert ours.uses_hybrid_kv, "hybrid_kv.vllm fell back to vLLM's manager"
+    if watch is not None:
+        watch(ours)
     run = Run()
     stock_steps = harness.Driver(stock, workload).run()
     our_steps = harness.Driver(ours, workload).run()
@@ -595,3 +603,78 @@ def test_streaming_input_requests_are_refused_and_the_engine_serves_the_rest(
     else:
         # The other requests' steps and outputs are those of the run without the refusal.
         assert got == expected
+
+
+# ----- running horizon ----------------------------------------------------------------------------
+
+
+def _count_core_running_calls(scheduler: Any, counts: dict[str, int]) -> None:
+    manager = scheduler.kv_cache_manager
+    allocate, running = manager.allocate_slots, manager._allocate_running
+
+    def allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:
+        counts["running"] += request.num_computed_tokens > 0 and "new_computed_blocks" not in kwargs
+        return allocate(request, *args, **kwargs)
+
+    def allocate_running(*args: Any) -> Any:
+        counts["core"] += 1
+        return running(*args)
+
+    manager.allocate_slots = allocate_slots
+    manager._allocate_running = allocate_running
+
+
+@pytest.mark.parametrize(
+    "layout,changes",
+    [
+        ("full", {}),
+        ("gemma3", {}),
+        ("gpt-oss", {"dense_retention": True}),
+        ("llama4", {}),
+        ("gpt-oss", {"async_scheduling": True}),
+        ("gemma3", {"num_blocks": 1400}),
+    ],
+    ids=["full", "gemma3", "gpt-oss-dense", "llama4", "gpt-oss-async", "gemma3-pressure"],
+)
+def test_running_steps_inside_the_horizon_skip_the_core_and_match_vllm(
+    layout: str, changes: dict
+) -> None:
+    # Decode steps that change nothing are answered without a core call; the outputs stay
+    # vLLM's step for step, preemptions and async scheduling included.
+    counts = {"running": 0, "core": 0}
+    options = dataclasses.replace(harness.Options(layout=layout), **changes)
+    run = run_both(options, WORKLOAD, watch=lambda s: _count_core_running_calls(s, counts))
+    assert run.steps > 0
+    assert counts["core"] < counts["running"] / 3, counts
+    if "num_blocks" in changes:
+        assert run.preempted > 0
+
+
+def test_allocate_slots_checks_its_arguments_inside_the_horizon() -> None:
+    # A running request inside its horizon: bad counts raise as they do outside it.
+    scheduler = harness.build_scheduler(harness.Options(layout="gpt-oss"), hkv.Scheduler)
+    driver = harness.Driver(scheduler, WORKLOAD[:4])
+    manager = scheduler.kv_cache_manager
+
+    def inside(request: Any) -> bool:
+        _, _, slots, cache, removal = request.__dict__[manager._key]
+        c = request.num_computed_tokens
+        return c + 1 <= slots and c + 1 < cache and c < removal
+
+    for _ in range(40):
+        driver.timed_step()
+        candidates = [r for r in scheduler.running if inside(r)]
+        if candidates:
+            break
+    else:
+        pytest.fail("no running request inside its horizon")
+    request = candidates[0]
+    assert manager.allocate_slots(request, 1) is manager.empty_kv_cache_blocks
+    with pytest.raises(ValueError):
+        manager.allocate_slots(request, 0)
+    with pytest.raises(TypeError):
+        manager.allocate_slots(request, 1.0)
+    with pytest.raises(hk.OutOfRangeError):
+        manager.allocate_slots(request, -1)
+    with pytest.raises(hk.OutOfRangeError):
+        manager.allocate_slots(request, 1, num_lookahead_tokens=-1)

@@ -9,6 +9,12 @@ Each vLLM `Request` gets a companion `hybrid_kv.Request`, kept in the vLLM reque
 (so it lives exactly as long as the vLLM request and its manager registration is dropped with
 it) together with the number of tokens the companion has seen. Before each call the adapter
 appends the tokens vLLM appended since and copies `num_computed_tokens`.
+
+Most steps of a running request change nothing in the manager: no block fills, none is needed,
+none leaves a window. The core's answer to each running step also says how far the request can
+go that way (`KVCacheManager.running_horizon`); until then `allocate_slots` answers from three
+integers kept with the companion, without calling the core, which takes the tokens appended
+meanwhile at the request's next call.
 """
 
 from __future__ import annotations
@@ -36,6 +42,10 @@ from hybrid_kv.vllm._support import GROUP_KINDS
 logger = init_logger(__name__)
 
 _EMPTY_IDS = np.zeros(0, dtype=np.int32)
+# A companion slot is [hybrid_kv.Request, tokens it has seen, then the running horizon the
+# core's last running call left: slots covered, tokens at which a block would be cached,
+# processed tokens at which a block would be freed]. -1 slots: no horizon.
+_SLOTS, _CACHE, _REMOVAL = 2, 3, 4
 _ids_counter = itertools.count()
 
 
@@ -321,6 +331,10 @@ class HybridKVCacheManager:
                     block_size=self.hash_block_size,
                 ),
                 request.num_prompt_tokens,
+                # The running horizon (`_SLOTS`, `_CACHE`, `_REMOVAL`): none yet.
+                -1,
+                0,
+                0,
             ]
             if request.skip_reading_prefix_cache:
                 slot[0].skip_reading_prefix_cache = True
@@ -406,8 +420,26 @@ class HybridKVCacheManager:
         ):
             slot = request.__dict__.get(self._key)
         if slot is not None:
-            # A running request's step (the scheduler's most frequent call): the companion is
-            # brought up to date and the scheduler's counts read inside one core call.
+            # A running request's step (the scheduler's most frequent call). Inside the
+            # horizon the core's last running call left, the call would change nothing and
+            # return no block (most decode steps): the core is not called, and it takes the
+            # tokens appended meanwhile at its next call. The bounds are the core's
+            # (`KVCacheManager.running_horizon`), with the argument checks of the call.
+            computed = request.num_computed_tokens
+            in_flight = request.num_in_flight_tokens
+            if (
+                type(num_new_tokens) is int
+                and type(num_lookahead_tokens) is int
+                and num_new_tokens > 0
+                and num_lookahead_tokens >= 0
+                and computed + num_new_tokens + num_lookahead_tokens <= slot[_SLOTS]
+                and computed + num_new_tokens < slot[_CACHE]
+                and 0 <= in_flight <= computed < slot[_REMOVAL] + in_flight
+                and computed <= len(request._all_token_ids) + in_flight
+            ):
+                return self.empty_kv_cache_blocks
+            # Brings the companion up to date, reads the scheduler's counts and the next
+            # horizon inside one core call.
             new = self._allocate_running(request, slot, num_new_tokens, num_lookahead_tokens)
         else:
             if num_external_computed_tokens or num_encoder_tokens or reserved_blocks:
@@ -419,8 +451,11 @@ class HybridKVCacheManager:
             ):
                 hit = new_computed_blocks._core
             # Positional arguments cross faster; the scheduler's counts travel with the call.
+            companion = self._companion(request)
+            # Other calls change the request's blocks: no horizon until its next running call.
+            request.__dict__[self._key][_SLOTS] = -1
             new = self.core.allocate_slots(
-                self._companion(request),
+                companion,
                 num_new_tokens,
                 num_new_computed_tokens,
                 hit,
@@ -447,6 +482,8 @@ class HybridKVCacheManager:
         """Caches the request's full blocks up to `num_computed_tokens`."""
         if not self.enable_caching:
             return
+        # The running horizon stands: caching takes no block and frees none, and a group that
+        # cached more would cache its next block only later than the horizon says.
         self.core.cache_blocks(self._companion(request), num_computed_tokens)
         if self._events is not None:
             self._events.collect(request)
@@ -455,6 +492,7 @@ class HybridKVCacheManager:
         slot = request.__dict__.get(self._key)
         if slot is None:
             return
+        slot[_SLOTS] = -1
         self.core.free(slot[0])
         if request.is_finished():
             # Dropping the companion removes the request from the core.
