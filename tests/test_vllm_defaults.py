@@ -401,7 +401,7 @@ def test_allocate_running_syncs_a_vllm_request_in_one_call() -> None:
     assert slot[1] == 9 and req.num_tokens == 9 and req.num_computed_tokens == 8
     # The running horizon follows: 3 blocks (12 slots), 2 cached (the third is cached at 12
     # tokens), nothing ever leaves full attention.
-    assert slot[2:] == [12, 12, 2**64 - 1] and tuple(slot[2:]) == m.running_horizon(req)
+    assert slot[2:] == [12, 12, 2**63 - 1] and m.running_horizon(req) == (12, 12, 2**64 - 1)
     # Counts out of bounds change nothing, not even the tokens; the horizon is dropped.
     vllm_req._all_token_ids.append(101)
     vllm_req.num_computed_tokens = 12

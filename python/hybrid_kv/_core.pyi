@@ -7,10 +7,11 @@ integers); a negative value or one beyond the argument's range raises `OutOfRang
 """
 
 from collections.abc import Mapping, Sequence
-from typing import final
+from typing import Any, final
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import disjoint_base
 
 __version__: str
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "OutOfRangeError",
     "Request",
     "UnknownRequestError",
+    "_RunningSteps",
     "__version__",
     "hash_token_blocks",
 ]
@@ -722,3 +724,31 @@ class KVCacheManager:
     def new_step_starts(self) -> None:
         """Call once at the start of every scheduler step (Mamba states cached in the previous
         step become usable by hits)."""
+
+@disjoint_base
+class _RunningSteps:
+    """Base class of `hybrid_kv.vllm`'s manager: its `allocate_slots`. A running request's step
+    `allocate_slots(request, n, num_lookahead_tokens=k)` (no other argument given) inside the
+    horizon kept in the request's slot (`request.__dict__[key]`: `[companion, tokens seen,
+    slots, cache, removal]`, see `KVCacheManager.running_horizon`) returns `empty` at once; every
+    other call is `self._allocate_slots(request, num_new_tokens, **given)`, the other arguments
+    given passed by name (an argument given as None counts as not given)."""
+
+    def __new__(cls, *_args: object, **_kwargs: object) -> _RunningSteps: ...
+    def _running_steps(self, key: str, empty: object) -> None:
+        """Sets the slot key and the empty result (once; later calls change nothing)."""
+    def allocate_slots(
+        self,
+        request: Any,
+        num_new_tokens: Any,
+        num_new_computed_tokens: Any = None,
+        new_computed_blocks: Any = None,
+        num_lookahead_tokens: Any = None,
+        num_external_computed_tokens: Any = None,
+        delay_cache_blocks: Any = None,
+        num_encoder_tokens: Any = None,
+        full_sequence_must_fit: Any = None,
+        reserved_blocks: Any = None,
+        has_scheduled_reqs: Any = None,
+        skip_zeroing_group_ids: Any = None,
+    ) -> Any: ...

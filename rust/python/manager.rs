@@ -806,7 +806,8 @@ impl PyKVCacheManager {
     /// allocation leaves the companion's tokens taken (they are vLLM's).
     ///
     /// `slot[2:5]` is then the request's running horizon (`slots`, `cache`, `removal`; see
-    /// `running_horizon`), or `slot[2]` is -1 when no later call is known to change nothing.
+    /// `running_horizon`, at most `2**63 - 1`), or `slot[2]` is -1 when no later call is known
+    /// to change nothing.
     fn allocate_running(
         &self,
         py: Python<'_>,
@@ -831,9 +832,11 @@ impl PyKVCacheManager {
         };
         let (new, horizon) = self.allocate_reading_horizon(py, companion.get(), &args, true)?;
         if let Some(h) = horizon {
-            slot.set_item(3, h.cache)?;
-            slot.set_item(4, h.removal)?;
-            slot.set_item(2, h.slots)?;
+            // "Never" (usize::MAX) is kept as i64::MAX: what the entry reads without a bignum.
+            let at_most = |n: usize| n.min(i64::MAX as usize);
+            slot.set_item(3, at_most(h.cache))?;
+            slot.set_item(4, at_most(h.removal))?;
+            slot.set_item(2, at_most(h.slots))?;
         }
         Ok(new)
     }

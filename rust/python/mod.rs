@@ -6,6 +6,7 @@ mod hashing;
 mod manager;
 mod pool;
 mod request;
+mod running;
 
 use pyo3::prelude::*;
 
@@ -16,5 +17,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     pool::register(m)?;
     hashing::register(m)?;
     manager::register(m)?;
+    running::register(m)?;
     Ok(())
 }

@@ -669,7 +669,29 @@ def test_allocate_slots_checks_its_arguments_inside_the_horizon() -> None:
     else:
         pytest.fail("no running request inside its horizon")
     request = candidates[0]
+    forwarded = []
+    full_call = manager._allocate_slots
+
+    def allocate_slots(*args: Any, **kwargs: Any) -> Any:
+        forwarded.append((args[1:], kwargs))
+        return full_call(*args, **kwargs)
+
+    manager._allocate_slots = allocate_slots
     assert manager.allocate_slots(request, 1) is manager.empty_kv_cache_blocks
+    assert manager.allocate_slots(request, 1, num_lookahead_tokens=0) is (
+        manager.empty_kv_cache_blocks
+    )
+    assert forwarded == []
+    # Any other argument given goes to the full call, by name (None counts as not given); the
+    # answer is the same.
+    assert manager.allocate_slots(request, 1, 0, None, 0) is manager.empty_kv_cache_blocks
+    assert manager.allocate_slots(request, 1, has_scheduled_reqs=True) is (
+        manager.empty_kv_cache_blocks
+    )
+    assert forwarded == [
+        ((1,), {"num_new_computed_tokens": 0, "num_lookahead_tokens": 0}),
+        ((1,), {"has_scheduled_reqs": True}),
+    ]
     with pytest.raises(ValueError):
         manager.allocate_slots(request, 0)
     with pytest.raises(TypeError):

@@ -13,8 +13,8 @@ appends the tokens vLLM appended since and copies `num_computed_tokens`.
 Most steps of a running request change nothing in the manager: no block fills, none is needed,
 none leaves a window. The core's answer to each running step also says how far the request can
 go that way (`KVCacheManager.running_horizon`); until then `allocate_slots` answers from three
-integers kept with the companion, without calling the core, which takes the tokens appended
-meanwhile at the request's next call.
+integers kept with the companion, in Rust before any Python frame runs and without calling the
+core, which takes the tokens appended meanwhile at the request's next call.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request
 
 import hybrid_kv as hk
+from hybrid_kv._core import _RunningSteps
 from hybrid_kv.vllm._events import EventTranslator
 from hybrid_kv.vllm._support import GROUP_KINDS
 
@@ -198,11 +199,15 @@ def _group_spec(index: int, spec: KVCacheSpec) -> dict[str, Any]:
     return group
 
 
-class HybridKVCacheManager:
+class HybridKVCacheManager(_RunningSteps):
     """vLLM 0.33's `KVCacheManager`, served by hybrid-kv's Rust manager.
 
     Built with the same arguments as vLLM's (the scheduler passes them); a configuration this
     class cannot serve is refused by `hybrid_kv.vllm._support.fallback_reason` before it is built.
+
+    `allocate_slots` is the base class's: a running request's step inside its horizon returns
+    the empty result there (the horizon is the core's `KVCacheManager.running_horizon`, kept in
+    the request's slot, with the call's argument checks); every other call is `_allocate_slots`.
     """
 
     def __init__(
@@ -287,6 +292,7 @@ class HybridKVCacheManager:
         )
         # Per-manager key of the companion request in a vLLM request's __dict__.
         self._key = f"_hybrid_kv_{next(_ids_counter)}"
+        self._running_steps(self._key, self.empty_kv_cache_blocks)
         self._events: EventTranslator | None = None
         if enable_kv_cache_events:
             self._events = EventTranslator(
@@ -382,7 +388,7 @@ class HybridKVCacheManager:
             return self.empty_kv_cache_blocks, num_hit, blocks.shared_prefix_boundary
         return KVCacheBlocks(blocks), num_hit, blocks.shared_prefix_boundary
 
-    def allocate_slots(
+    def _allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
@@ -420,26 +426,9 @@ class HybridKVCacheManager:
         ):
             slot = request.__dict__.get(self._key)
         if slot is not None:
-            # A running request's step (the scheduler's most frequent call). Inside the
-            # horizon the core's last running call left, the call would change nothing and
-            # return no block (most decode steps): the core is not called, and it takes the
-            # tokens appended meanwhile at its next call. The bounds are the core's
-            # (`KVCacheManager.running_horizon`), with the argument checks of the call.
-            computed = request.num_computed_tokens
-            in_flight = request.num_in_flight_tokens
-            if (
-                type(num_new_tokens) is int
-                and type(num_lookahead_tokens) is int
-                and num_new_tokens > 0
-                and num_lookahead_tokens >= 0
-                and computed + num_new_tokens + num_lookahead_tokens <= slot[_SLOTS]
-                and computed + num_new_tokens < slot[_CACHE]
-                and 0 <= in_flight <= computed < slot[_REMOVAL] + in_flight
-                and computed <= len(request._all_token_ids) + in_flight
-            ):
-                return self.empty_kv_cache_blocks
-            # Brings the companion up to date, reads the scheduler's counts and the next
-            # horizon inside one core call.
+            # A running request's step outside its horizon (inside, `allocate_slots` answered
+            # already): the companion is brought up to date, the scheduler's counts read and
+            # the next horizon left in the slot inside one core call.
             new = self._allocate_running(request, slot, num_new_tokens, num_lookahead_tokens)
         else:
             if num_external_computed_tokens or num_encoder_tokens or reserved_blocks:
