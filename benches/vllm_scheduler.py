@@ -11,7 +11,10 @@ are outside the timer). Synchronous scheduling, vLLM's default prefix-cache rete
 The two sides run in alternating turns of `--turn` steps in one process; both make exactly the
 same decisions (the differential tests check this), so step i of one side is step i of the other.
 Only steps with the target number of running requests are kept. A second, instrumented pass times
-every call the scheduler makes on its `kv_cache_manager` to give the manager's share of the step.
+every call the scheduler makes on its `kv_cache_manager`, and on the `KVCacheBlocks` it returns
+(`get_block_ids`), to give the manager's share of the step; what the timing wrapper itself adds
+per call (measured on a no-op in the same process) is taken off both the manager's time and the
+step's.
 
 Once both schedulers and the workload are built, the heap is frozen (`gc.freeze()`), as vLLM's
 `EngineCore` freezes its startup heap before serving (`freeze_gc_heap`): the collector then scans
@@ -111,23 +114,56 @@ class Side:
         return done
 
 
-def instrument(manager: Any) -> dict[str, int]:
-    """Wraps the manager's methods with timers; returns the accumulating totals (ns)."""
-    totals: dict[str, int] = {}
+def _timed(method: Callable[..., Any], totals: dict[str, int]) -> Callable[..., Any]:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter_ns()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            totals["manager"] += time.perf_counter_ns() - t0
+            totals["calls"] += 1
+
+    return timed
+
+
+def instrument(manager: Any) -> tuple[dict[str, int], Callable[[], None]]:
+    """Wraps the manager's methods, and `get_block_ids` of its `KVCacheBlocks` class (the
+    scheduler reads every running request's new blocks with it), with timers. Returns the
+    accumulating totals (ns, calls) and a function undoing the class's wrapper."""
+    totals = {"manager": 0, "calls": 0}
     for name in MANAGER_CALLS:
         method = getattr(manager, name, None)
-        if method is None:
-            continue
+        if method is not None:
+            setattr(manager, name, _timed(method, totals))
+    blocks = type(manager.empty_kv_cache_blocks)
+    original = blocks.__dict__["get_block_ids"]
+    blocks.get_block_ids = _timed(original, totals)
+    return totals, lambda: setattr(blocks, "get_block_ids", original)
 
-        def timed(*args: Any, _m: Callable[..., Any] = method, **kwargs: Any) -> Any:
-            t0 = time.perf_counter_ns()
-            try:
-                return _m(*args, **kwargs)
-            finally:
-                totals["manager"] = totals.get("manager", 0) + time.perf_counter_ns() - t0
 
-        setattr(manager, name, timed)
-    return totals
+def wrapper_bias(samples: int = 200_000) -> tuple[float, float]:
+    """What the timing wrapper adds to one call, in ns: to the manager's total beyond the call
+    itself, and to the step. Measured on a no-op with the scheduler's commonest call shape
+    (`allocate_slots(request, n, num_lookahead_tokens=k)`); both are subtracted per call."""
+
+    class Probe:
+        empty_kv_cache_blocks = None
+
+        def allocate_slots(self, request: Any, n: int, num_lookahead_tokens: int = 0) -> None:
+            return None
+
+    def per_call(call: Callable[..., Any]) -> float:
+        t0 = time.perf_counter_ns()
+        for _ in range(samples):
+            call(None, 1, num_lookahead_tokens=0)
+        return (time.perf_counter_ns() - t0) / samples
+
+    probe = Probe()
+    plain = per_call(probe.allocate_slots)
+    totals = {"manager": 0, "calls": 0}
+    wrapped = per_call(_timed(probe.allocate_slots, totals))
+    counted = totals["manager"] / samples
+    return counted - plain, wrapped - plain
 
 
 def freeze_heap(enabled: bool) -> None:
@@ -141,20 +177,28 @@ def manager_share(
     options: harness.Options, workload: Any, cls: Any, steps: int, freeze: bool
 ) -> float:
     side = Side("share", options, workload, cls)
-    totals = instrument(side.scheduler.kv_cache_manager)
+    totals, restore = instrument(side.scheduler.kv_cache_manager)
     freeze_heap(freeze)
     step_total = 0
     kept_manager = 0
-    for _ in range(steps):
-        if side.driver.done:
-            break
-        before = totals.get("manager", 0)
-        schedule_ns, update_ns, running = side.driver.timed_step()
-        if running == side.size:
-            step_total += schedule_ns + update_ns
-            kept_manager += totals.get("manager", 0) - before
-    gc.unfreeze()
-    return kept_manager / step_total if step_total else float("nan")
+    kept_calls = 0
+    try:
+        for _ in range(steps):
+            if side.driver.done:
+                break
+            before, calls = totals["manager"], totals["calls"]
+            schedule_ns, update_ns, running = side.driver.timed_step()
+            if running == side.size:
+                step_total += schedule_ns + update_ns
+                kept_manager += totals["manager"] - before
+                kept_calls += totals["calls"] - calls
+    finally:
+        restore()
+        gc.unfreeze()
+    counted_bias, step_bias = wrapper_bias()
+    manager = kept_manager - kept_calls * counted_bias
+    step = step_total - kept_calls * step_bias
+    return manager / step if step > 0 else float("nan")
 
 
 def percentile(values: list[int], q: float) -> float:
