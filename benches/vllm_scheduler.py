@@ -31,7 +31,7 @@ Run (from the repository root):
 
     VLLM_TARGET_DEVICE=cpu VENV/bin/python benches/vllm_scheduler.py [--sizes 32 128 256] \\
         [--layouts full gemma3] [--steps 300] [--turn 25] [--retention default|dense] \\
-        [--no-freeze-gc]
+        [--per-call] [--no-freeze-gc]
 """
 
 from __future__ import annotations
@@ -114,14 +114,20 @@ class Side:
         return done
 
 
-def _timed(method: Callable[..., Any], totals: dict[str, int]) -> Callable[..., Any]:
+def _timed(method: Callable[..., Any], totals: dict[str, int], name: str) -> Callable[..., Any]:
+    totals.setdefault(name, 0)
+    totals.setdefault(f"{name}#calls", 0)
+
     def timed(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter_ns()
         try:
             return method(*args, **kwargs)
         finally:
-            totals["manager"] += time.perf_counter_ns() - t0
+            elapsed = time.perf_counter_ns() - t0
+            totals["manager"] += elapsed
             totals["calls"] += 1
+            totals[name] += elapsed
+            totals[f"{name}#calls"] += 1
 
     return timed
 
@@ -134,10 +140,10 @@ def instrument(manager: Any) -> tuple[dict[str, int], Callable[[], None]]:
     for name in MANAGER_CALLS:
         method = getattr(manager, name, None)
         if method is not None:
-            setattr(manager, name, _timed(method, totals))
+            setattr(manager, name, _timed(method, totals, name))
     blocks = type(manager.empty_kv_cache_blocks)
     original = blocks.__dict__["get_block_ids"]
-    blocks.get_block_ids = _timed(original, totals)
+    blocks.get_block_ids = _timed(original, totals, "KVCacheBlocks.get_block_ids")
     return totals, lambda: setattr(blocks, "get_block_ids", original)
 
 
@@ -161,7 +167,7 @@ def wrapper_bias(samples: int = 200_000) -> tuple[float, float]:
     probe = Probe()
     plain = per_call(probe.allocate_slots)
     totals = {"manager": 0, "calls": 0}
-    wrapped = per_call(_timed(probe.allocate_slots, totals))
+    wrapped = per_call(_timed(probe.allocate_slots, totals, "probe"))
     counted = totals["manager"] / samples
     return counted - plain, wrapped - plain
 
@@ -175,30 +181,39 @@ def freeze_heap(enabled: bool) -> None:
 
 def manager_share(
     options: harness.Options, workload: Any, cls: Any, steps: int, freeze: bool
-) -> float:
+) -> tuple[float, dict[str, tuple[float, float, float]]]:
+    """The manager's share of the step, and per call: (share, ns per call, calls per step)."""
     side = Side("share", options, workload, cls)
     totals, restore = instrument(side.scheduler.kv_cache_manager)
     freeze_heap(freeze)
     step_total = 0
-    kept_manager = 0
-    kept_calls = 0
+    kept: dict[str, int] = {}
+    num_steps = 0
     try:
         for _ in range(steps):
             if side.driver.done:
                 break
-            before, calls = totals["manager"], totals["calls"]
+            before = dict(totals)
             schedule_ns, update_ns, running = side.driver.timed_step()
             if running == side.size:
+                num_steps += 1
                 step_total += schedule_ns + update_ns
-                kept_manager += totals["manager"] - before
-                kept_calls += totals["calls"] - calls
+                for key, value in totals.items():
+                    kept[key] = kept.get(key, 0) + value - before[key]
     finally:
         restore()
         gc.unfreeze()
     counted_bias, step_bias = wrapper_bias()
-    manager = kept_manager - kept_calls * counted_bias
-    step = step_total - kept_calls * step_bias
-    return manager / step if step > 0 else float("nan")
+    step = step_total - kept.get("calls", 0) * step_bias
+    if num_steps == 0 or step <= 0:
+        return float("nan"), {}
+    per_call = {}
+    for key, calls in kept.items():
+        if key.endswith("#calls") and calls:
+            name = key.removesuffix("#calls")
+            ns = kept[name] - calls * counted_bias
+            per_call[name] = (ns / step, ns / calls, calls / num_steps)
+    return (kept["manager"] - kept["calls"] * counted_bias) / step, per_call
 
 
 def percentile(values: list[int], q: float) -> float:
@@ -226,7 +241,7 @@ def measure(
     stock_times, our_times = stock.times[:n], ours.times[:n]
     del stock, ours
     gc.unfreeze()
-    return {
+    row = {
         "layout": layout,
         "size": size,
         "steps": n,
@@ -236,9 +251,12 @@ def measure(
         "ours_p99": percentile(our_times, 0.99),
         "stock_mean": statistics.fmean(stock_times) / 1e3,
         "ours_mean": statistics.fmean(our_times) / 1e3,
-        "stock_share": manager_share(options, workload, None, steps, freeze),
-        "ours_share": manager_share(options, workload, hkv.Scheduler, steps, freeze),
     }
+    row["stock_share"], row["stock_calls"] = manager_share(options, workload, None, steps, freeze)
+    row["ours_share"], row["ours_calls"] = manager_share(
+        options, workload, hkv.Scheduler, steps, freeze
+    )
+    return row
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -252,6 +270,11 @@ def main(argv: list[str] | None = None) -> None:
         choices=["default", "dense"],
         default="default",
         help="prefix_cache_retention_interval: vLLM's default 0 (sparse) or None (dense)",
+    )
+    parser.add_argument(
+        "--per-call",
+        action="store_true",
+        help="also print each manager call's calls per step, time per call and share",
     )
     parser.add_argument(
         "--no-freeze-gc",
@@ -284,6 +307,23 @@ def main(argv: list[str] | None = None) -> None:
             f"| {r['stock_p50'] / r['ours_p50']:.2f}× / {r['stock_p99'] / r['ours_p99']:.2f}× "
             f"| {r['stock_share']:.0%} → {r['ours_share']:.0%} |"
         )
+    if args.per_call:
+        print(
+            "\n| layout | running | call | vLLM calls/step, ns/call, share "
+            "| hybrid-kv calls/step, ns/call, share |"
+        )
+        print("|---|---:|---|---:|---:|")
+        for r in rows:
+            stock, ours = r["stock_calls"], r["ours_calls"]
+            for name in sorted(set(stock) | set(ours), key=lambda n: -stock.get(n, (0,))[0]):
+
+                def cell(calls: dict, name: str = name) -> str:
+                    if name not in calls:
+                        return "-"
+                    share, ns, per_step = calls[name]
+                    return f"{per_step:,.1f}, {ns:,.0f}, {share:.1%}"
+
+                print(f"| {r['layout']} | {r['size']} | {name} | {cell(stock)} | {cell(ours)} |")
     command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
     print(f"\nCommand: VLLM_TARGET_DEVICE=cpu {command}")
 

@@ -286,6 +286,10 @@ def test_kv_cache_blocks_add_and_select_groups() -> None:
     empty = a.new_empty()
     assert empty.get_block_ids(allow_none=True) is None
     assert ids(m.empty_kv_cache_blocks) == [[], []]
+    # As lists of ints (vLLM's types), the null block included.
+    lists = both.get_block_id_lists()
+    assert lists == tuple(ids(both)) and all(type(b) is int for g in lists for b in g)
+    assert empty.get_block_id_lists() == ([], []) and empty.get_block_id_lists(True) is None
     assert m.get_num_common_prefix_blocks("a") == [0, 0]
 
 

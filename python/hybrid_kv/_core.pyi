@@ -388,6 +388,9 @@ class KVCacheBlocks:
     ) -> tuple[npt.NDArray[np.int32], ...] | None:
         """One int32 array of block ids per group (the null block 0 where a slot needs none), or
         of the groups in `group_ids`; None with `allow_none` when they are all empty."""
+    def get_block_id_lists(self, allow_none: bool = False) -> tuple[list[int], ...] | None:
+        """The block ids per group as lists of ints (made without arrays in between); None with
+        `allow_none` when every group is empty."""
     def __add__(self, other: KVCacheBlocks, /) -> KVCacheBlocks:
         """Group-wise concatenation."""
     def __radd__(self, other: KVCacheBlocks, /) -> KVCacheBlocks: ...

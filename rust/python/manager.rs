@@ -129,6 +129,25 @@ impl PyKVCacheBlocks {
         .map(Some)
     }
 
+    /// The block ids per group as Python lists of ints (vLLM's `get_block_ids()` types, made
+    /// without arrays in between); None with `allow_none` when every group is empty.
+    #[pyo3(signature = (allow_none = false))]
+    fn get_block_id_lists<'py>(
+        &self,
+        py: Python<'py>,
+        allow_none: bool,
+    ) -> PyResult<Option<Bound<'py, PyTuple>>> {
+        let blocks = &self.computed.blocks;
+        if allow_none && blocks.iter().all(|b| b.is_empty()) {
+            return Ok(None);
+        }
+        let lists = blocks
+            .iter()
+            .map(|ids| PyList::new(py, ids.iter()))
+            .collect::<PyResult<Vec<_>>>()?;
+        PyTuple::new(py, lists).map(Some)
+    }
+
     /// Group-wise concatenation (vLLM's `KVCacheBlocks.__add__`).
     fn __add__(&self, py: Python<'_>, other: &PyKVCacheBlocks) -> PyResult<Py<PyKVCacheBlocks>> {
         if other.manager_id != self.manager_id

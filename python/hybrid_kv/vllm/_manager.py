@@ -102,6 +102,10 @@ class KVCacheBlocks:
         """Block ids per group as lists (vLLM's types); None if empty and `allow_none`."""
         if allow_none and self._empty:
             return None
+        if self._ids is None and group_ids is None:
+            # The scheduler's read of new blocks or of a hit: lists straight from the core.
+            assert self._core is not None
+            return self._core.get_block_id_lists(allow_none)
         arrays = self._arrays()
         if group_ids is not None:
             arrays = tuple(arrays[g] for g in group_ids)
