@@ -34,8 +34,18 @@ fn new_tokens(n: usize, computed: usize) -> AllocateArgs<'static> {
 
 /// Admits a waiting request the way a scheduler does: look up, then allocate the rest.
 fn admit(m: &mut KVCacheManager, id: &str) -> Option<(usize, Vec<Vec<BlockId>>)> {
+    admit_up_to(m, id, usize::MAX).map(|(hit, _, blocks)| (hit, blocks))
+}
+
+/// Admits a waiting request with a first chunk of at most `max_new` (at least 1) tokens after
+/// its hit: `(hit tokens, chunk tokens, new blocks)`.
+fn admit_up_to(
+    m: &mut KVCacheManager,
+    id: &str,
+    max_new: usize,
+) -> Option<(usize, usize, Vec<Vec<BlockId>>)> {
     let hit = m.get_computed_blocks(id).unwrap();
-    let n = m.request(id).unwrap().num_tokens() - hit.num_computed_tokens;
+    let n = (m.request(id).unwrap().num_tokens() - hit.num_computed_tokens).min(max_new.max(1));
     let args = AllocateArgs {
         num_new_tokens: n,
         num_new_computed_tokens: hit.num_computed_tokens,
@@ -45,7 +55,7 @@ fn admit(m: &mut KVCacheManager, id: &str) -> Option<(usize, Vec<Vec<BlockId>>)>
     };
     m.allocate_slots(id, &args)
         .unwrap()
-        .map(|b| (hit.num_computed_tokens, b))
+        .map(|b| (hit.num_computed_tokens, n, b))
 }
 
 /// A coordinator for `groups` with the given scheduler and hash block sizes.
@@ -1060,6 +1070,14 @@ fn pair_op() -> impl Strategy<Value = PairOp> {
     ]
 }
 
+/// The prompt of request `k` of the running-path tests: all share their first 16 tokens, so
+/// hits happen.
+fn pair_prompt(k: usize) -> Vec<u32> {
+    let mut prompt = tokens(100, 16);
+    prompt.extend(tokens(1_000 * (k as u32 + 1), 3 + 5 * k));
+    prompt
+}
+
 /// The layouts the running-request path is checked on (block sizes 4 and 8, every kind).
 fn pair_layouts() -> Vec<Vec<GroupSpec>> {
     vec![
@@ -1092,9 +1110,7 @@ proptest! {
         general.general_path_only = true;
         let ids = ["a", "b", "c", "d"];
         for (k, id) in ids.iter().enumerate() {
-            // Two requests share their first 16 tokens: hits happen.
-            let mut prompt = tokens(100, 16);
-            prompt.extend(tokens(1_000 * (k as u32 + 1), 3 + 5 * k));
+            let prompt = pair_prompt(k);
             fast.add_request(id, &prompt, ExtraKeys::default()).unwrap();
             general.add_request(id, &prompt, ExtraKeys::default()).unwrap();
         }
@@ -1241,9 +1257,7 @@ proptest! {
         let mut m = KVCacheManager::new(&config).unwrap();
         let ids = ["a", "b", "c", "d"];
         for (k, id) in ids.iter().enumerate() {
-            let mut prompt = tokens(100, 16);
-            prompt.extend(tokens(1_000 * (k as u32 + 1), 3 + 5 * k));
-            m.add_request(id, &prompt, ExtraKeys::default()).unwrap();
+            m.add_request(id, &pair_prompt(k), ExtraKeys::default()).unwrap();
         }
         let mut computed = [0usize; 4];
         for (op, in_flight) in ops {
@@ -1255,8 +1269,8 @@ proptest! {
                         continue;
                     }
                     if computed[i] == 0 {
-                        if let Some((hit, _)) = admit_chunk(&mut m, id, n) {
-                            computed[i] = hit;
+                        if let Some((hit, n, _)) = admit_up_to(&mut m, id, n) {
+                            computed[i] = hit + n;
                         }
                         continue;
                     }
@@ -1301,24 +1315,6 @@ proptest! {
             }
         }
     }
-}
-
-/// Admits request `id` with a first chunk of at most `n` tokens after its hit; returns the
-/// tokens computed after the call.
-fn admit_chunk(m: &mut KVCacheManager, id: &str, n: usize) -> Option<(usize, ())> {
-    let hit = m.get_computed_blocks(id).unwrap();
-    let num_tokens = m.request(id).unwrap().num_tokens();
-    let n = (num_tokens - hit.num_computed_tokens).min(n.max(1));
-    let args = AllocateArgs {
-        num_new_tokens: n,
-        num_new_computed_tokens: hit.num_computed_tokens,
-        new_computed_blocks: Some(&hit),
-        full_sequence_must_fit: true,
-        ..Default::default()
-    };
-    m.allocate_slots(id, &args)
-        .unwrap()
-        .map(|_| (hit.num_computed_tokens + n, ()))
 }
 
 /// Decoding one token per step, a request's calls leave the horizon only where a call does
