@@ -44,9 +44,9 @@ logger = init_logger(__name__)
 
 _EMPTY_IDS = np.zeros(0, dtype=np.int32)
 # A companion slot is [hybrid_kv.Request, tokens it has seen, then the running horizon the
-# core's last running call left: slots covered, tokens at which a block would be cached,
-# processed tokens at which a block would be freed]. -1 slots: no horizon.
-_SLOTS, _CACHE, _REMOVAL = 2, 3, 4
+# core's last running call left: slots covered (-1: no horizon), tokens at which a block would
+# be cached, processed tokens at which a block would be freed]; the core writes the horizon.
+_SLOTS = 2
 _ids_counter = itertools.count()
 
 
@@ -341,7 +341,7 @@ class HybridKVCacheManager(_RunningSteps):
                     block_size=self.hash_block_size,
                 ),
                 request.num_prompt_tokens,
-                # The running horizon (`_SLOTS`, `_CACHE`, `_REMOVAL`): none yet.
+                # The running horizon: none yet.
                 -1,
                 0,
                 0,
