@@ -153,8 +153,6 @@ def wrapper_bias(samples: int = 200_000) -> tuple[float, float]:
     (`allocate_slots(request, n, num_lookahead_tokens=k)`); both are subtracted per call."""
 
     class Probe:
-        empty_kv_cache_blocks = None
-
         def allocate_slots(self, request: Any, n: int, num_lookahead_tokens: int = 0) -> None:
             return None
 

@@ -137,11 +137,12 @@ impl PyKVCacheBlocks {
         py: Python<'py>,
         allow_none: bool,
     ) -> PyResult<Option<Bound<'py, PyTuple>>> {
-        let blocks = &self.computed.blocks;
-        if allow_none && blocks.iter().all(|b| b.is_empty()) {
+        if allow_none && self.computed.is_empty() {
             return Ok(None);
         }
-        let lists = blocks
+        let lists = self
+            .computed
+            .blocks
             .iter()
             .map(|ids| PyList::new(py, ids.iter()))
             .collect::<PyResult<Vec<_>>>()?;
