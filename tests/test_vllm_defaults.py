@@ -392,6 +392,8 @@ def test_allocate_running_syncs_a_vllm_request_in_one_call() -> None:
     # appended and the scheduler's counts, then allocates.
     import types
 
+    from hybrid_kv._core import _VllmSlot
+
     m = hk.KVCacheManager([FULL], 64, 1024)
     prompt = list(range(8))
     req = hk.Request("a", prompt, block_size=4)
@@ -399,36 +401,45 @@ def test_allocate_running_syncs_a_vllm_request_in_one_call() -> None:
     vllm_req = types.SimpleNamespace(
         _all_token_ids=[*prompt, 100], num_computed_tokens=8, num_in_flight_tokens=0
     )
-    slot = [req, 8, -1, 0, 0]
+    slot = _VllmSlot(req, 8)
+    assert (slot.request, slot.seen, slot.horizon, slot.running_calls) == (req, 8, None, 0)
     new = m.allocate_running(vllm_req, slot, 1, 0)
     assert new is not None and new.get_block_ids()[0].tolist() != []
-    assert slot[1] == 9 and req.num_tokens == 9 and req.num_computed_tokens == 8
+    assert slot.seen == 9 and req.num_tokens == 9 and req.num_computed_tokens == 8
     # The running horizon follows: 3 blocks (12 slots), 2 cached (the third is cached at 12
     # tokens), nothing ever leaves full attention.
-    assert slot[2:] == [12, 12, 2**63 - 1] and m.running_horizon(req) == (12, 12, 2**64 - 1)
+    assert slot.horizon == m.running_horizon(req) == (12, 12, 2**64 - 1)
+    assert slot.running_calls == 1
+    slot.drop_horizon()
+    assert slot.horizon is None
     # Counts out of bounds change nothing, not even the tokens; the horizon is dropped.
+    m.allocate_running(vllm_req, slot, 1, 0)
     vllm_req._all_token_ids.append(101)
     vllm_req.num_computed_tokens = 12
     with pytest.raises(hk.OutOfRangeError):
         m.allocate_running(vllm_req, slot, 1, 0)
-    assert slot[1] == 9 and req.num_tokens == 9 and req.num_computed_tokens == 8
-    assert slot[2] == -1
-    # A token id out of range, a slot of the wrong shape, tokens that went away.
+    assert slot.seen == 9 and req.num_tokens == 9 and req.num_computed_tokens == 8
+    assert slot.horizon is None and slot.running_calls == 2
+    # A token id out of range, a slot of the wrong type, tokens that went away.
     vllm_req.num_computed_tokens = 9
     vllm_req._all_token_ids[-1] = 2**40
     with pytest.raises(hk.OutOfRangeError):
         m.allocate_running(vllm_req, slot, 1, 0)
     vllm_req._all_token_ids[-1] = 101
     with pytest.raises(TypeError):
-        m.allocate_running(vllm_req, ["a", 9, -1, 0, 0], 1, 0)
+        m.allocate_running(vllm_req, [req, 9, -1, 0, 0], 1, 0)
     with pytest.raises(TypeError):
-        m.allocate_running(vllm_req, [req, 9], 1, 0)
+        _VllmSlot("a", 9)
     with pytest.raises(NotImplementedError):
         m.allocate_running(
             types.SimpleNamespace(**{**vars(vllm_req), "_all_token_ids": prompt}), slot, 1, 0
         )
+    assert slot.seen == 9 and req.num_tokens == 9
     assert m.allocate_running(vllm_req, slot, 1, 0) is not None
-    assert slot[1] == 10 and req.num_tokens == 10 and req.num_computed_tokens == 9
+    assert slot.seen == 10 and req.num_tokens == 10 and req.num_computed_tokens == 9
+    # A sync takes each token once, however often it runs.
+    assert m.sync_companion(vllm_req, slot) is req and m.sync_companion(vllm_req, slot) is req
+    assert slot.seen == 10 and req.num_tokens == 10
 
 
 def test_the_scheduler_and_hash_block_sizes_can_be_given_as_vllm_resolves_them() -> None:
@@ -503,3 +514,52 @@ def test_running_horizon_bounds_the_steps_that_change_nothing(
         req.num_computed_tokens = computed + 1
     # Most decode steps are inside: only block boundaries leave it.
     assert inside_steps >= 30
+
+
+def test_concurrent_syncs_of_one_slot_take_each_token_once() -> None:
+    # Reading vLLM's request may run Python code (here a property that yields to other
+    # threads) between the slot's count of tokens seen and its update: each token is still
+    # taken once, and a failing sync (a token id out of range) takes none.
+    import threading
+    import time
+
+    from hybrid_kv._core import _VllmSlot
+
+    m = hk.KVCacheManager([FULL], 256, 4096)
+    prompt = list(range(8))
+    req = hk.Request("a", prompt, block_size=4)
+    m.allocate_slots(req, 8)
+    tokens = list(prompt)
+
+    class Slow:
+        @property
+        def _all_token_ids(self) -> list[int]:
+            time.sleep(0.0001)
+            return tokens
+
+    vllm_req = Slow()
+    slot = _VllmSlot(req, 8)
+    errors: list[BaseException] = []
+
+    def sync(i: int) -> None:
+        try:
+            for j in range(50):
+                m.sync_companion(vllm_req, slot)
+                if i == 0:
+                    tokens.append(1000 + j)
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=sync, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    m.sync_companion(vllm_req, slot)
+    assert slot.seen == len(tokens) == req.num_tokens == 58
+    assert list(req.output_token_ids) == tokens[8:]
+    tokens.append(2**40)
+    with pytest.raises(hk.OutOfRangeError):
+        m.sync_companion(vllm_req, slot)
+    assert slot.seen == req.num_tokens == 58

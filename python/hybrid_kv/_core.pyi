@@ -6,7 +6,7 @@ is a `MemoryError`. Integer arguments accept `int` (and objects with `__index__`
 integers); a negative value or one beyond the argument's range raises `OutOfRangeError`.
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, final
 
 import numpy as np
@@ -34,6 +34,7 @@ __all__ = [
     "Request",
     "UnknownRequestError",
     "_RunningSteps",
+    "_VllmSlot",
     "__version__",
     "hash_token_blocks",
 ]
@@ -606,21 +607,19 @@ class KVCacheManager:
         A rejected call changes nothing and registers nothing.
         """
     def allocate_running(
-        self, request: object, slot: list[object], num_new_tokens: int, num_lookahead_tokens: int
+        self, request: object, slot: _VllmSlot, num_new_tokens: int, num_lookahead_tokens: int
     ) -> KVCacheBlocks | None:
         """The step of a running request as vLLM's scheduler makes it, for `hybrid_kv.vllm`:
-        `slot` is `[companion Request, tokens it has seen, slots, cache, removal]` for vLLM's
-        `request`; the companion takes the tokens vLLM appended since (`request._all_token_ids`,
-        `slot[1]` updated) and the request's `num_computed_tokens` and `num_in_flight_tokens`,
-        then `allocate_slots` runs with `num_new_tokens` and `num_lookahead_tokens`, and
-        `slot[2:5]` becomes the request's `running_horizon()` (`slot[2]` is -1 when there is
-        none). Counts out of bounds change nothing; an error from `allocate_slots` leaves the
-        companion's tokens taken (they are vLLM's) and `slot[2]` at -1."""
-    def sync_companion(self, request: object, slot: list[object]) -> Request:
-        """`hybrid_kv.vllm`'s companion of vLLM's `request`: `slot` is `[companion Request,
-        tokens it has seen]`; the companion takes the tokens vLLM appended since
-        (`request._all_token_ids`, `slot[1]` updated) and is returned. A request with fewer
-        tokens than seen raises `NotImplementedError`."""
+        the companion in `slot` takes the tokens vLLM's `request` appended since
+        (`request._all_token_ids`) and its `num_computed_tokens` and `num_in_flight_tokens`,
+        then `allocate_slots` runs with `num_new_tokens` and `num_lookahead_tokens`, and the
+        slot keeps the request's `running_horizon()` (or none). Counts out of bounds change
+        nothing; an error from `allocate_slots` leaves the companion's tokens taken (they are
+        vLLM's) and no horizon."""
+    def sync_companion(self, request: object, slot: _VllmSlot) -> Request:
+        """`hybrid_kv.vllm`'s companion of vLLM's `request`: the companion in `slot` takes the
+        tokens vLLM appended since (`request._all_token_ids`) and is returned. A request with
+        fewer tokens than seen raises `NotImplementedError`."""
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Caches the request's full blocks of its first `num_computed_tokens` tokens (after
         `allocate_slots(..., delay_cache_blocks=True)`, once the data arrived)."""
@@ -728,18 +727,46 @@ class KVCacheManager:
         """Call once at the start of every scheduler step (Mamba states cached in the previous
         step become usable by hits)."""
 
+@final
+class _VllmSlot:
+    """What `hybrid_kv.vllm` keeps with a vLLM request: its companion `Request`, how many of
+    vLLM's tokens it has taken, and the running horizon the core's last running call left."""
+
+    def __new__(cls, request: Request, seen: int) -> _VllmSlot: ...
+    @property
+    def request(self) -> Request: ...
+    @property
+    def seen(self) -> int: ...
+    @property
+    def horizon(self) -> tuple[int, int, int] | None:
+        """`(slots, cache, removal)` as `KVCacheManager.running_horizon`, or None."""
+    @property
+    def running_calls(self) -> int:
+        """Running calls that reached the core (the others were answered inside the horizon)."""
+    def drop_horizon(self) -> None:
+        """Forgets the horizon: the next running call reaches the core."""
+
 @disjoint_base
 class _RunningSteps:
     """Base class of `hybrid_kv.vllm`'s manager: its `allocate_slots`. A running request's step
     `allocate_slots(request, n, num_lookahead_tokens=k)` (no other argument given) inside the
-    horizon kept in the request's slot (`request.__dict__[key]`: `[companion, tokens seen,
-    slots, cache, removal]`, see `KVCacheManager.running_horizon`) returns `empty` at once; every
-    other call is `self._allocate_slots(request, num_new_tokens, **given)`, the other arguments
-    given passed by name (an argument given as None counts as not given)."""
+    horizon kept in the request's slot (`request.__dict__[key]`, a `_VllmSlot`; see
+    `KVCacheManager.running_horizon`) returns `empty` at once; one outside it is
+    `core.allocate_running` with its new blocks wrapped, when a core was set; every other call
+    is `self._allocate_slots(request, num_new_tokens, **given)`, the other arguments given passed
+    by name (an argument given as None counts as not given)."""
 
     def __new__(cls, *_args: object, **_kwargs: object) -> _RunningSteps: ...
-    def _running_steps(self, key: str, empty: object) -> None:
-        """Sets the slot key and the empty result (once; later calls change nothing)."""
+    def _running_steps(
+        self,
+        key: str,
+        empty: object,
+        core: KVCacheManager | None = None,
+        wrap: Callable[[KVCacheBlocks, None, bool], object] | None = None,
+    ) -> None:
+        """Sets the slot key, the empty result and, with `core` and `wrap`, the core that
+        running steps outside the horizon go to straight from `allocate_slots` and the wrapper
+        of their new blocks (once; later calls change nothing)."""
     def allocate_slots(
         self,
         request: Any,

@@ -11,6 +11,7 @@ use super::errors::{InvalidArgumentError, InvalidConfigError, OutOfRangeError};
 use super::hashing::extra_keys;
 use super::pool::event_to_py;
 use super::request::{lock, PyRequest};
+use super::running::PyVllmSlot;
 use crate::error::Result as CoreResult;
 use crate::hashing::{ExtraKeys, HashAlgo, TokenId};
 use crate::manager::registry::{DropQueue, Lookup, Registry, Synced};
@@ -21,64 +22,12 @@ use crate::manager::{
 use crate::types::BlockId;
 use numpy::{PyArray2, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::exceptions::PyTypeError;
-use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Scheduler calls that handle at least this many tokens release the GIL.
 const DETACH_SCHEDULE_TOKENS: usize = 4096;
-
-/// Brings the vLLM adapter's `slot` (`[companion Request, tokens it has seen]`) up to date with
-/// vLLM's `request._all_token_ids`; with `progress`, also sets the companion's counts from the
-/// request's `num_computed_tokens` and `num_in_flight_tokens`. Nothing changes on an error.
-fn sync_companion<'py>(
-    request: &Bound<'py, PyAny>,
-    slot: &Bound<'py, PyList>,
-    progress: bool,
-) -> PyResult<Bound<'py, PyRequest>> {
-    let py = request.py();
-    let companion = slot.get_item(0)?.cast_into::<PyRequest>()?;
-    let seen: usize = slot.get_item(1)?.extract()?;
-    let all = request.getattr(intern!(py, "_all_token_ids"))?;
-    let all = all.cast::<PyList>()?;
-    let counts = if progress {
-        let count =
-            |name: &Bound<'py, PyString>, what: &str| count_of(&request.getattr(name)?, what);
-        Some((
-            count(intern!(py, "num_computed_tokens"), "num_computed_tokens")?,
-            count(intern!(py, "num_in_flight_tokens"), "num_in_flight_tokens")?,
-        ))
-    } else {
-        None
-    };
-    let num_tokens = all.len();
-    if num_tokens < seen {
-        return Err(pyo3::exceptions::PyNotImplementedError::new_err(format!(
-            "request {:?} lost tokens ({seen} -> {num_tokens}); streaming-input sessions are not \
-             served by hybrid-kv",
-            companion.get().request_id_str()
-        )));
-    }
-    let new_tokens = (seen..num_tokens)
-        .map(|i| Ok(all.get_item(i)?.extract::<super::convert::U32>()?.get()))
-        .collect::<PyResult<Vec<u32>>>()?;
-    {
-        let mut record = lock(&companion.get().record);
-        let before = record.output.len();
-        record.output.extend_from_slice(&new_tokens);
-        if let Some((computed, in_flight)) = counts {
-            if let Err(e) = record.set_progress(Some(computed), Some(in_flight)) {
-                record.output.truncate(before);
-                return Err(e.into());
-            }
-        }
-    }
-    if !new_tokens.is_empty() {
-        slot.set_item(1, num_tokens)?;
-    }
-    Ok(companion)
-}
 
 // ----------------------------------------------------------------------------- KVCacheBlocks
 
@@ -346,6 +295,11 @@ struct Current {
 }
 
 impl PyKVCacheManager {
+    /// The shared empty result the manager's calls hand back when they allocated nothing.
+    pub(crate) fn empty_blocks(&self) -> &Py<PyKVCacheBlocks> {
+        &self.empty
+    }
+
     /// `allocate_slots` once the request's counts are set.
     fn allocate_with(
         &self,
@@ -825,25 +779,20 @@ impl PyKVCacheManager {
     /// `allocate_slots` runs as above. Counts out of bounds change nothing; an error from the
     /// allocation leaves the companion's tokens taken (they are vLLM's).
     ///
-    /// `slot[2:5]` is then the request's running horizon (`slots`, `cache`, `removal`; see
-    /// `running_horizon`, at most `2**63 - 1`), or `slot[2]` is -1 when no later call is known
-    /// to change nothing.
-    fn allocate_running(
+    /// The slot then holds the request's running horizon (see `running_horizon`), or none
+    /// when no later call is known to change nothing.
+    pub(crate) fn allocate_running(
         &self,
         py: Python<'_>,
         request: &Bound<'_, PyAny>,
-        slot: &Bound<'_, PyList>,
+        slot: &Bound<'_, PyVllmSlot>,
         num_new_tokens: Count,
         num_lookahead_tokens: Count,
     ) -> PyResult<Option<Py<PyKVCacheBlocks>>> {
-        if slot.len() != 5 {
-            return Err(PyTypeError::new_err(
-                "slot must be [companion, tokens seen, slots, cache, removal]",
-            ));
-        }
+        let slot = slot.get();
         // Until the call succeeds, no later call is known to be a no-op.
-        slot.set_item(2, -1)?;
-        let companion = sync_companion(request, slot, true)?;
+        slot.drop_horizon();
+        let companion = slot.sync(request, true)?;
         let args = AllocateArgs {
             num_new_tokens: num_new_tokens.get(),
             num_lookahead_tokens: num_lookahead_tokens.get(),
@@ -851,25 +800,18 @@ impl PyKVCacheManager {
             ..Default::default()
         };
         let (new, horizon) = self.allocate_reading_horizon(py, companion.get(), &args, true)?;
-        if let Some(h) = horizon {
-            // "Never" (usize::MAX) is kept as i64::MAX: what the entry reads without a bignum.
-            let at_most = |n: usize| n.min(i64::MAX as usize);
-            slot.set_item(3, at_most(h.cache))?;
-            slot.set_item(4, at_most(h.removal))?;
-            slot.set_item(2, at_most(h.slots))?;
-        }
+        slot.ran(horizon);
         Ok(new)
     }
 
-    /// `hybrid_kv.vllm`'s companion of a vLLM request: `slot` is `[companion Request, tokens it
-    /// has seen]`; the companion takes the tokens vLLM appended since
-    /// (`request._all_token_ids`) and `slot[1]` follows. Returns the companion.
+    /// `hybrid_kv.vllm`'s companion of a vLLM request, brought up to date with vLLM's
+    /// `request._all_token_ids` (see `_VllmSlot`). Returns the companion.
     fn sync_companion<'py>(
         &self,
         request: &Bound<'py, PyAny>,
-        slot: &Bound<'py, PyList>,
+        slot: &Bound<'py, PyVllmSlot>,
     ) -> PyResult<Bound<'py, PyRequest>> {
-        sync_companion(request, slot, false)
+        slot.get().sync(request, false)
     }
 
     /// Caches the request's full blocks of its first `num_computed_tokens` tokens (after an

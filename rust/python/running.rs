@@ -1,17 +1,203 @@
-//! `hybrid_kv.vllm`'s `allocate_slots` entry: a running request's step inside its running
-//! horizon answered from the integers the adapter keeps with the request, before any Python
-//! frame runs; every other call goes on to the adapter's `_allocate_slots`.
+//! `hybrid_kv.vllm`'s running steps: the state it keeps with each vLLM request (`_VllmSlot`)
+//! and its `allocate_slots` entry (`_RunningSteps`). A running request's step inside its
+//! running horizon is answered from the slot before any Python frame runs; one outside it goes
+//! to the core straight from here; every other call goes on to the adapter's `_allocate_slots`.
 
+use super::convert::{count_of, Count, UInt, U32};
+use super::manager::PyKVCacheManager;
+use super::request::{lock, PyRequest};
+use crate::manager::RunningHorizon;
+use pyo3::exceptions::PyNotImplementedError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyList, PyTuple};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
-/// What the entry needs from the adapter: the key of the companion slot in a vLLM request's
-/// `__dict__` and the shared empty result.
+/// What a slot knows besides its companion.
+#[derive(Clone, Copy, Debug, Default)]
+struct SlotState {
+    /// Tokens of vLLM's request the companion has taken.
+    seen: usize,
+    /// The running horizon the core's last running call left; none when no later call is known
+    /// to change nothing.
+    horizon: Option<RunningHorizon>,
+    /// Running calls that reached the core.
+    running_calls: u64,
+}
+
+/// What `hybrid_kv.vllm` keeps with a vLLM request (in its `__dict__`): the companion
+/// `hybrid_kv.Request`, how many of vLLM's tokens it has taken, and the running horizon the
+/// core's last running call left. Thread-safe: the state is read and written under its own
+/// lock, never held while Python code runs.
+#[pyclass(frozen, name = "_VllmSlot", module = "hybrid_kv._core")]
+pub(crate) struct PyVllmSlot {
+    companion: Py<PyRequest>,
+    state: Mutex<SlotState>,
+}
+
+impl PyVllmSlot {
+    /// No later call is known to change nothing (until the next running call succeeds).
+    pub(crate) fn drop_horizon(&self) {
+        lock(&self.state).horizon = None;
+    }
+
+    /// A running call reached the core and left `horizon`.
+    pub(crate) fn ran(&self, horizon: Option<RunningHorizon>) {
+        let mut state = lock(&self.state);
+        state.horizon = horizon;
+        state.running_calls += 1;
+    }
+
+    /// Brings the companion up to date with vLLM's `request._all_token_ids`; with `progress`,
+    /// also sets its counts from the request's `num_computed_tokens` and
+    /// `num_in_flight_tokens`. Nothing changes on an error. vLLM's request is read before the
+    /// slot is locked (reading it may run Python code); a concurrent sync of the same slot in
+    /// between is taken into account, so each token is taken once.
+    pub(crate) fn sync<'py>(
+        &self,
+        request: &Bound<'py, PyAny>,
+        progress: bool,
+    ) -> PyResult<Bound<'py, PyRequest>> {
+        let py = request.py();
+        let companion = self.companion.bind(py).clone();
+        let from = lock(&self.state).seen;
+        let all = request.getattr(intern!(py, "_all_token_ids"))?;
+        let all = all.cast::<PyList>()?;
+        let counts = if progress {
+            let count = |name, what: &str| count_of(&request.getattr(name)?, what);
+            Some((
+                count(intern!(py, "num_computed_tokens"), "num_computed_tokens")?,
+                count(intern!(py, "num_in_flight_tokens"), "num_in_flight_tokens")?,
+            ))
+        } else {
+            None
+        };
+        let lost = |num_tokens: usize, seen: usize| {
+            PyNotImplementedError::new_err(format!(
+                "request {:?} lost tokens ({seen} -> {num_tokens}); streaming-input sessions \
+                 are not served by hybrid-kv",
+                companion.get().request_id_str()
+            ))
+        };
+        let num_tokens = all.len();
+        if num_tokens < from {
+            return Err(lost(num_tokens, from));
+        }
+        let tokens = (from..num_tokens)
+            .map(|i| Ok(all.get_item(i)?.extract::<U32>()?.get()))
+            .collect::<PyResult<Vec<u32>>>()?;
+        let mut state = lock(&self.state);
+        if state.seen > num_tokens {
+            return Err(lost(num_tokens, state.seen));
+        }
+        let new = &tokens[state.seen.saturating_sub(from)..];
+        {
+            let mut record = lock(&companion.get().record);
+            let before = record.output.len();
+            record.output.extend_from_slice(new);
+            if let Some((computed, in_flight)) = counts {
+                if let Err(e) = record.set_progress(Some(computed), Some(in_flight)) {
+                    record.output.truncate(before);
+                    return Err(e.into());
+                }
+            }
+        }
+        state.seen = state.seen.max(num_tokens);
+        drop(state);
+        Ok(companion)
+    }
+
+    /// Whether `allocate_slots(request, n, num_lookahead_tokens=k)` of a running request lies
+    /// inside the slot's horizon and its counts pass the call's checks. False whenever
+    /// anything does not hold or cannot be read (the full call then decides, and raises if
+    /// it must).
+    fn inside_horizon(&self, request: &Bound<'_, PyAny>, n: i128, k: i128) -> bool {
+        let py = request.py();
+        let count = |name| -> Option<i128> { exact_int(&request.getattr(name).ok()?) };
+        let (Some(computed), Some(in_flight)) = (
+            count(intern!(py, "num_computed_tokens")),
+            count(intern!(py, "num_in_flight_tokens")),
+        ) else {
+            return false;
+        };
+        let Some(num_tokens) = request
+            .getattr(intern!(py, "_all_token_ids"))
+            .ok()
+            .and_then(|t| t.cast::<PyList>().ok().map(|t| t.len() as i128))
+        else {
+            return false;
+        };
+        let Some(h) = lock(&self.state).horizon else {
+            return false;
+        };
+        let (slots, cache, removal) = (h.slots as i128, h.cache as i128, h.removal as i128);
+        computed + n + k <= slots
+            && computed + n < cache
+            && 0 <= in_flight
+            && in_flight <= computed
+            && computed - in_flight < removal
+            && computed <= num_tokens + in_flight
+    }
+}
+
+#[pymethods]
+impl PyVllmSlot {
+    /// The slot of a vLLM request whose companion is `request`, which has taken `seen` of its
+    /// tokens; no horizon yet.
+    #[new]
+    fn new(request: Py<PyRequest>, seen: Count) -> Self {
+        PyVllmSlot {
+            companion: request,
+            state: Mutex::new(SlotState {
+                seen: seen.get(),
+                ..SlotState::default()
+            }),
+        }
+    }
+
+    /// The companion `hybrid_kv.Request`.
+    #[getter]
+    fn request(&self, py: Python<'_>) -> Py<PyRequest> {
+        self.companion.clone_ref(py)
+    }
+
+    /// Tokens of vLLM's request the companion has taken.
+    #[getter]
+    fn seen(&self) -> usize {
+        lock(&self.state).seen
+    }
+
+    /// `(slots, cache, removal)` as `KVCacheManager.running_horizon`, or None.
+    #[getter]
+    fn horizon(&self) -> Option<(usize, usize, usize)> {
+        lock(&self.state)
+            .horizon
+            .map(|h| (h.slots, h.cache, h.removal))
+    }
+
+    /// Running calls that reached the core (the others were answered inside the horizon).
+    #[getter]
+    fn running_calls(&self) -> u64 {
+        lock(&self.state).running_calls
+    }
+
+    /// Forgets the horizon: the next running call reaches the core.
+    #[pyo3(name = "drop_horizon")]
+    fn py_drop_horizon(&self) {
+        self.drop_horizon();
+    }
+}
+
+/// What the entry needs from the adapter.
 struct Entry {
+    /// The key of the slot in a vLLM request's `__dict__`.
     key: Py<PyAny>,
+    /// The adapter's shared empty result.
     empty: Py<PyAny>,
+    /// Running steps outside the horizon go to this core straight from the entry, their new
+    /// blocks wrapped by calling `wrap(blocks, None, False)`; None: they go to
+    /// `_allocate_slots` (the adapter has more to do, e.g. collect KV events).
+    direct: Option<(Py<PyKVCacheManager>, Py<PyAny>)>,
 }
 
 /// Base class of `hybrid_kv.vllm`'s manager: its `allocate_slots`.
@@ -32,48 +218,53 @@ fn exact_int(value: &Bound<'_, PyAny>) -> Option<i128> {
 }
 
 impl PyRunningSteps {
-    /// The step `allocate_slots(request, n, num_lookahead_tokens=k)` of a running request,
-    /// answered when it lies inside the horizon in the request's slot (`[companion, tokens
-    /// seen, slots, cache, removal]`, the last three as the core's `running_horizon`) and its
-    /// counts pass the call's checks: `Some(empty result)`. `None` whenever anything does not
-    /// hold or cannot be read (the adapter's full call then decides, and raises if it must).
-    fn inside_horizon(
+    /// The running step `allocate_slots(request, n, num_lookahead_tokens=k)` when the entry
+    /// answers it: `Some(result)` inside the horizon, or from the core when the adapter lets
+    /// the entry call it. `None` when `n` and `k` are not exact ints with `n > 0 <= k`, the
+    /// request has no slot, or the step is outside and must go to `_allocate_slots`.
+    fn running_step(
         &self,
         request: &Bound<'_, PyAny>,
         num_new_tokens: &Bound<'_, PyAny>,
         num_lookahead_tokens: Option<&Bound<'_, PyAny>>,
-    ) -> Option<Py<PyAny>> {
+    ) -> PyResult<Option<Py<PyAny>>> {
         let py = request.py();
-        let entry = self.entry.get()?;
-        let n = exact_int(num_new_tokens)?;
-        let k = num_lookahead_tokens.map_or(Some(0), exact_int)?;
+        let Some(entry) = self.entry.get() else {
+            return Ok(None);
+        };
+        let (Some(n), Some(k)) = (
+            exact_int(num_new_tokens),
+            num_lookahead_tokens.map_or(Some(0), exact_int),
+        ) else {
+            return Ok(None);
+        };
         if n <= 0 || k < 0 {
-            return None;
+            return Ok(None);
         }
-        let dict = request.getattr(intern!(py, "__dict__")).ok()?;
-        let slot = dict
-            .cast::<PyDict>()
-            .ok()?
-            .get_item(entry.key.bind(py))
-            .ok()??;
-        let slot = slot.cast::<PyList>().ok()?;
-        if slot.len() != 5 {
-            return None;
+        let Some(slot) = request
+            .getattr(intern!(py, "__dict__"))
+            .ok()
+            .and_then(|d| d.cast_into::<PyDict>().ok())
+            .and_then(|d| d.get_item(entry.key.bind(py)).ok().flatten())
+            .and_then(|s| s.cast_into::<PyVllmSlot>().ok())
+        else {
+            return Ok(None);
+        };
+        if slot.get().inside_horizon(request, n, k) {
+            return Ok(Some(entry.empty.clone_ref(py)));
         }
-        let bound = |i: usize| slot.get_item(i).ok().as_ref().and_then(exact_int);
-        let (slots, cache, removal) = (bound(2)?, bound(3)?, bound(4)?);
-        let count = |name| exact_int(&request.getattr(name).ok()?);
-        let computed = count(intern!(py, "num_computed_tokens"))?;
-        let in_flight = count(intern!(py, "num_in_flight_tokens"))?;
-        let tokens = request.getattr(intern!(py, "_all_token_ids")).ok()?;
-        let num_tokens = tokens.cast::<PyList>().ok()?.len() as i128;
-        let inside = computed + n + k <= slots
-            && computed + n < cache
-            && 0 <= in_flight
-            && in_flight <= computed
-            && computed - in_flight < removal
-            && computed <= num_tokens + in_flight;
-        inside.then(|| entry.empty.clone_ref(py))
+        let Some((core, wrap)) = &entry.direct else {
+            return Ok(None);
+        };
+        let core = core.bind(py).get();
+        // Both fit: exact ints within i64, positive.
+        let count = |v: i128| UInt(v as u64);
+        let new = core.allocate_running(py, request, &slot, count(n), count(k))?;
+        Ok(Some(match new {
+            None => py.None(),
+            Some(blocks) if blocks.is(core.empty_blocks()) => entry.empty.clone_ref(py),
+            Some(blocks) => wrap.bind(py).call1((blocks, py.None(), false))?.unbind(),
+        }))
     }
 }
 
@@ -101,14 +292,24 @@ impl PyRunningSteps {
         }
     }
 
-    /// Sets the slot key and the empty result (once; later calls change nothing).
-    fn _running_steps(&self, key: Py<PyAny>, empty: Py<PyAny>) {
-        let _ = self.entry.set(Entry { key, empty });
+    /// Sets the slot key, the empty result and, with `core` and `wrap`, the core that running
+    /// steps outside the horizon go to straight from the entry and the wrapper of their new
+    /// blocks (once; later calls change nothing).
+    #[pyo3(signature = (key, empty, core = None, wrap = None))]
+    fn _running_steps(
+        &self,
+        key: Py<PyAny>,
+        empty: Py<PyAny>,
+        core: Option<Py<PyKVCacheManager>>,
+        wrap: Option<Py<PyAny>>,
+    ) {
+        let direct = core.zip(wrap);
+        let _ = self.entry.set(Entry { key, empty, direct });
     }
 
     /// vLLM's `allocate_slots`: a running step (`num_lookahead_tokens` the only other argument
-    /// given) inside its horizon returns the empty result here; every other call is the
-    /// adapter's `_allocate_slots` with the arguments given (by name after `num_new_tokens`; one
+    /// given) inside its horizon returns the empty result here, one outside it goes to the core
+    /// from here when the adapter set one; every other call is the adapter's `_allocate_slots` with the arguments given (by name after `num_new_tokens`; one
     /// given as None counts as not given, as Python's defaults are for the scheduler's calls).
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (
@@ -159,8 +360,8 @@ impl PyRunningSteps {
             .enumerate()
             .all(|(i, value)| i == 2 || value.is_none());
         if only_lookahead {
-            if let Some(empty) = slf.get().inside_horizon(request, num_new_tokens, lookahead) {
-                return Ok(empty);
+            if let Some(result) = slf.get().running_step(request, num_new_tokens, lookahead)? {
+                return Ok(result);
             }
         }
         let kwargs = PyDict::new(py);
@@ -179,5 +380,6 @@ impl PyRunningSteps {
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<PyRunningSteps>()
+    m.add_class::<PyRunningSteps>()?;
+    m.add_class::<PyVllmSlot>()
 }

@@ -610,18 +610,18 @@ def test_streaming_input_requests_are_refused_and_the_engine_serves_the_rest(
 
 def _count_core_running_calls(scheduler: Any, counts: dict[str, int]) -> None:
     manager = scheduler.kv_cache_manager
-    allocate, running = manager.allocate_slots, manager._allocate_running
+    allocate = manager.allocate_slots
 
     def allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:
-        counts["running"] += request.num_computed_tokens > 0 and "new_computed_blocks" not in kwargs
-        return allocate(request, *args, **kwargs)
-
-    def allocate_running(*args: Any) -> Any:
-        counts["core"] += 1
-        return running(*args)
+        slot = request.__dict__.get(manager._key)
+        before = 0 if slot is None else slot.running_calls
+        result = allocate(request, *args, **kwargs)
+        if slot is not None and "new_computed_blocks" not in kwargs:
+            counts["running"] += 1
+            counts["core"] += slot.running_calls - before
+        return result
 
     manager.allocate_slots = allocate_slots
-    manager._allocate_running = allocate_running
 
 
 @pytest.mark.parametrize(
@@ -650,6 +650,33 @@ def test_running_steps_inside_the_horizon_skip_the_core_and_match_vllm(
         assert run.preempted > 0
 
 
+@pytest.mark.parametrize("kv_events", [False, True], ids=["direct", "events"])
+def test_running_steps_outside_the_horizon_reach_the_core_from_the_entry(
+    kv_events: bool,
+) -> None:
+    # Without KV events the running steps that reach the core never run the adapter's Python
+    # frame; with them, the adapter collects the events of each (and the outputs match vLLM's
+    # either way: the differential tests).
+    options = harness.Options(layout="gpt-oss", kv_events=kv_events)
+    scheduler = harness.build_scheduler(options, hkv.Scheduler)
+    manager = scheduler.kv_cache_manager
+    full_call = manager._allocate_slots
+    forwarded = {"running": 0, "other": 0}
+
+    def allocate_slots(*args: Any, **kwargs: Any) -> Any:
+        forwarded["other" if "new_computed_blocks" in kwargs else "running"] += 1
+        return full_call(*args, **kwargs)
+
+    manager._allocate_slots = allocate_slots
+    counts = {"running": 0, "core": 0}
+    _count_core_running_calls(scheduler, counts)
+    driver = harness.Driver(scheduler, WORKLOAD[:8])
+    for _ in range(60):
+        driver.timed_step()
+    assert forwarded["other"] > 0 and counts["core"] > 0
+    assert forwarded["running"] == (counts["core"] if kv_events else 0), (forwarded, counts)
+
+
 def test_allocate_slots_checks_its_arguments_inside_the_horizon() -> None:
     # A running request inside its horizon: bad counts raise as they do outside it.
     scheduler = harness.build_scheduler(harness.Options(layout="gpt-oss"), hkv.Scheduler)
@@ -657,7 +684,10 @@ def test_allocate_slots_checks_its_arguments_inside_the_horizon() -> None:
     manager = scheduler.kv_cache_manager
 
     def inside(request: Any) -> bool:
-        _, _, slots, cache, removal = request.__dict__[manager._key]
+        horizon = request.__dict__[manager._key].horizon
+        if horizon is None:
+            return False
+        slots, cache, removal = horizon
         c = request.num_computed_tokens
         return c + 1 <= slots and c + 1 < cache and c < removal
 

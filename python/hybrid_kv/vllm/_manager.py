@@ -36,17 +36,13 @@ from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request
 
 import hybrid_kv as hk
-from hybrid_kv._core import _RunningSteps
+from hybrid_kv._core import _RunningSteps, _VllmSlot
 from hybrid_kv.vllm._events import EventTranslator
 from hybrid_kv.vllm._support import GROUP_KINDS
 
 logger = init_logger(__name__)
 
 _EMPTY_IDS = np.zeros(0, dtype=np.int32)
-# A companion slot is [hybrid_kv.Request, tokens it has seen, then the running horizon the
-# core's last running call left: slots covered (-1: no horizon), tokens at which a block would
-# be cached, processed tokens at which a block would be freed]; the core writes the horizon.
-_SLOTS = 2
 _ids_counter = itertools.count()
 
 
@@ -296,7 +292,6 @@ class HybridKVCacheManager(_RunningSteps):
         )
         # Per-manager key of the companion request in a vLLM request's __dict__.
         self._key = f"_hybrid_kv_{next(_ids_counter)}"
-        self._running_steps(self._key, self.empty_kv_cache_blocks)
         self._events: EventTranslator | None = None
         if enable_kv_cache_events:
             self._events = EventTranslator(
@@ -312,6 +307,11 @@ class HybridKVCacheManager(_RunningSteps):
                 hash_block_size,
                 num_hash_lookahead_tokens,
             )
+            self._running_steps(self._key, self.empty_kv_cache_blocks)
+        else:
+            # Nothing to do after a running step but wrap its new blocks: steps outside the
+            # horizon go to the core straight from `allocate_slots` too.
+            self._running_steps(self._key, self.empty_kv_cache_blocks, self.core, KVCacheBlocks)
 
     # ------------------------------------------------------------------ companion requests
 
@@ -330,24 +330,18 @@ class HybridKVCacheManager(_RunningSteps):
                 # per-block digest of the embeddings as an extra key.
                 tokens = request.all_token_ids[: request.num_prompt_tokens]
                 inputs += _prompt_embeds_inputs(request, self.hash_block_size)
-            slot = [
-                hk.Request(
-                    request.request_id,
-                    tokens,
-                    request.cache_salt,
-                    # vLLM keys LoRA blocks by name and path.
-                    f"{lora.lora_name}\0{lora.lora_path}" if lora is not None else None,
-                    inputs or None,
-                    block_size=self.hash_block_size,
-                ),
-                request.num_prompt_tokens,
-                # The running horizon: none yet.
-                -1,
-                0,
-                0,
-            ]
+            companion = hk.Request(
+                request.request_id,
+                tokens,
+                request.cache_salt,
+                # vLLM keys LoRA blocks by name and path.
+                f"{lora.lora_name}\0{lora.lora_path}" if lora is not None else None,
+                inputs or None,
+                block_size=self.hash_block_size,
+            )
             if request.skip_reading_prefix_cache:
-                slot[0].skip_reading_prefix_cache = True
+                companion.skip_reading_prefix_cache = True
+            slot = _VllmSlot(companion, request.num_prompt_tokens)
             request.__dict__[self._key] = slot
         return self._sync_companion(request, slot)
 
@@ -446,7 +440,7 @@ class HybridKVCacheManager(_RunningSteps):
             # Positional arguments cross faster; the scheduler's counts travel with the call.
             companion = self._companion(request)
             # Other calls change the request's blocks: no horizon until its next running call.
-            request.__dict__[self._key][_SLOTS] = -1
+            request.__dict__[self._key].drop_horizon()
             new = self.core.allocate_slots(
                 companion,
                 num_new_tokens,
@@ -485,8 +479,8 @@ class HybridKVCacheManager(_RunningSteps):
         slot = request.__dict__.get(self._key)
         if slot is None:
             return
-        slot[_SLOTS] = -1
-        self.core.free(slot[0])
+        slot.drop_horizon()
+        self.core.free(slot.request)
         if request.is_finished():
             # Dropping the companion removes the request from the core.
             del request.__dict__[self._key]
@@ -554,7 +548,7 @@ class HybridKVCacheManager(_RunningSteps):
 
     def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
         slot = request.__dict__.get(self._key)
-        return [] if slot is None else self.core.finalize_partial_tail_offloads(slot[0])
+        return [] if slot is None else self.core.finalize_partial_tail_offloads(slot.request)
 
     def create_kv_cache_blocks(self, blocks: Any) -> KVCacheBlocks:
         raise Unsupported("create_kv_cache_blocks takes vLLM block objects")
