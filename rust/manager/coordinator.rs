@@ -674,7 +674,9 @@ impl Coordinator {
                 // Caching is bounded by the request's hashes and blocks too; leaving those
                 // bounds out can only make the horizon earlier.
                 let next = (t.num_cached.unwrap_or(0) + 1) * bs;
-                let at = first_at_least(|tokens| self.cacheable_tokens(m, tokens), next);
+                // No more tokens are cacheable than there are: the answer is at least `next`.
+                let hint = next - 1;
+                let at = first_at_least(|tokens| self.cacheable_tokens(m, tokens), next, hint);
                 horizon.cache = horizon.cache.min(at);
             }
             horizon.removal = horizon.removal.min(m.removal_horizon(t, num_prompt_tokens));

@@ -891,7 +891,21 @@ impl GroupManager {
         else {
             return usize::MAX;
         };
-        first_at_least(|p| self.skipped_range(p, prompt).1, live + 1)
+        // Slots below `live + 1` are skipped once the processed tokens cover them and the
+        // window behind them: the answer is a step or two above this (a chunk at most).
+        let behind = match self.spec.kind {
+            AttentionKind::SlidingWindow { window }
+            | AttentionKind::SlidingWindowMla { window, .. } => {
+                window.saturating_add(self.extra_retained)
+            }
+            AttentionKind::Rswa { window } => window,
+            _ => 0,
+        };
+        let hint = (live + 1)
+            .saturating_mul(self.bs())
+            .saturating_add(behind)
+            .saturating_sub(3);
+        first_at_least(|p| self.skipped_range(p, prompt).1, live + 1, hint)
     }
 
     /// Mamba align: frees the live blocks of `[retired, last)` (nulls between states are
@@ -943,20 +957,40 @@ impl GroupManager {
 }
 
 /// The smallest `x` with `f(x) >= target` for a non-decreasing `f`; `usize::MAX` if there is
-/// none below `usize::MAX / 2`.
-pub(crate) fn first_at_least(f: impl Fn(usize) -> usize, target: usize) -> usize {
-    if f(0) >= target {
-        return 0;
-    }
-    let mut hi = 1usize;
-    while f(hi) < target {
-        if hi > usize::MAX / 4 {
-            return usize::MAX;
+/// none below `usize::MAX / 4`. When `f(hint) < target` the search gallops up from `hint`, so a
+/// hint just below the answer takes a few evaluations of `f` instead of twice the answer's bit
+/// length; the answer does not depend on the hint.
+pub(crate) fn first_at_least(f: impl Fn(usize) -> usize, target: usize, hint: usize) -> usize {
+    const LIMIT: usize = usize::MAX / 4;
+    // Then f(lo) < target <= f(hi), or there is no answer below LIMIT.
+    let (mut lo, mut hi);
+    if 0 < hint && hint < LIMIT && f(hint) < target {
+        lo = hint;
+        let mut step = 1;
+        loop {
+            hi = lo + step;
+            if f(hi) >= target {
+                break;
+            }
+            if hi >= LIMIT {
+                return usize::MAX;
+            }
+            lo = hi;
+            step *= 2;
         }
-        hi *= 2;
+    } else {
+        if f(0) >= target {
+            return 0;
+        }
+        hi = 1;
+        while f(hi) < target {
+            if hi >= LIMIT {
+                return usize::MAX;
+            }
+            hi *= 2;
+        }
+        lo = hi / 2;
     }
-    // f(lo) < target <= f(hi)
-    let mut lo = hi / 2;
     while hi - lo > 1 {
         let mid = lo + (hi - lo) / 2;
         if f(mid) >= target {
@@ -1203,4 +1237,43 @@ fn lookup_all(
         }
     }
     true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_at_least;
+
+    type Reach = fn(usize) -> usize;
+
+    #[test]
+    fn first_at_least_finds_the_first_reach_whatever_the_hint() {
+        let functions: [(&str, Reach); 6] = [
+            ("identity", |x| x),
+            ("aligned", |x| x / 16 * 16),
+            ("window", |x| x.saturating_sub(1023) / 16),
+            ("chunk", |x| x / 8192 * 8192 / 16),
+            ("prompt floor", |x| x.max(300) / 16),
+            ("lagging", |x| x.saturating_sub(3)),
+        ];
+        for (name, f) in functions {
+            for target in 0..40 {
+                let expected = (0..20_000).find(|&x| f(x) >= target).unwrap();
+                for hint in (0..expected + 40).chain([expected * 3, 100_000]) {
+                    assert_eq!(
+                        first_at_least(f, target, hint),
+                        expected,
+                        "{name}: target {target}, hint {hint}"
+                    );
+                }
+            }
+        }
+        // Never reached: "never", from any hint.
+        for hint in [0, 1, 5, usize::MAX / 8, usize::MAX / 4, usize::MAX] {
+            assert_eq!(first_at_least(|_| 0, 1, hint), usize::MAX);
+        }
+        assert_eq!(
+            first_at_least(|x| x / 2, usize::MAX / 8 + 1, 7),
+            usize::MAX / 4 + 1
+        );
+    }
 }
