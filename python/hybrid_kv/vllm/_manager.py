@@ -207,7 +207,9 @@ class HybridKVCacheManager(_RunningSteps):
 
     `allocate_slots` is the base class's: a running request's step inside its horizon returns
     the empty result there (the horizon is the core's `KVCacheManager.running_horizon`, kept in
-    the request's slot, with the call's argument checks); every other call is `_allocate_slots`.
+    the request's slot, with the call's argument checks); one outside it goes from there to the
+    core's `allocate_running` unless KV events are on (they are collected here); every other
+    call is `_allocate_slots`.
     """
 
     def __init__(
