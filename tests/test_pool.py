@@ -3,11 +3,11 @@
 import subprocess
 import sys
 import textwrap
-import threading
 
 import hybrid_kv as hk
 import numpy as np
 import pytest
+from conftest import run_threads
 
 
 def snapshot(pool: hk.BlockPool) -> tuple:
@@ -200,23 +200,14 @@ def test_null_block_is_skipped_by_free_and_touch() -> None:
 
 def test_pool_is_usable_from_several_python_threads() -> None:
     pool = hk.BlockPool(1025)
-    errors: list[BaseException] = []
 
     def work(seed: int) -> None:
         rng = np.random.default_rng(seed)
-        try:
-            for _ in range(2000):
-                ids = pool.get_new_blocks(int(rng.integers(1, 8)))
-                pool.cache_full_blocks(ids[:1], [int(rng.integers(0, 64))])
-                pool.free_blocks(ids[::-1])
-        except BaseException as e:  # noqa: BLE001 - surfaced below
-            errors.append(e)
+        for _ in range(2000):
+            ids = pool.get_new_blocks(int(rng.integers(1, 8)))
+            pool.cache_full_blocks(ids[:1], [int(rng.integers(0, 64))])
+            pool.free_blocks(ids[::-1])
 
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    run_threads(work, 4)
     assert pool.num_free_blocks == 1024
     assert sorted(pool.free_order().tolist()) == list(range(1, 1025))

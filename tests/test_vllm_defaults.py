@@ -520,9 +520,9 @@ def test_concurrent_syncs_of_one_slot_take_each_token_once() -> None:
     # Reading vLLM's request may run Python code (here a property that yields to other
     # threads) between the slot's count of tokens seen and its update: each token is still
     # taken once, and a failing sync (a token id out of range) takes none.
-    import threading
     import time
 
+    from conftest import run_threads
     from hybrid_kv._core import _VllmSlot
 
     m = hk.KVCacheManager([FULL], 256, 4096)
@@ -539,23 +539,14 @@ def test_concurrent_syncs_of_one_slot_take_each_token_once() -> None:
 
     vllm_req = Slow()
     slot = _VllmSlot(req, 8)
-    errors: list[BaseException] = []
 
     def sync(i: int) -> None:
-        try:
-            for j in range(50):
-                m.sync_companion(vllm_req, slot)
-                if i == 0:
-                    tokens.append(1000 + j)
-        except BaseException as error:  # noqa: BLE001 - reported below
-            errors.append(error)
+        for j in range(50):
+            m.sync_companion(vllm_req, slot)
+            if i == 0:
+                tokens.append(1000 + j)
 
-    threads = [threading.Thread(target=sync, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    run_threads(sync, 4)
     m.sync_companion(vllm_req, slot)
     assert slot.seen == len(tokens) == req.num_tokens == 58
     assert list(req.output_token_ids) == tokens[8:]

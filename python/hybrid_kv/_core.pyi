@@ -33,6 +33,7 @@ __all__ = [
     "OutOfRangeError",
     "Request",
     "UnknownRequestError",
+    "_RunningBlocks",
     "_RunningSteps",
     "_VllmSlot",
     "__version__",
@@ -726,6 +727,18 @@ class KVCacheManager:
     def new_step_starts(self) -> None:
         """Call once at the start of every scheduler step (Mamba states cached in the previous
         step become usable by hits)."""
+
+@final
+class _RunningBlocks:
+    """The new blocks of a running step that reached the core from `_RunningSteps`'s entry:
+    `get_block_ids` (vLLM's lists) is answered from the core's blocks; every other attribute is
+    the adapter's `KVCacheBlocks`' over the same blocks."""
+
+    def get_block_ids(
+        self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None
+    ) -> tuple[list[int], ...] | None: ...
+    def __add__(self, value: Any, /) -> Any: ...
+    def __radd__(self, value: Any, /) -> Any: ...
 
 @final
 class _VllmSlot:

@@ -81,7 +81,7 @@ impl PyKVCacheBlocks {
     /// The block ids per group as Python lists of ints (vLLM's `get_block_ids()` types, made
     /// without arrays in between); None with `allow_none` when every group is empty.
     #[pyo3(signature = (allow_none = false))]
-    fn get_block_id_lists<'py>(
+    pub(crate) fn get_block_id_lists<'py>(
         &self,
         py: Python<'py>,
         allow_none: bool,

@@ -4,13 +4,13 @@
 //! to the core straight from here; every other call goes on to the adapter's `_allocate_slots`.
 
 use super::convert::{count_of, Count, UInt, U32};
-use super::manager::PyKVCacheManager;
+use super::manager::{PyKVCacheBlocks, PyKVCacheManager};
 use super::request::{lock, PyRequest};
 use crate::manager::RunningHorizon;
 use pyo3::exceptions::PyNotImplementedError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyInt, PyList, PyTuple};
+use pyo3::types::{PyDict, PyInt, PyList, PyString, PyTuple};
 use std::sync::{Mutex, OnceLock};
 
 /// What a slot knows besides its companion.
@@ -28,7 +28,9 @@ struct SlotState {
 /// What `hybrid_kv.vllm` keeps with a vLLM request (in its `__dict__`): the companion
 /// `hybrid_kv.Request`, how many of vLLM's tokens it has taken, and the running horizon the
 /// core's last running call left. Thread-safe: the state is read and written under its own
-/// lock, never held while Python code runs.
+/// lock, never held while Python code runs, and concurrent syncs take each token once. The
+/// horizon is exact when one request's calls do not overlap each other (vLLM's scheduler
+/// makes them from one thread); calls for different requests may run concurrently.
 #[pyclass(frozen, name = "_VllmSlot", module = "hybrid_kv._core")]
 pub(crate) struct PyVllmSlot {
     companion: Py<PyRequest>,
@@ -83,9 +85,10 @@ impl PyVllmSlot {
         if num_tokens < from {
             return Err(lost(num_tokens, from));
         }
-        let tokens = (from..num_tokens)
-            .map(|i| Ok(all.get_item(i)?.extract::<U32>()?.get()))
-            .collect::<PyResult<Vec<u32>>>()?;
+        let mut tokens = Vec::with_capacity(num_tokens - from);
+        for i in from..num_tokens {
+            tokens.push(all.get_item(i)?.extract::<U32>()?.get());
+        }
         let mut state = lock(&self.state);
         if state.seen > num_tokens {
             return Err(lost(num_tokens, state.seen));
@@ -108,23 +111,19 @@ impl PyVllmSlot {
     }
 
     /// Whether `allocate_slots(request, n, num_lookahead_tokens=k)` of a running request lies
-    /// inside the slot's horizon and its counts pass the call's checks. False whenever
-    /// anything does not hold or cannot be read (the full call then decides, and raises if
-    /// it must).
-    fn inside_horizon(&self, request: &Bound<'_, PyAny>, n: i128, k: i128) -> bool {
-        let py = request.py();
-        let count = |name| -> Option<i128> { exact_int(&request.getattr(name).ok()?) };
-        let (Some(computed), Some(in_flight)) = (
+    /// inside the slot's horizon and its counts pass the call's checks, the request's counts
+    /// read from its `__dict__` (`fields`). False whenever anything does not hold or cannot be
+    /// read there (the full call then decides, and raises if it must).
+    fn inside_horizon(&self, fields: &Bound<'_, PyDict>, n: i128, k: i128) -> bool {
+        let py = fields.py();
+        let field = |name| fields.get_item(name).ok().flatten();
+        let count = |name| exact_int(&field(name)?);
+        let (Some(computed), Some(in_flight), Some(num_tokens)) = (
             count(intern!(py, "num_computed_tokens")),
             count(intern!(py, "num_in_flight_tokens")),
+            field(intern!(py, "_all_token_ids"))
+                .and_then(|t| t.cast::<PyList>().ok().map(|t| t.len() as i128)),
         ) else {
-            return false;
-        };
-        let Some(num_tokens) = request
-            .getattr(intern!(py, "_all_token_ids"))
-            .ok()
-            .and_then(|t| t.cast::<PyList>().ok().map(|t| t.len() as i128))
-        else {
             return false;
         };
         let Some(h) = lock(&self.state).horizon else {
@@ -241,16 +240,22 @@ impl PyRunningSteps {
         if n <= 0 || k < 0 {
             return Ok(None);
         }
-        let Some(slot) = request
+        let Some(fields) = request
             .getattr(intern!(py, "__dict__"))
             .ok()
             .and_then(|d| d.cast_into::<PyDict>().ok())
-            .and_then(|d| d.get_item(entry.key.bind(py)).ok().flatten())
+        else {
+            return Ok(None);
+        };
+        let Some(slot) = fields
+            .get_item(entry.key.bind(py))
+            .ok()
+            .flatten()
             .and_then(|s| s.cast_into::<PyVllmSlot>().ok())
         else {
             return Ok(None);
         };
-        if slot.get().inside_horizon(request, n, k) {
+        if slot.get().inside_horizon(&fields, n, k) {
             return Ok(Some(entry.empty.clone_ref(py)));
         }
         let Some((core, wrap)) = &entry.direct else {
@@ -263,8 +268,93 @@ impl PyRunningSteps {
         Ok(Some(match new {
             None => py.None(),
             Some(blocks) if blocks.is(core.empty_blocks()) => entry.empty.clone_ref(py),
-            Some(blocks) => wrap.bind(py).call1((blocks, py.None(), false))?.unbind(),
+            Some(blocks) => Py::new(
+                py,
+                PyRunningBlocks {
+                    blocks,
+                    wrap: wrap.clone_ref(py),
+                    wrapped: OnceLock::new(),
+                },
+            )?
+            .into_any(),
         }))
+    }
+}
+
+/// The new blocks of a running step that reached the core from the entry: vLLM's scheduler
+/// reads them with `get_block_ids`, answered here from the core's blocks; anything else is the
+/// adapter's `KVCacheBlocks` over the same blocks (made on first use).
+#[pyclass(frozen, name = "_RunningBlocks", module = "hybrid_kv._core")]
+pub(crate) struct PyRunningBlocks {
+    blocks: Py<PyKVCacheBlocks>,
+    /// The adapter's wrapper: `wrap(blocks, None, False)`.
+    wrap: Py<PyAny>,
+    wrapped: OnceLock<Py<PyAny>>,
+}
+
+impl PyRunningBlocks {
+    fn wrapped<'py>(&self, py: Python<'py>) -> PyResult<&Bound<'py, PyAny>> {
+        if let Some(wrapped) = self.wrapped.get() {
+            return Ok(wrapped.bind(py));
+        }
+        let made = self
+            .wrap
+            .bind(py)
+            .call1((self.blocks.clone_ref(py), py.None(), false))?;
+        Ok(self.wrapped.get_or_init(|| made.unbind()).bind(py))
+    }
+}
+
+#[pymethods]
+impl PyRunningBlocks {
+    /// vLLM's `KVCacheBlocks.get_block_ids`: block ids per group as lists; None if empty and
+    /// `allow_none` (never: a running step's result that took no block is the empty result).
+    #[pyo3(signature = (allow_none = false, *, group_ids = None))]
+    fn get_block_ids<'py>(
+        &self,
+        py: Python<'py>,
+        allow_none: bool,
+        group_ids: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        match group_ids {
+            None => Ok(self
+                .blocks
+                .get()
+                .get_block_id_lists(py, allow_none)?
+                .map(Bound::into_any)),
+            Some(groups) => {
+                let kwargs = PyDict::new(py);
+                kwargs.set_item(intern!(py, "group_ids"), groups)?;
+                let ids = self.wrapped(py)?.call_method(
+                    intern!(py, "get_block_ids"),
+                    (allow_none,),
+                    Some(&kwargs),
+                )?;
+                Ok((!ids.is_none()).then_some(ids))
+            }
+        }
+    }
+
+    fn __add__<'py>(
+        &self,
+        py: Python<'py>,
+        other: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.wrapped(py)?
+            .call_method1(intern!(py, "__add__"), (other,))
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(self.wrapped(py)?.repr()?.to_string())
+    }
+
+    /// Every other attribute is the adapter's `KVCacheBlocks`'.
+    fn __getattr__<'py>(
+        &self,
+        py: Python<'py>,
+        name: &Bound<'py, PyString>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.wrapped(py)?.getattr(name)
     }
 }
 
@@ -381,5 +471,6 @@ impl PyRunningSteps {
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRunningSteps>()?;
+    m.add_class::<PyRunningBlocks>()?;
     m.add_class::<PyVllmSlot>()
 }

@@ -18,6 +18,7 @@ pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (see .ci/run)")
 import hybrid_kv as hk  # noqa: E402
 import hybrid_kv.vllm as hkv  # noqa: E402
 from hybrid_kv.vllm import testing as harness  # noqa: E402
+from hybrid_kv.vllm._manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager  # noqa: E402
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler  # noqa: E402
@@ -670,11 +671,37 @@ def test_running_steps_outside_the_horizon_reach_the_core_from_the_entry(
     manager._allocate_slots = allocate_slots
     counts = {"running": 0, "core": 0}
     _count_core_running_calls(scheduler, counts)
+    results = []
+    allocate = manager.allocate_slots
+
+    def keep(*args: Any, **kwargs: Any) -> Any:
+        result = allocate(*args, **kwargs)
+        if result is not None and result is not manager.empty_kv_cache_blocks:
+            results.append(result)
+        return result
+
+    manager.allocate_slots = keep
     driver = harness.Driver(scheduler, WORKLOAD[:8])
     for _ in range(60):
         driver.timed_step()
     assert forwarded["other"] > 0 and counts["core"] > 0
     assert forwarded["running"] == (counts["core"] if kv_events else 0), (forwarded, counts)
+    # A result made by the entry reads as the adapter's KVCacheBlocks over the same blocks.
+    direct = [r for r in results if not isinstance(r, KVCacheBlocks)]
+    assert (len(direct) > 0) is not kv_events
+    for result in direct[:5]:
+        same = KVCacheBlocks(result._core, None, False)
+        for allow_none in (False, True):
+            assert result.get_block_ids(allow_none) == same.get_block_ids(allow_none)
+            assert result.get_block_ids(allow_none, group_ids=[1]) == same.get_block_ids(
+                allow_none, group_ids=[1]
+            )
+        assert result.get_block_ids(group_ids=None) == same.get_block_ids()
+        assert not result.is_empty() and repr(result) == repr(same)
+        assert (result + same).get_block_ids() == (same + same).get_block_ids()
+        assert (same + result).get_block_ids() == (same + same).get_block_ids()
+        with pytest.raises(NotImplementedError):
+            result.get_unhashed_block_ids()
 
 
 def test_allocate_slots_checks_its_arguments_inside_the_horizon() -> None:
