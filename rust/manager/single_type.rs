@@ -962,7 +962,11 @@ impl GroupManager {
 /// length; the answer does not depend on the hint.
 pub(crate) fn first_at_least(f: impl Fn(usize) -> usize, target: usize, hint: usize) -> usize {
     const LIMIT: usize = usize::MAX / 4;
-    // Then f(lo) < target <= f(hi), or there is no answer below LIMIT.
+    if f(LIMIT) < target {
+        // Never (full attention never frees a block that left a window).
+        return usize::MAX;
+    }
+    // Then f(lo) < target <= f(hi).
     let (mut lo, mut hi);
     if 0 < hint && hint < LIMIT && f(hint) < target {
         lo = hint;
@@ -1271,9 +1275,11 @@ mod tests {
         for hint in [0, 1, 5, usize::MAX / 8, usize::MAX / 4, usize::MAX] {
             assert_eq!(first_at_least(|_| 0, 1, hint), usize::MAX);
         }
+        // Reached just below the limit: found; just above it: "never".
         assert_eq!(
-            first_at_least(|x| x / 2, usize::MAX / 8 + 1, 7),
-            usize::MAX / 4 + 1
+            first_at_least(|x| x / 2, usize::MAX / 8, 7),
+            usize::MAX / 4 - 1
         );
+        assert_eq!(first_at_least(|x| x / 2, usize::MAX / 8 + 1, 7), usize::MAX);
     }
 }
