@@ -133,17 +133,35 @@ def _timed(method: Callable[..., Any], totals: dict[str, int], name: str) -> Cal
 
 
 def instrument(manager: Any) -> tuple[dict[str, int], Callable[[], None]]:
-    """Wraps the manager's methods, and `get_block_ids` of its `KVCacheBlocks` class (the
+    """Wraps the manager's methods, and `get_block_ids` of the blocks it returns (the
     scheduler reads every running request's new blocks with it), with timers. Returns the
     accumulating totals (ns, calls) and a function undoing the class's wrapper."""
     totals = {"manager": 0, "calls": 0}
+    blocks = type(manager.empty_kv_cache_blocks)
+    read_ids = "KVCacheBlocks.get_block_ids"
+    allocate = manager.allocate_slots
+
+    class Timed:
+        """A result of another type (hybrid-kv's native `_RunningBlocks`, whose method cannot
+        be replaced on the class): the scheduler reads it with `get_block_ids` only."""
+
+        __slots__ = ("get_block_ids",)
+
+        def __init__(self, result: Any) -> None:
+            self.get_block_ids = _timed(result.get_block_ids, totals, read_ids)
+
+    def allocate_slots(*args: Any, **kwargs: Any) -> Any:
+        # Timed with the call (it can only make the manager's share larger).
+        result = allocate(*args, **kwargs)
+        return result if result is None or isinstance(result, blocks) else Timed(result)
+
+    manager.allocate_slots = allocate_slots
     for name in MANAGER_CALLS:
         method = getattr(manager, name, None)
         if method is not None:
             setattr(manager, name, _timed(method, totals, name))
-    blocks = type(manager.empty_kv_cache_blocks)
     original = blocks.__dict__["get_block_ids"]
-    blocks.get_block_ids = _timed(original, totals, "KVCacheBlocks.get_block_ids")
+    blocks.get_block_ids = _timed(original, totals, read_ids)
     return totals, lambda: setattr(blocks, "get_block_ids", original)
 
 
