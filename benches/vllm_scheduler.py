@@ -114,6 +114,9 @@ class Side:
         return done
 
 
+READ_IDS = "KVCacheBlocks.get_block_ids"
+
+
 def _timed(method: Callable[..., Any], totals: dict[str, int], name: str) -> Callable[..., Any]:
     totals.setdefault(name, 0)
     totals.setdefault(f"{name}#calls", 0)
@@ -132,46 +135,63 @@ def _timed(method: Callable[..., Any], totals: dict[str, int], name: str) -> Cal
     return timed
 
 
+class _Timed:
+    """A result of another type than the manager's `KVCacheBlocks` class (hybrid-kv's native
+    `_RunningBlocks`, whose method cannot be replaced on the class): the scheduler reads it
+    with `get_block_ids` only, timed here."""
+
+    __slots__ = ("get_block_ids",)
+
+    def __init__(self, result: Any, totals: dict[str, int]) -> None:
+        self.get_block_ids = _timed(result.get_block_ids, totals, READ_IDS)
+
+
+def _proxied(
+    allocate: Callable[..., Any], blocks: type, totals: dict[str, int]
+) -> Callable[..., Any]:
+    """`allocate_slots` whose results of another type come back as `_Timed` (counted in
+    `totals["proxies"]`)."""
+    totals.setdefault("proxies", 0)
+
+    def allocate_slots(*args: Any, **kwargs: Any) -> Any:
+        result = allocate(*args, **kwargs)
+        if result is None or isinstance(result, blocks):
+            return result
+        totals["proxies"] += 1
+        return _Timed(result, totals)
+
+    return allocate_slots
+
+
 def instrument(manager: Any) -> tuple[dict[str, int], Callable[[], None]]:
     """Wraps the manager's methods, and `get_block_ids` of the blocks it returns (the
     scheduler reads every running request's new blocks with it), with timers. Returns the
     accumulating totals (ns, calls) and a function undoing the class's wrapper."""
     totals = {"manager": 0, "calls": 0}
     blocks = type(manager.empty_kv_cache_blocks)
-    read_ids = "KVCacheBlocks.get_block_ids"
-    allocate = manager.allocate_slots
-
-    class Timed:
-        """A result of another type (hybrid-kv's native `_RunningBlocks`, whose method cannot
-        be replaced on the class): the scheduler reads it with `get_block_ids` only."""
-
-        __slots__ = ("get_block_ids",)
-
-        def __init__(self, result: Any) -> None:
-            self.get_block_ids = _timed(result.get_block_ids, totals, read_ids)
-
-    def allocate_slots(*args: Any, **kwargs: Any) -> Any:
-        # Timed with the call (it can only make the manager's share larger).
-        result = allocate(*args, **kwargs)
-        return result if result is None or isinstance(result, blocks) else Timed(result)
-
-    manager.allocate_slots = allocate_slots
+    manager.allocate_slots = _proxied(manager.allocate_slots, blocks, totals)
     for name in MANAGER_CALLS:
         method = getattr(manager, name, None)
         if method is not None:
             setattr(manager, name, _timed(method, totals, name))
     original = blocks.__dict__["get_block_ids"]
-    blocks.get_block_ids = _timed(original, totals, read_ids)
+    blocks.get_block_ids = _timed(original, totals, READ_IDS)
     return totals, lambda: setattr(blocks, "get_block_ids", original)
 
 
-def wrapper_bias(samples: int = 200_000) -> tuple[float, float]:
+def wrapper_bias(samples: int = 200_000) -> tuple[float, float, float, float]:
     """What the timing wrapper adds to one call, in ns: to the manager's total beyond the call
     itself, and to the step. Measured on a no-op with the scheduler's commonest call shape
-    (`allocate_slots(request, n, num_lookahead_tokens=k)`); both are subtracted per call."""
+    (`allocate_slots(request, n, num_lookahead_tokens=k)`); both are subtracted per call. Then
+    what the proxy layer of `allocate_slots` adds inside its timer: per call, and per result
+    it wraps; subtracted per `allocate_slots` call and per proxy."""
 
     class Probe:
         def allocate_slots(self, request: Any, n: int, num_lookahead_tokens: int = 0) -> None:
+            return None
+
+    class Result:
+        def get_block_ids(self) -> None:
             return None
 
     def per_call(call: Callable[..., Any]) -> float:
@@ -185,7 +205,13 @@ def wrapper_bias(samples: int = 200_000) -> tuple[float, float]:
     totals = {"manager": 0, "calls": 0}
     wrapped = per_call(_timed(probe.allocate_slots, totals, "probe"))
     counted = totals["manager"] / samples
-    return counted - plain, wrapped - plain
+    proxy = per_call(_proxied(probe.allocate_slots, Result, totals)) - plain
+    result = Result()
+    t0 = time.perf_counter_ns()
+    for _ in range(samples):
+        _Timed(result, totals)
+    per_proxy = (time.perf_counter_ns() - t0) / samples
+    return counted - plain, wrapped - plain, proxy, per_proxy
 
 
 def freeze_heap(enabled: bool) -> None:
@@ -219,10 +245,15 @@ def manager_share(
     finally:
         restore()
         gc.unfreeze()
-    counted_bias, step_bias = wrapper_bias()
+    counted_bias, step_bias, proxy_bias, per_proxy = wrapper_bias()
     step = step_total - kept.get("calls", 0) * step_bias
     if num_steps == 0 or step <= 0:
         return float("nan"), {}
+    # The proxy layer runs inside allocate_slots' timer.
+    proxies = kept.get("allocate_slots#calls", 0) * proxy_bias + kept["proxies"] * per_proxy
+    kept["allocate_slots"] = kept.get("allocate_slots", 0) - round(proxies)
+    kept["manager"] -= round(proxies)
+    step -= proxies
     per_call = {}
     for key, calls in kept.items():
         if key.endswith("#calls") and calls:
