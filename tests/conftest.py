@@ -1,7 +1,5 @@
-"""Shared fixtures: the conformance directory beside the repository; a thread runner."""
+"""Shared fixtures: the conformance directory beside the repository."""
 
-import threading
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,22 +17,3 @@ def conformance_dir() -> Path:
             f"conformance fixtures not found at {CONFORMANCE} (shared/ must sit beside the repo)"
         )
     return CONFORMANCE
-
-
-def run_threads(work: Callable[[int], None], count: int) -> None:
-    """Runs `work(0)` ... `work(count - 1)` on as many threads at once; fails with the errors
-    any of them raised."""
-    errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            work(i)
-        except BaseException as error:  # noqa: BLE001 - reported below
-            errors.append(error)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == [], errors

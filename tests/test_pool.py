@@ -7,7 +7,7 @@ import textwrap
 import hybrid_kv as hk
 import numpy as np
 import pytest
-from conftest import run_threads
+from thread_runner import run_threads
 
 
 def snapshot(pool: hk.BlockPool) -> tuple:

@@ -522,8 +522,8 @@ def test_concurrent_syncs_of_one_slot_take_each_token_once() -> None:
     # taken once, and a failing sync (a token id out of range) takes none.
     import time
 
-    from conftest import run_threads
     from hybrid_kv._core import _VllmSlot
+    from thread_runner import run_threads
 
     m = hk.KVCacheManager([FULL], 256, 4096)
     prompt = list(range(8))
