@@ -12,9 +12,9 @@ appends the tokens vLLM appended since and copies `num_computed_tokens`.
 
 Most steps of a running request change nothing in the manager: no block fills, none is needed,
 none leaves a window. The core's answer to each running step also says how far the request can
-go that way (`KVCacheManager.running_horizon`); until then `allocate_slots` answers from three
-integers kept with the companion, in Rust before any Python frame runs and without calling the
-core, which takes the tokens appended meanwhile at the request's next call.
+go that way (`KVCacheManager.running_horizon`); until then `allocate_slots` answers from the
+state kept with the request (a `_VllmSlot`), in Rust before any Python frame runs and without
+calling the core, which takes the tokens appended meanwhile at the request's next call.
 """
 
 from __future__ import annotations
