@@ -14,6 +14,9 @@ enum Op {
     /// Cache held blocks under small hashes (collisions give duplicates).
     Cache(Vec<usize>, Vec<u8>, u32),
     Lookup(u8, u32),
+    /// Key one more held block (or, with `Some`, any id: free, null or out of range) under a
+    /// small hash: a second key for a block that has one.
+    AddKey(usize, Option<u32>, u8, u32),
     Evict(Vec<u32>),
     Reset,
 }
@@ -28,6 +31,8 @@ fn op(num_blocks: u32) -> impl Strategy<Value = Op> {
         3 => (prop::collection::vec(any::<usize>(), 0..4), prop::collection::vec(0u8..12, 4), 0u32..2)
             .prop_map(|(picks, hashes, g)| Op::Cache(picks, hashes, g)),
         2 => (0u8..12, 0u32..2).prop_map(|(h, g)| Op::Lookup(h, g)),
+        3 => (any::<usize>(), prop::option::weighted(0.15, 0..num_blocks + 2), 0u8..12, 0u32..2)
+            .prop_map(|(p, id, h, g)| Op::AddKey(p, id, h, g)),
         1 => ids.prop_map(Op::Evict),
         1 => Just(Op::Reset),
     ]
@@ -48,6 +53,7 @@ fn check_same(fast: &BlockPool, oracle: &RefBlockPool, num_blocks: u32) {
     for id in 0..num_blocks {
         assert_eq!(fast.ref_count(id), oracle.ref_count(id), "ref of {id}");
         assert_eq!(fast.block_key(id), oracle.block_key(id), "key of {id}");
+        assert_eq!(fast.block_keys(id), oracle.block_keys(id), "keys of {id}");
     }
 }
 
@@ -105,6 +111,18 @@ proptest! {
                     let h = BlockHash(h as u128);
                     prop_assert_eq!(fast.lookup(h, group), oracle.lookup(h, group));
                     prop_assert_eq!(fast.get_cached_block(h, &[0, 1]), oracle.get_cached_block(h, &[0, 1]));
+                }
+                Op::AddKey(p, id, h, group) => {
+                    let Some(id) = id.or_else(|| pick(&held, &[p]).first().copied()) else {
+                        continue;
+                    };
+                    let tokens = [5u32, 6];
+                    let info = StoreInfo { parent_block_hash: Some(BlockHash(1)), token_ids: &tokens, block_size: 2, first_block: 3, ..StoreInfo::default() };
+                    let h = BlockHash(h as u128);
+                    prop_assert_eq!(
+                        fast.add_block_key(id, h, group, info),
+                        oracle.add_block_key(id, h, group, info)
+                    );
                 }
                 Op::Evict(ids) => {
                     prop_assert_eq!(fast.evict_blocks(&ids), oracle.evict_blocks(&ids));

@@ -14,7 +14,7 @@
 use super::states::BlockStates;
 use super::BlockPool;
 use crate::error::CoreError;
-use crate::types::{BlockHash, BlockId, StoreInfo};
+use crate::types::{BlockHash, BlockId, CacheKey, StoreInfo};
 use loom::sync::Arc;
 use loom::thread;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -76,7 +76,8 @@ fn check_counts(pool: &BlockPool) {
     assert_eq!(order, free, "free order");
 }
 
-/// A block has a key exactly when the map finds it under that key.
+/// A block has a key exactly when the map finds it under that key, and the map holds no entry
+/// but the blocks' keys (those beside the slots included).
 fn check_keys(pool: &BlockPool) {
     let mut keyed = 0;
     for id in 1..pool.num_blocks() as BlockId {
@@ -86,7 +87,7 @@ fn check_keys(pool: &BlockPool) {
             key.is_some(),
             "cached bit of block {id}"
         );
-        if let Some(key) = key {
+        for key in pool.block_keys(id).unwrap() {
             keyed += 1;
             assert_eq!(pool.lookup(key.hash, key.group), Some(id), "block {id}");
         }
@@ -436,5 +437,75 @@ fn loom_cache_racing_evict_keeps_keys_and_map_in_step() {
         evicter.join().unwrap();
         reader.join().unwrap();
         check_pool(&pool, &[1]);
+    });
+}
+
+/// A second key added to a held block while another thread evicts the block's keys: every key
+/// the block ends with is in the map and the map holds nothing else (an eviction never leaves
+/// the added key behind), whichever runs first.
+#[test]
+fn loom_added_key_racing_evict_keeps_keys_and_map_in_step() {
+    model("added_key_racing_evict", 4, || {
+        let pool = Arc::new(BlockPool::with_options(3, true, true).unwrap());
+        assert_eq!(pool.get_new_blocks(1).unwrap(), vec![1]);
+        pool.cache_full_blocks(&[1], &[BlockHash(9)], 0, StoreInfo::default())
+            .unwrap();
+        let p = pool.clone();
+        let adder = thread::spawn(move || {
+            p.add_block_key(1, BlockHash(4), 0, StoreInfo::default())
+                .unwrap()
+        });
+        let p = pool.clone();
+        let evicter = thread::spawn(move || p.evict_blocks(&[1]).unwrap());
+        assert!(
+            adder.join().unwrap(),
+            "the key is added whatever the interleaving"
+        );
+        evicter.join().unwrap();
+        check_pool(&pool, &[1]);
+        // Linearizable: the add came first (the eviction removed both keys) or the eviction did
+        // (the added key is the block's only key).
+        let keys = pool.block_keys(1).unwrap();
+        let four = CacheKey {
+            hash: BlockHash(4),
+            group: 0,
+        };
+        assert!(keys.is_empty() || keys == [four], "{keys:?}");
+    });
+}
+
+/// A block keyed twice and freed by its holder while another thread allocates: a claim of the
+/// block removes both keys (the second key's bit is seen through the reference count).
+#[test]
+fn loom_claim_after_a_second_key_removes_both() {
+    model("claim_after_a_second_key", 4, || {
+        // Block 2 stays held, so block 1 is the only block a claim can take once freed.
+        let pool = Arc::new(BlockPool::with_options(3, true, false).unwrap());
+        assert_eq!(pool.get_new_blocks(2).unwrap(), vec![1, 2]);
+        let p = pool.clone();
+        let holder = thread::spawn(move || {
+            p.cache_full_blocks(&[1], &[BlockHash(9)], 0, StoreInfo::default())
+                .unwrap();
+            assert!(p
+                .add_block_key(1, BlockHash(4), 0, StoreInfo::default())
+                .unwrap());
+            p.free_blocks(&[1]).unwrap();
+        });
+        let p = pool.clone();
+        let claimer = thread::spawn(move || p.get_new_blocks(1).is_ok());
+        holder.join().unwrap();
+        let claimed = claimer.join().unwrap();
+        let mut held = vec![2];
+        if claimed {
+            held.push(1);
+            assert_eq!(
+                pool.block_keys(1).unwrap(),
+                vec![],
+                "a claim evicts every key"
+            );
+        } else {
+            assert_eq!(pool.block_keys(1).unwrap().len(), 2);
+        }
+        check_pool(&pool, &held);
     });
 }

@@ -15,8 +15,8 @@
 //!   all or nothing);
 //! - the claim of reserved blocks (revive and claim race on one CAS per block; exactly one
 //!   wins) and the stack of uncached frees (a tagged Treiber stack, one CAS per batch);
-//! - key slots (`cache_full_blocks` and evictions never wait on a key slot: a slot being
-//!   written or cleared by another thread is skipped).
+//! - key slots (`cache_full_blocks` and evictions never wait on a key slot being written or
+//!   cleared by another thread: it is skipped), except as below for a block's second key.
 //!
 //! Not lock-free:
 //! - The free order's gate. The pushes of `free_blocks` and the pops of `get_new_blocks` pass
@@ -31,6 +31,11 @@
 //!   per-shard spin lock (up to 256 shards; no global lock). Lookups (`lookup`,
 //!   `get_cached_block`) take no lock and write no shared memory; they retry while a writer of
 //!   their shard is mid-update.
+//! - Second keys of a block (`add_block_key` on a block that has a key: vLLM's partial
+//!   prompt-tail keys). They live in a table behind a mutex, taken only for blocks that have
+//!   such keys (a bit per block says which). While a thread adds one, the block's key slot is
+//!   held: an eviction or reset of that block waits for the add (one table insert and one map
+//!   insert) to finish, so it removes the new key with the others.
 //!
 //! Progress. Nothing in the pool waits while holding something another waiter needs, and every
 //! wait is for a bounded piece of work by a thread that is not itself waiting: a compaction waits
@@ -84,12 +89,13 @@ pub mod reference;
 pub(crate) mod states;
 
 use crate::error::{CoreError, Result};
-use crate::sync::{AtomicU32, AtomicU64, Ordering};
+use crate::sync::{spin_wait, AtomicU32, AtomicU64, Mutex, Ordering};
 use crate::types::{BlockHash, BlockId, CacheKey, GroupId, KvEvent, StoreInfo, NULL_BLOCK};
 use alloc::AllocFailed;
 use crossbeam_queue::SegQueue;
 use map::CacheMap;
 use states::BlockStates;
+use std::collections::HashMap;
 
 pub use crate::types::MAX_BLOCKS;
 
@@ -108,6 +114,9 @@ const KEY_NONE: u32 = 0;
 const KEY_WRITING: u32 = 1;
 const KEY_SET: u32 = 2;
 const KEY_CLEARING: u32 = 3;
+/// Set, and held by a thread adding a key beside it (`add_block_key`): readable, and taken
+/// only once the hold ends.
+const KEY_HELD: u32 = 4;
 
 struct KeySlot {
     state: AtomicU32,
@@ -153,21 +162,47 @@ impl KeySlot {
 
     /// Takes the key out (exclusive: one caller gets it). `done` runs before the slot is free
     /// again, so a key is removed from the map before the block can be given a new one.
+    ///
+    /// A held key is waited for: the hold is one insert into the table of added keys and the map,
+    /// by a thread that waits for nothing this thread holds.
     fn take(&self, mark: Marker<'_>, done: impl FnOnce(CacheKey)) -> bool {
-        if self.state.load(Ordering::Relaxed) != KEY_SET {
-            return false;
-        }
-        if self
-            .state
-            .compare_exchange(KEY_SET, KEY_CLEARING, Ordering::Acquire, Ordering::Relaxed)
-            .is_err()
-        {
-            return false;
+        loop {
+            match self.state.load(Ordering::Relaxed) {
+                KEY_SET => {}
+                KEY_HELD => {
+                    spin_wait();
+                    continue;
+                }
+                _ => return false,
+            }
+            match self.state.compare_exchange(
+                KEY_SET,
+                KEY_CLEARING,
+                Ordering::Acquire,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => break,
+                Err(KEY_HELD) => spin_wait(),
+                Err(_) => return false,
+            }
         }
         done(self.read());
         mark.clear();
         self.state.store(KEY_NONE, Ordering::Release);
         true
+    }
+
+    /// Holds a set key for the caller alone (`KEY_SET` → `KEY_HELD`) so that keys can be
+    /// added beside it; `Err` with the slot's state if it is not set. Until [`KeySlot::unhold`]
+    /// the key cannot be taken, so whatever is added beside it is removed with it later.
+    fn hold(&self) -> std::result::Result<CacheKey, u32> {
+        self.state
+            .compare_exchange(KEY_SET, KEY_HELD, Ordering::Acquire, Ordering::Relaxed)
+            .map(|_| self.read())
+    }
+
+    fn unhold(&self) {
+        self.state.store(KEY_SET, Ordering::Release);
     }
 
     fn read(&self) -> CacheKey {
@@ -181,7 +216,7 @@ impl KeySlot {
     }
 
     fn get(&self) -> Option<CacheKey> {
-        (self.state.load(Ordering::Acquire) == KEY_SET).then(|| self.read())
+        matches!(self.state.load(Ordering::Acquire), KEY_SET | KEY_HELD).then(|| self.read())
     }
 }
 
@@ -246,6 +281,13 @@ pub struct BlockPool {
     keys: Box<[KeySlot]>,
     keyed: KeyedBits,
     map: CacheMap,
+    /// The keys a block holds besides the one in its slot (vLLM's
+    /// `cached_block_hashes_by_block`), in the order they were added. Only blocks whose bit in
+    /// `multi` is set have an entry, so blocks with one key never take the mutex. Entries are
+    /// added while the block's slot is held ([`KeySlot::hold`]) and removed while it is being
+    /// cleared, so they never outlive the key in the slot.
+    secondary: Mutex<HashMap<BlockId, Vec<CacheKey>>>,
+    multi: KeyedBits,
     events: Option<SegQueue<KvEvent>>,
 }
 
@@ -280,6 +322,8 @@ impl BlockPool {
             keyed: KeyedBits::new(num_blocks).map_err(oom)?,
             map: CacheMap::with_capacity(if enable_caching { num_blocks } else { 0 })
                 .map_err(oom)?,
+            secondary: Mutex::new(HashMap::new()),
+            multi: KeyedBits::new(num_blocks).map_err(oom)?,
             events: enable_events.then(SegQueue::new),
         })
     }
@@ -345,6 +389,24 @@ impl BlockPool {
     pub fn block_key(&self, id: BlockId) -> Result<Option<CacheKey>> {
         self.check_id(id)?;
         Ok(self.keys[id as usize].get())
+    }
+
+    /// Every key a block is cached under: the one in its slot first, then those added beside it
+    /// ([`BlockPool::add_block_key`]) in the order they were added.
+    pub fn block_keys(&self, id: BlockId) -> Result<Vec<CacheKey>> {
+        let mut keys: Vec<CacheKey> = self.block_key(id)?.into_iter().collect();
+        if !keys.is_empty() && self.multi.get(id) {
+            if let Some(more) = self.secondary_keys().get(&id) {
+                keys.extend_from_slice(more);
+            }
+        }
+        Ok(keys)
+    }
+
+    /// The table of keys beside the slots. Nothing run under its mutex panics (short of running
+    /// out of memory), so a poisoned mutex still holds a consistent table.
+    fn secondary_keys(&self) -> crate::sync::MutexGuard<'_, HashMap<BlockId, Vec<CacheKey>>> {
+        self.secondary.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Takes `n` blocks from the front of the free order, evicting their cache entries.
@@ -644,6 +706,107 @@ impl BlockPool {
         Ok(())
     }
 
+    /// Enters a block already in the cache under one more key, `(hash, group)` (vLLM's
+    /// `cache_partial_block`: a full-attention block larger than the hash block is also keyed
+    /// at the prompt's last hash boundary inside it). A block without a key gets this one as
+    /// its key. Returns whether the key was added: not for the null block, nor when the block
+    /// already has it, caching is off or the map has no room. A concurrent change of the
+    /// block's key (set, eviction, another added key) is waited for: each is a bounded step of a
+    /// thread that waits for nothing this call holds. Eviction removes every key of a block
+    /// together, the slot's first, and waits for an add in progress.
+    /// `info` describes the one hash block the key covers; its store is published as one
+    /// `BlockStored` with that single hash.
+    pub fn add_block_key(
+        &self,
+        id: BlockId,
+        hash: BlockHash,
+        group: GroupId,
+        info: StoreInfo<'_>,
+    ) -> Result<bool> {
+        self.check_id(id)?;
+        if id == NULL_BLOCK {
+            return Ok(false);
+        }
+        if self.states.ref_count(id) == 0 {
+            return Err(CoreError::NotInUse(id));
+        }
+        if !self.enable_caching {
+            return Ok(false);
+        }
+        let key = CacheKey { hash, group };
+        let slot = &self.keys[id as usize];
+        let added = loop {
+            match slot.hold() {
+                Ok(primary) => {
+                    let added = primary != key && self.add_secondary(id, key);
+                    slot.unhold();
+                    break added;
+                }
+                Err(KEY_NONE) => {
+                    let mut refused = false;
+                    let set = slot.set(key, self.keyed.marker(id), |key| {
+                        refused = !self.map.insert(key, id);
+                        !refused
+                    });
+                    if set || refused {
+                        break set;
+                    }
+                    // Another thread keyed the block meanwhile: add beside its key.
+                }
+                // Another thread is writing, clearing or holding the key: a bounded step.
+                Err(_) => spin_wait(),
+            }
+        };
+        if added {
+            if let Some(events) = &self.events {
+                events.push(KvEvent::BlockStored {
+                    block_hashes: vec![hash],
+                    parent_block_hash: info.parent_block_hash,
+                    token_ids: info.token_ids.to_vec(),
+                    block_size: info.block_size,
+                    group_id: group,
+                    lora: info.lora.map(|(name, id)| (name.to_owned(), id)),
+                    extra_keys: Some(vec![info.block_extra_keys.and_then(|f| f(0))]),
+                    first_block: info.first_block,
+                    block_indices: vec![info.first_block],
+                });
+            }
+        }
+        Ok(added)
+    }
+
+    /// Adds `key` beside the key in `id`'s slot, which the caller holds.
+    fn add_secondary(&self, id: BlockId, key: CacheKey) -> bool {
+        let mut table = self.secondary_keys();
+        let keys = table.entry(id).or_default();
+        if keys.contains(&key) {
+            return false;
+        }
+        if !self.map.insert(key, id) {
+            if keys.is_empty() {
+                table.remove(&id);
+            }
+            return false;
+        }
+        keys.push(key);
+        self.multi.marker(id).set();
+        true
+    }
+
+    /// Removes the keys beside `id`'s slot (whose key the caller is clearing) from the table
+    /// and the map, passing each to `removed` in the order they were added.
+    fn remove_secondary(&self, id: BlockId, mut removed: impl FnMut(CacheKey)) {
+        if !self.multi.get(id) {
+            return;
+        }
+        let keys = self.secondary_keys().remove(&id);
+        self.multi.marker(id).clear();
+        for key in keys.into_iter().flatten() {
+            self.map.remove(&key, id);
+            removed(key);
+        }
+    }
+
     /// The block cached under `(hash, group)`, if any (first inserted among duplicates).
     #[inline]
     pub fn lookup(&self, hash: BlockHash, group: GroupId) -> Option<BlockId> {
@@ -672,8 +835,7 @@ impl BlockPool {
     }
 
     fn evict_key(&self, id: BlockId, on_reuse: bool) -> bool {
-        self.keys[id as usize].take(self.keyed.marker(id), |key| {
-            self.map.remove(&key, id);
+        let removed = |key: CacheKey| {
             if let Some(events) = &self.events {
                 events.push(KvEvent::BlockRemoved {
                     block_hash: key.hash,
@@ -681,6 +843,11 @@ impl BlockPool {
                     on_reuse,
                 });
             }
+        };
+        self.keys[id as usize].take(self.keyed.marker(id), |key| {
+            self.map.remove(&key, id);
+            removed(key);
+            self.remove_secondary(id, removed);
         })
     }
 
@@ -704,6 +871,7 @@ impl BlockPool {
         for (id, slot) in self.keys.iter().enumerate() {
             slot.take(self.keyed.marker(id as BlockId), |key| {
                 self.map.remove(&key, id as BlockId);
+                self.remove_secondary(id as BlockId, |_| {});
             });
         }
         if let Some(events) = &self.events {

@@ -28,6 +28,8 @@ pub struct RefBlockPool {
     tail: u32,
     num_free: usize,
     map: HashMap<CacheKey, Vec<BlockId>>,
+    /// Keys a block holds besides `key` (vLLM's `cached_block_hashes_by_block`), in order.
+    secondary: HashMap<BlockId, Vec<CacheKey>>,
     events: Option<Vec<KvEvent>>,
     /// `free_blocks` scratch: releases counted per block during validation, zero between calls.
     pending: Box<[u32]>,
@@ -74,6 +76,7 @@ impl RefBlockPool {
             tail,
             num_free: num_blocks - 1,
             map: HashMap::new(),
+            secondary: HashMap::new(),
             events: enable_events.then(Vec::new),
             pending: boxed_slice("free scratch", num_blocks, |_| 0).map_err(oom)?,
         })
@@ -160,7 +163,11 @@ impl RefBlockPool {
     }
 
     fn evict(&mut self, id: BlockId, on_reuse: bool) {
-        if let Some(key) = self.key[id as usize].take() {
+        let Some(key) = self.key[id as usize].take() else {
+            return;
+        };
+        let more = self.secondary.remove(&id).unwrap_or_default();
+        for key in std::iter::once(key).chain(more) {
             if let Some(holders) = self.map.get_mut(&key) {
                 holders.retain(|&b| b != id);
                 if holders.is_empty() {
@@ -175,6 +182,59 @@ impl RefBlockPool {
                 });
             }
         }
+    }
+
+    pub fn block_keys(&self, id: BlockId) -> Result<Vec<CacheKey>> {
+        self.check_ids(&[id])?;
+        let mut keys: Vec<CacheKey> = self.key[id as usize].into_iter().collect();
+        keys.extend(self.secondary.get(&id).into_iter().flatten());
+        Ok(keys)
+    }
+
+    pub fn add_block_key(
+        &mut self,
+        id: BlockId,
+        hash: BlockHash,
+        group: GroupId,
+        info: StoreInfo<'_>,
+    ) -> Result<bool> {
+        self.check_ids(&[id])?;
+        if id == NULL_BLOCK {
+            return Ok(false);
+        }
+        if self.ref_cnt[id as usize] == 0 {
+            return Err(CoreError::NotInUse(id));
+        }
+        if !self.enable_caching {
+            return Ok(false);
+        }
+        let key = CacheKey { hash, group };
+        match self.key[id as usize] {
+            None => self.key[id as usize] = Some(key),
+            Some(primary) if primary == key => return Ok(false),
+            Some(_) => {
+                let more = self.secondary.entry(id).or_default();
+                if more.contains(&key) {
+                    return Ok(false);
+                }
+                more.push(key);
+            }
+        }
+        self.map.entry(key).or_default().push(id);
+        if let Some(events) = &mut self.events {
+            events.push(KvEvent::BlockStored {
+                block_hashes: vec![hash],
+                parent_block_hash: info.parent_block_hash,
+                token_ids: info.token_ids.to_vec(),
+                block_size: info.block_size,
+                group_id: group,
+                lora: info.lora.map(|(name, id)| (name.to_owned(), id)),
+                extra_keys: Some(vec![info.block_extra_keys.and_then(|f| f(0))]),
+                first_block: info.first_block,
+                block_indices: vec![info.first_block],
+            });
+        }
+        Ok(true)
     }
 
     pub fn get_new_blocks(&mut self, n: usize) -> Result<Vec<BlockId>> {
@@ -319,6 +379,7 @@ impl RefBlockPool {
             return false;
         }
         self.map.clear();
+        self.secondary.clear();
         self.key.iter_mut().for_each(|k| *k = None);
         if let Some(events) = &mut self.events {
             events.push(KvEvent::AllBlocksCleared);

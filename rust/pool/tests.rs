@@ -548,3 +548,93 @@ fn the_cached_bit_follows_the_key_through_every_transition() {
         );
     }
 }
+
+#[test]
+fn a_second_key_is_kept_beside_the_first_and_leaves_with_it() {
+    let pool = BlockPool::with_options(4, true, true).unwrap();
+    let ids = pool.get_new_blocks(2).unwrap();
+    let key = |x: u128| CacheKey {
+        hash: h(x),
+        group: 0,
+    };
+    // A block without a key gets the added key as its key.
+    assert!(pool
+        .add_block_key(ids[1], h(8), 0, StoreInfo::default())
+        .unwrap());
+    assert_eq!(pool.block_keys(ids[1]).unwrap(), vec![key(8)]);
+    cache(&pool, &ids[..1], &[5], 0);
+    assert!(pool
+        .add_block_key(ids[0], h(6), 0, StoreInfo::default())
+        .unwrap());
+    // Adding a key the block has is a no-op, its own key included.
+    assert!(!pool
+        .add_block_key(ids[0], h(6), 0, StoreInfo::default())
+        .unwrap());
+    assert!(!pool
+        .add_block_key(ids[0], h(5), 0, StoreInfo::default())
+        .unwrap());
+    assert_eq!(pool.block_keys(ids[0]).unwrap(), vec![key(5), key(6)]);
+    assert_eq!(pool.lookup(h(6), 0), Some(ids[0]));
+    assert_eq!(pool.num_cached_keys(), 3);
+    // The null block, a free block and an unknown id.
+    assert_eq!(
+        pool.add_block_key(0, h(1), 0, StoreInfo::default()),
+        Ok(false)
+    );
+    assert_eq!(
+        pool.add_block_key(3, h(1), 0, StoreInfo::default()),
+        Err(CoreError::NotInUse(3))
+    );
+    assert!(pool
+        .add_block_key(9, h(1), 0, StoreInfo::default())
+        .is_err());
+    pool.take_events();
+    // Freed, both blocks are cached (back of the free order, block 3 before them); reused,
+    // every key goes, a block's own first.
+    pool.free_blocks(&ids).unwrap();
+    assert_eq!(pool.free_order(), vec![3, ids[0], ids[1]]);
+    pool.get_new_blocks(3).unwrap();
+    let removed: Vec<BlockHash> = pool
+        .take_events()
+        .into_iter()
+        .filter_map(|e| match e {
+            KvEvent::BlockRemoved { block_hash, .. } => Some(block_hash),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(removed, vec![h(5), h(6), h(8)]);
+    assert_eq!(pool.num_cached_keys(), 0);
+    assert_eq!(pool.lookup(h(6), 0), None);
+}
+
+#[test]
+fn an_added_key_the_map_has_no_room_for_is_refused_without_waiting() {
+    // A map that cannot grow: every allocation from here on fails.
+    let pool = BlockPool::with_options(3, true, false).unwrap();
+    let ids = pool.get_new_blocks(2).unwrap();
+    cache(&pool, &ids[..1], &[1], 0);
+    let mut refused = None;
+    for i in 0..200u128 {
+        crate::pool::alloc::inject::fail_after(Some(0));
+        let added = pool
+            .add_block_key(ids[0], h(100 + i), 0, StoreInfo::default())
+            .unwrap();
+        if !added {
+            refused = Some(i);
+            break;
+        }
+    }
+    let refused = refused.expect("the map filled up");
+    // Still no room: a block without a key is refused too (and keeps none).
+    crate::pool::alloc::inject::fail_after(Some(0));
+    let added = pool.add_block_key(ids[1], h(7), 0, StoreInfo::default());
+    crate::pool::alloc::inject::fail_after(None);
+    assert_eq!(added, Ok(false));
+    assert_eq!(pool.block_key(ids[1]).unwrap(), None);
+    assert!(!pool.keyed_bit(ids[1]));
+    assert_eq!(pool.block_keys(ids[0]).unwrap().len(), 1 + refused as usize);
+    assert_eq!(pool.num_cached_keys(), 1 + refused as usize);
+    // Evicting the block removes every key it got.
+    pool.evict_blocks(&ids[..1]).unwrap();
+    assert_eq!(pool.num_cached_keys(), 0);
+}
