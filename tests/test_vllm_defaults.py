@@ -326,6 +326,43 @@ def test_stored_events_carry_vllms_fields() -> None:
     assert stored.parent_block_hash is not None
 
 
+def test_a_full_block_larger_than_the_hash_block_is_keyed_again_at_the_prompt_tail() -> None:
+    # Blocks of 8 hashed every 4 (a prefix match unit of 4): a 14-token prompt's last boundary
+    # a resend can match is 13 // 4 * 4 = 12, inside full block 1. Hits stop at multiples of 8,
+    # so the key at 12 comes with block 1's own, once 16 tokens are computed.
+    full8 = {"kind": "full", "block_size": 8}
+    sw8 = {"kind": "sliding_window", "block_size": 8, "sliding_window": 16}
+    m = hk.KVCacheManager([full8, sw8], 12, 1024, hash_block_size=4, enable_kv_events=True)
+    req = hk.Request("a", list(range(14)), block_size=4)
+    m.allocate_slots(req, 14)
+    (block0,) = [e for e in m.take_events() if isinstance(e, hk.BlockStored) and e.group_id == 0]
+    req.num_computed_tokens = 14
+    req.append_output_token_ids([100, 101])
+    m.allocate_slots(req, 2)
+    stored = [e for e in m.take_events() if isinstance(e, hk.BlockStored) and e.group_id == 0]
+    assert [(e.block_size, e.first_block, len(e.block_hashes)) for e in stored] == [
+        (8, 1, 1),
+        (4, 2, 1),
+    ]
+    block1, tail = stored
+    assert tail.token_ids == list(range(8, 12))
+    assert tail.parent_block_hash == block0.block_hashes[0]  # the hash at 8 tokens
+    # Again: nothing new. A 13-token resend hits the one whole block before the boundary.
+    m.cache_blocks(req, 16)
+    assert not [e for e in m.take_events() if isinstance(e, hk.BlockStored) and e.group_id == 0]
+    other = hk.Request("b", list(range(13)), block_size=4)
+    assert m.get_computed_blocks(other)[1] == 8
+    # Reused, block 1 loses both keys, its own first.
+    m.free(req)
+    m.take_events()
+    # Other requests take all but one free block (each takes a full and a window block).
+    takers = [hk.Request(f"c{i}", [1000 + i] * 8, block_size=4) for i in range(6)]
+    assert [m.allocate_slots(t, 8) is not None for t in takers] == [True] * 5 + [False]
+    removed = [e.block_hash for e in m.take_events() if isinstance(e, hk.BlockRemoved)]
+    at = removed.index(block1.block_hashes[0])
+    assert removed[at + 1] == tail.block_hashes[0]
+
+
 def test_a_masked_out_range_still_publishes_an_empty_stored_event() -> None:
     # Retention 0, window 5 (a hit needs 1 block of 4): a 26-token prompt keeps only block 5,
     # before its replay boundary 24. A first chunk of 20 tokens offers blocks 0..4 and stores

@@ -14,7 +14,7 @@ use super::spec::{AttentionKind, GroupSpec, ManagerConfig};
 use super::RunningHorizon;
 use crate::error::{bad_config, Result};
 use crate::pool::BlockPool;
-use crate::types::{BlockHash, BlockId, GroupId};
+use crate::types::{BlockHash, BlockId, CacheKey, GroupId};
 
 /// Which coordinator vLLM would build for this layout.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -654,11 +654,13 @@ impl Coordinator {
     /// running step's no-op.
     pub(crate) fn running_horizon(
         &self,
+        pool: &BlockPool,
         tables: &[GroupTable],
-        num_prompt_tokens: usize,
+        request: &Request,
         enable_caching: bool,
         max_model_len: usize,
     ) -> Option<RunningHorizon> {
+        let num_prompt_tokens = request.num_prompt_tokens();
         if !self.fast_running || tables.iter().any(|t| t.num_cached.is_none()) {
             return None;
         }
@@ -678,10 +680,64 @@ impl Coordinator {
                 let hint = next - 1;
                 let at = first_at_least(|tokens| self.cacheable_tokens(m, tokens), next, hint);
                 horizon.cache = horizon.cache.min(at);
+                if m.spec.is_full() && bs != self.hash_block_size {
+                    horizon.cache = horizon
+                        .cache
+                        .min(self.tail_key_horizon(pool, m, t, request));
+                }
             }
             horizon.removal = horizon.removal.min(m.removal_horizon(t, num_prompt_tokens));
         }
         Some(horizon)
+    }
+}
+
+impl Coordinator {
+    /// The fewest tokens to cache at which a full-attention group with blocks larger than the
+    /// hash block would key the block holding the prompt's tail (see
+    /// `GroupManager::cache_prompt_tail_key`): `usize::MAX` when it has that key or never gets
+    /// one, 0 while the prompt's hashes are still arriving (lookahead hashing: the boundary
+    /// moves with them).
+    fn tail_key_horizon(
+        &self,
+        pool: &BlockPool,
+        m: &GroupManager,
+        t: &GroupTable,
+        request: &Request,
+    ) -> usize {
+        let (bs, hash_bs) = (m.spec.block_size, self.hash_block_size);
+        let hashes = request.block_hashes();
+        let prompt = request.num_prompt_tokens();
+        let limit = if m.use_eagle {
+            prompt
+        } else {
+            prompt.saturating_sub(1)
+        };
+        let full = limit / hash_bs;
+        if hashes.len() < full {
+            return 0;
+        }
+        let boundary = full * hash_bs;
+        if boundary == 0 || boundary % bs == 0 {
+            return usize::MAX;
+        }
+        let key = CacheKey {
+            hash: hashes[full - 1],
+            group: m.id,
+        };
+        let keyed = t
+            .blocks
+            .get(boundary / bs)
+            .and_then(|&block| pool.block_keys(block).ok())
+            .is_some_and(|keys| keys.contains(&key));
+        if keyed {
+            return usize::MAX;
+        }
+        first_at_least(
+            |tokens| self.cacheable_tokens(m, tokens),
+            boundary,
+            boundary - 1,
+        )
     }
 }
 

@@ -990,8 +990,9 @@ impl KVCacheManager {
     ) -> Result<Option<RunningHorizon>> {
         let state = self.state(request)?;
         Ok(self.coordinator.running_horizon(
+            &self.pool,
             &state.tables,
-            state.request.num_prompt_tokens(),
+            &state.request,
             self.enable_caching,
             self.max_model_len,
         ))

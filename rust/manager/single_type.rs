@@ -534,10 +534,12 @@ impl GroupManager {
                 hash_buf.extend((num_cached..num_full).map(|i| view.get(i)));
                 hash_buf.as_slice()
             };
-            if self.spec.prefill_checkpoint_alignment() > 0 {
-                // A block holding an exported checkpoint is keyed at the checkpoint, a shorter
-                // prefix than its slot: caching the slot's full prefix re-keys it (vLLM's
-                // partial-to-full promotion in `cache_full_blocks`).
+            if self.spec.prefill_checkpoint_alignment() > 0
+                || (self.spec.is_full() && bs != ctx.hash_block_size)
+            {
+                // A block holding an exported checkpoint (or keyed at a prompt tail inside it)
+                // is keyed at a shorter prefix than its slot: caching the slot's full prefix
+                // re-keys it (vLLM's partial-to-full promotion in `cache_full_blocks`).
                 for (&block, &hash) in blocks.iter().zip(block_hashes) {
                     if block == NULL_BLOCK {
                         continue;
@@ -568,7 +570,56 @@ impl GroupManager {
         }
         if self.spec.is_mamba_align() {
             self.cache_mamba_prompt_tail(pool, table, request, num_tokens, ctx, effects)?;
+        } else if self.spec.is_full() && bs != ctx.hash_block_size {
+            self.cache_prompt_tail_key(pool, table, request, num_tokens, ctx)?;
         }
+        Ok(())
+    }
+
+    /// Full attention with blocks larger than the hash block: also keys the block holding the
+    /// prompt's last hash boundary at that boundary, when the boundary falls inside the block
+    /// and is computed (vLLM's `FullAttentionManager._cache_partial_tail_block`). Hits are
+    /// aligned to whole blocks here, so the key is not read by lookups; it is published in KV
+    /// events and removed with the block's other key.
+    fn cache_prompt_tail_key(
+        &self,
+        pool: &BlockPool,
+        table: &GroupTable,
+        request: &Request,
+        num_tokens: usize,
+        ctx: &CacheCtx<'_>,
+    ) -> Result<()> {
+        let bs = self.bs();
+        let hash_bs = ctx.hash_block_size;
+        let hashes = request.block_hashes();
+        // A resent prompt matches at most all but its last token; EAGLE lookups read it whole.
+        let limit = if self.use_eagle {
+            request.num_prompt_tokens()
+        } else {
+            request.num_prompt_tokens().saturating_sub(1)
+        };
+        let boundary = (limit / hash_bs).min(hashes.len()) * hash_bs;
+        if boundary == 0 || boundary > num_tokens || boundary % bs == 0 {
+            return Ok(());
+        }
+        let Some(&block) = table.blocks.get(boundary / bs) else {
+            return Ok(());
+        };
+        if block == NULL_BLOCK {
+            return Ok(());
+        }
+        let index = boundary / hash_bs - 1;
+        let extra = request.extra_keys();
+        let keys_of = |_| extra.event_keys(boundary - hash_bs, boundary);
+        let info = StoreInfo {
+            parent_block_hash: index.checked_sub(1).map(|i| hashes[i]),
+            token_ids: request.token_range(boundary - hash_bs, boundary),
+            block_size: hash_bs as u32,
+            lora: extra.lora_name.as_deref().map(|n| (n, extra.lora_id)),
+            block_extra_keys: pool.events_enabled().then_some(&keys_of as _),
+            first_block: index,
+        };
+        pool.add_block_key(block, hashes[index], self.id, info)?;
         Ok(())
     }
 

@@ -265,8 +265,9 @@ fn sliding_window_caches_only_blocks_reachable_at_alignment_boundaries() {
     m.add_request("a", &tokens(0, 128), ExtraKeys::default())
         .unwrap();
     admit(&mut m, "a").unwrap();
-    // 128 tokens: full 4 blocks, SWA blocks 1, 3, 5, 7.
-    assert_eq!(m.num_cached_keys(), 8);
+    // 128 tokens: full 4 blocks (block 3 keyed again at the prompt's last hash boundary a
+    // resend can match, 127 // 16 * 16 = 112), SWA blocks 1, 3, 5, 7.
+    assert_eq!(m.num_cached_keys(), 9);
     m.add_request("b", &tokens(0, 129), ExtraKeys::default())
         .unwrap();
     assert_eq!(m.get_computed_blocks("b").unwrap().num_computed_tokens, 128);
@@ -1195,6 +1196,8 @@ fn horizon_configs() -> Vec<ManagerConfig> {
             GroupSpec::new(AttentionKind::Rswa { window: 6 }, 4),
         ],
         vec![GroupSpec::full(4), GroupSpec::sliding_window(8, 9)],
+        // Full blocks larger than the hash block: keyed again at the prompt's tail.
+        vec![GroupSpec::full(8), GroupSpec::sliding_window(4, 9)],
     ];
     let mut configs = Vec::new();
     for groups in layouts {
@@ -1212,7 +1215,12 @@ fn horizon_configs() -> Vec<ManagerConfig> {
             num_prefill_lookahead: 3,
             ..dense.clone()
         };
-        configs.extend([dense, sparse, no_caching, eagle, mtp]);
+        // EAGLE-3's lookahead hashes: a block's hash waits for the token after it.
+        let lookahead = ManagerConfig {
+            num_hash_lookahead_tokens: 1,
+            ..eagle.clone()
+        };
+        configs.extend([dense, sparse, no_caching, eagle, mtp, lookahead]);
     }
     // EAGLE with chunked local attention is refused, as by vLLM.
     configs.retain(|c| KVCacheManager::new(c).is_ok());
@@ -1315,6 +1323,74 @@ proptest! {
             }
         }
     }
+}
+
+/// Blocks of 8 tokens hashed every 4: the key a prompt's tail block gets inside it (at
+/// the last hash boundary a resend can match) bounds the horizon too. Under EAGLE with two
+/// lookahead hashes, or with multi-token prediction re-prefilling two tokens, that key comes
+/// on a decode step that needs no block and fills none: a step after the one that crossed the
+/// boundary. Every step the horizon covers changes nothing.
+#[test]
+fn the_prompt_tail_key_bounds_the_running_horizon() {
+    // Keys of the full-attention group's blocks, and how many of its blocks are cached whole.
+    let keys = |m: &KVCacheManager| -> usize {
+        let table = m.block_ids("r", 0).unwrap();
+        table
+            .iter()
+            .map(|&b| m.pool().block_keys(b).unwrap().len())
+            .sum()
+    };
+    let full_cached = |m: &KVCacheManager| m.state("r").unwrap().tables[0].num_cached;
+    // Hashes every 4 tokens (a prefix match unit below every block size) and a wide window
+    // (blocks leave it rarely): most steps are inside the horizon.
+    let groups = vec![GroupSpec::full(8), GroupSpec::sliding_window(8, 33)];
+    let mut checked_tail_steps = 0;
+    for (eagle, lookahead, prefill_lookahead) in [
+        (false, 0, 0),
+        (true, 0, 0),
+        (true, 1, 0),
+        (true, 2, 0),
+        (true, 0, 3),
+        (true, 2, 3),
+    ] {
+        for prompt in 9..=30usize {
+            let mut config = ManagerConfig::new(groups.clone(), 64, 256);
+            config.use_eagle = eagle;
+            config.num_hash_lookahead_tokens = lookahead;
+            config.num_prefill_lookahead = prefill_lookahead;
+            config.hash_block_size = Some(4);
+            config.enable_events = true;
+            let mut m = KVCacheManager::new(&config).unwrap();
+            m.add_request("r", &tokens(0, prompt), ExtraKeys::default())
+                .unwrap();
+            admit(&mut m, "r").unwrap();
+            for c in prompt..prompt + 24 {
+                m.append_token_ids("r", &[500 + c as u32]).unwrap();
+                let inside = m
+                    .running_horizon("r")
+                    .unwrap()
+                    .is_some_and(|h| c < h.slots && c + 1 < h.cache && c < h.removal);
+                let before = observable(&m, &["r"]);
+                let (keys_before, cached_before) = (keys(&m), full_cached(&m));
+                m.take_events();
+                let got = m.allocate_slots("r", &new_tokens(1, c)).unwrap().unwrap();
+                let filled = got.iter().any(|g| !g.is_empty());
+                let changed = filled || before != observable(&m, &["r"]);
+                let case =
+                    format!("{eagle}/{lookahead}/{prefill_lookahead}, prompt {prompt}, at {c}");
+                if inside {
+                    assert!(!changed, "{case}");
+                    assert!(m.take_events().is_empty(), "{case}");
+                }
+                // A step that needed no block, filled none, and keyed a full-attention block a
+                // second time: the case this test is for.
+                if !filled && full_cached(&m) == cached_before && keys(&m) > keys_before {
+                    checked_tail_steps += 1;
+                }
+            }
+        }
+    }
+    assert!(checked_tail_steps > 0, "no decode step keyed a prompt tail");
 }
 
 /// Decoding one token per step, a request's calls leave the horizon only where a call does

@@ -3,7 +3,7 @@
 //! kinds. Expected values are worked out from vLLM's rules (shared/reference), not from traces.
 
 use super::*;
-use crate::types::CacheKey;
+use crate::types::{BlockHash, CacheKey};
 
 fn tokens(start: u32, n: usize) -> Vec<u32> {
     (start..start + n as u32).collect()
@@ -990,5 +990,163 @@ proptest! {
             m.free(id).unwrap();
         }
         prop_assert_eq!(m.num_free_blocks(), num_blocks - 1);
+    }
+}
+
+// ----- prompt-tail keys of full-attention blocks larger than the hash block ---------------------
+
+/// Full attention of block 32 beside a sliding window of block 16: hashes every 16 tokens, hits
+/// at 32.
+fn full32_swa16(eagle: bool) -> KVCacheManager {
+    let mut c = config(
+        vec![GroupSpec::full(32), GroupSpec::sliding_window(16, 32)],
+        64,
+        Some(0),
+    );
+    c.enable_events = true;
+    c.use_eagle = eagle;
+    KVCacheManager::new(&c).unwrap()
+}
+
+fn stored(events: &[KvEvent], group: GroupId) -> Vec<(Vec<BlockHash>, u32, usize, usize)> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            KvEvent::BlockStored {
+                block_hashes,
+                block_size,
+                group_id,
+                first_block,
+                token_ids,
+                ..
+            } if *group_id == group => Some((
+                block_hashes.clone(),
+                *block_size,
+                *first_block,
+                token_ids.len(),
+            )),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_full_block_larger_than_the_hash_block_is_also_keyed_at_the_prompt_tail_inside_it() {
+    // 56-token prompt: the last hash boundary a resend can match is 55 // 16 * 16 = 48, inside
+    // full block 1 (tokens 32..64). Hybrid caching stops at multiples of 32, so the key at 48 is
+    // added once block 1 is cached whole (64 computed tokens), beside its own key.
+    let mut m = full32_swa16(false);
+    m.add_request("a", &tokens(0, 56), ExtraKeys::default())
+        .unwrap();
+    let new = m.allocate_slots("a", &chunk(56, 0)).unwrap().unwrap();
+    let block1 = new[0][1];
+    let hashes = |m: &KVCacheManager| m.request("a").unwrap().block_hashes().to_vec();
+    assert_eq!(m.pool().block_keys(block1).unwrap(), vec![]);
+    m.take_events();
+    for t in 56..64u32 {
+        m.append_token_ids("a", &[1000 + t]).unwrap();
+        m.allocate_slots("a", &chunk(1, t as usize + 1))
+            .unwrap()
+            .unwrap();
+    }
+    m.cache_blocks("a", 64).unwrap();
+    let h = hashes(&m);
+    let key = |i: usize| CacheKey {
+        hash: h[i],
+        group: 0,
+    };
+    assert_eq!(m.pool().block_keys(block1).unwrap(), vec![key(3), key(2)]);
+    // Published as vLLM does: the whole block, then one hash block ending at 48 (parent: the
+    // hash at 32).
+    let events = m.take_events();
+    assert_eq!(
+        stored(&events, 0),
+        vec![(vec![h[3]], 32, 1, 32), (vec![h[2]], 16, 2, 16)]
+    );
+    let parent = events.iter().rev().find_map(|e| match e {
+        KvEvent::BlockStored {
+            group_id: 0,
+            parent_block_hash,
+            ..
+        } => Some(*parent_block_hash),
+        _ => None,
+    });
+    assert_eq!(parent, Some(Some(h[1])));
+    // Caching again adds nothing; the tail key is never a hit of its own (hits are whole
+    // blocks): a 48-token prefix hits one block.
+    m.cache_blocks("a", 64).unwrap();
+    assert!(stored(&m.take_events(), 0).is_empty());
+    m.add_request("b", &tokens(0, 49), ExtraKeys::default())
+        .unwrap();
+    assert_eq!(m.get_computed_blocks("b").unwrap().num_computed_tokens, 32);
+    // Freed, the block is cached (back of the free order); reused, both keys go, its own first.
+    m.free("a").unwrap();
+    assert_eq!(m.pool().free_order().last(), Some(&new[0][0]));
+    let keys_before = m.num_cached_keys();
+    let all = m.pool().num_free_blocks();
+    let taken = m.pool().get_new_blocks(all).unwrap();
+    assert!(taken.contains(&block1));
+    let removed: Vec<BlockHash> = m
+        .take_events()
+        .into_iter()
+        .filter_map(|e| match e {
+            KvEvent::BlockRemoved {
+                block_hash,
+                group_id: 0,
+                ..
+            } => Some(block_hash),
+            _ => None,
+        })
+        .collect();
+    let at = removed.iter().position(|&x| x == h[3]).unwrap();
+    assert_eq!(removed[at + 1], h[2]);
+    assert!(keys_before >= 3);
+    assert_eq!(m.num_cached_keys(), 0);
+}
+
+#[test]
+fn the_prompt_tail_key_sits_at_the_last_boundary_a_resend_can_match() {
+    // 40-token prompt (+ outputs): boundary 39 // 16 * 16 = 32 is a whole-block boundary, no
+    // tail key; 56 tokens: 48. EAGLE reads the whole prompt: a 64-token prompt's boundary is
+    // 64 (a whole block), without EAGLE 48.
+    for (eagle, prompt, tail) in [
+        (false, 40, None),
+        (false, 56, Some(48)),
+        (false, 64, Some(48)),
+        (true, 64, None),
+        (true, 56, Some(48)),
+    ] {
+        let mut m = full32_swa16(eagle);
+        m.add_request("a", &tokens(0, prompt), ExtraKeys::default())
+            .unwrap();
+        m.allocate_slots("a", &chunk(prompt, 0)).unwrap().unwrap();
+        let mut computed = prompt;
+        while computed < 96 {
+            m.append_token_ids("a", &[2000 + computed as u32]).unwrap();
+            computed += 1;
+            m.allocate_slots("a", &chunk(1, computed)).unwrap().unwrap();
+        }
+        m.cache_blocks("a", 96).unwrap();
+        let h = m.request("a").unwrap().block_hashes().to_vec();
+        let table = m.block_ids("a", 0).unwrap().to_vec();
+        let expected: Vec<usize> = match tail {
+            Some(b) => vec![b / 16 - 1],
+            None => vec![],
+        };
+        let extra: Vec<usize> = table
+            .iter()
+            .flat_map(|&b| m.pool().block_keys(b).unwrap().into_iter().skip(1))
+            .map(|k| h.iter().position(|&x| x == k.hash).unwrap())
+            .collect();
+        assert_eq!(extra, expected, "eagle {eagle}, prompt {prompt}");
+        let full_keys: usize = table
+            .iter()
+            .map(|&b| m.pool().block_keys(b).unwrap().len())
+            .sum();
+        assert_eq!(
+            full_keys,
+            3 + expected.len(),
+            "eagle {eagle}, prompt {prompt}"
+        );
     }
 }

@@ -74,16 +74,25 @@ def recorded_events(
         ("gpt-oss", 330, False, "eagle3"),
         # Multi-token prediction: exported Mamba checkpoints re-keyed at their slot's prefix.
         ("granite4", 700, False, "mtp"),
+        # Hashes every 8 tokens, blocks of 16: full-attention blocks also stored (and removed)
+        # under the prompt's last hash boundary inside them.
+        ("gpt-oss", 330, False, "unit8"),
+        ("gemma3", 1400, True, "unit8"),
+        ("gpt-oss", 330, False, "eagle3+unit8"),
     ],
 )
 def test_events_equal_stock_vllms(layout: str, num_blocks: int, dense: bool, eagle: str) -> None:
+    # "+unit8" (or "unit8" alone): a prefix match unit of 8 tokens.
+    unit8 = eagle.endswith("unit8")
+    method = eagle.removesuffix("unit8").removesuffix("+")
     options = harness.Options(
         layout=layout,
         num_blocks=num_blocks,
         kv_events=True,
         dense_retention=dense,
-        eagle_tokens=2 if eagle else 0,
-        eagle_method=eagle or "eagle3",
+        eagle_tokens=2 if method else 0,
+        eagle_method=method or "eagle3",
+        prefix_match_unit=8 if unit8 else None,
     )
     expected = recorded_events(options)
     got = recorded_events(options, hkv.Scheduler)

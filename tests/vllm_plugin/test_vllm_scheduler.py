@@ -452,35 +452,32 @@ def test_unsupported_manager_arguments_have_a_fallback_reason(
     "layout,num_blocks,changes",
     [
         ("gpt-oss", 330, {"dense_retention": True}),
+        ("gpt-oss", 290, {}),
         ("gemma3", 1400, {}),
         ("gemma3", 1400, {"eagle_tokens": 3, "eagle_lookahead_hashes": False}),
+        ("gpt-oss", 330, {"async_scheduling": True, "eagle_tokens": 2, "eagle_method": "mtp"}),
     ],
 )
-def test_a_prefix_match_unit_below_the_full_attention_block_falls_back(
+def test_same_outputs_as_vllm_with_a_prefix_match_unit_below_the_full_attention_block(
     layout: str, num_blocks: int, changes: dict
 ) -> None:
-    # vLLM then keys each prompt's tail block at its last hash boundary as well (a partial
-    # key): that key shows in KV events and in the free order, so vLLM's own manager serves
-    # these configurations.
+    # Requests hashed every 8 tokens, blocks of 16: vLLM also keys each full-attention block
+    # holding a prompt's last hash boundary at that boundary (a second key of the block).
     settings = {"dense_retention": False, **changes}
     options = harness.Options(layout=layout, num_blocks=num_blocks, prefix_match_unit=8, **settings)
-    scheduler = harness.build_scheduler(options, hkv.Scheduler)
-    assert scheduler.hash_block_size == 8
-    assert type(scheduler.kv_cache_manager) is VllmKVCacheManager
-    options = dataclasses.replace(options, prefix_match_unit=None)
-    assert harness.build_scheduler(options, hkv.Scheduler).uses_hybrid_kv
+    stock = harness.build_scheduler(options)
+    assert (stock.block_size, stock.hash_block_size) == (16, 8)
+    run = run_both(options, WORKLOAD)
+    assert run.preempted > 0 and run.hits > 0
 
 
-def test_a_full_attention_block_larger_than_the_hash_block_falls_back() -> None:
-    # Full attention with twice the window groups' block size: hashes every 16 tokens, and
-    # vLLM gives the full blocks of 32 partial tail keys.
+def test_a_full_attention_block_larger_than_the_hash_block_is_served() -> None:
+    # Full attention with twice the window groups' block size: hashes every 16 tokens, full
+    # blocks of 32 with a second key at a prompt's tail.
     ctx = _context(harness.Options(layout="gpt-oss"))
     full = ctx.kv_cache_config.kv_cache_groups[0]
     full.kv_cache_spec = dataclasses.replace(full.kv_cache_spec, block_size=32)
-    reason = hkv.fallback_reason(ctx)
-    assert reason is not None and reason.startswith("full-attention blocks larger")
-    # The 16/32 layout served above has its larger blocks in the window group.
-    assert hkv.fallback_reason(_context(harness.Options(layout="mixed-bs"))) is None
+    assert hkv.fallback_reason(ctx) is None
 
 
 def test_a_mamba_block_larger_than_the_hash_block_falls_back() -> None:

@@ -68,43 +68,27 @@ def _unknown_group(ctx: BuildContext) -> str | None:
     return None
 
 
-def _block_larger_than_hash_block(
-    ctx: BuildContext, matches: Callable[[KVCacheSpec], bool], what: str
-) -> str | None:
-    """The first group `matches` accepts whose block is larger than the hash block, named."""
-    hash_block_size = ctx.manager_kwargs.get("hash_block_size")
-    if not ctx.caching or hash_block_size is None:
-        return None
-    for index, spec in enumerate(ctx.specs):
-        if matches(spec) and spec.block_size > hash_block_size:
-            return (
-                f"group {index} is a {what} group of block size {spec.block_size} "
-                f"> hash_block_size={hash_block_size}"
-            )
-    return None
-
-
 def _partial_hash_hits(ctx: BuildContext) -> str | None:
     # vLLM's hybrid coordinator turns fine-grained partial hash hits on when a Mamba "align"
     # group's block is larger than the hash block (`partial_hash_hits_enabled`); with them,
     # `enable_mamba_shared_prefix_checkpoint` and `cache_hit_alignment_tokens` below the
     # scheduler block size take effect too. Groups of different block sizes without a larger
-    # Mamba block (hits at the lcm of the block sizes, hashes at their gcd) are served.
-    return _block_larger_than_hash_block(
-        ctx,
-        lambda spec: isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align",
-        "Mamba",
-    )
-
-
-def _partial_tail_keys(ctx: BuildContext) -> str | None:
-    # vLLM's FullAttentionManager.cache_blocks also keys a block at the prompt's last hash
-    # boundary inside it (`_cache_partial_tail_block`) whenever its block is larger than the
-    # hash block, partial hits on or off: that key makes the block cached when freed (the back
-    # of the free order) and is published in KV events.
-    return _block_larger_than_hash_block(
-        ctx, lambda spec: type(spec) in (FullAttentionSpec, MLAAttentionSpec), "full-attention"
-    )
+    # Mamba block (hits at the lcm of the block sizes, hashes at their gcd, full-attention
+    # blocks also keyed at the prompt's last hash boundary inside them) are served.
+    hash_block_size = ctx.manager_kwargs.get("hash_block_size")
+    if not ctx.caching or hash_block_size is None:
+        return None
+    for index, spec in enumerate(ctx.specs):
+        if (
+            isinstance(spec, MambaSpec)
+            and spec.mamba_cache_mode == "align"
+            and spec.block_size > hash_block_size
+        ):
+            return (
+                f"group {index} is a Mamba group of block size {spec.block_size} "
+                f"> hash_block_size={hash_block_size}"
+            )
+    return None
 
 
 Check = Callable[[BuildContext], "str | bool | None"]
@@ -127,12 +111,6 @@ FALLBACKS: tuple[tuple[str, Check, str], ...] = (
         _partial_hash_hits,
         "fine-grained partial hash hits (multi-key blocks, copy-on-write of a partial tail) "
         "are not implemented",
-    ),
-    (
-        "full-attention blocks larger than the hash block",
-        _partial_tail_keys,
-        "the partial prompt-tail keys vLLM gives such blocks (multi-key blocks) are not "
-        "implemented",
     ),
     (
         "decode/prefill context parallelism",
