@@ -178,3 +178,28 @@ def test_the_replay_subcommand_writes_an_identical_trace(
     assert rc == 0
     assert "finished" in capsys.readouterr().out
     assert "IDENTICAL" in trace_diff(conformance_dir, out, name)
+
+
+def test_a_header_gives_the_manager_vllms_resolved_block_sizes(conformance_dir: Path) -> None:
+    # vLLM records the block sizes it resolved (`prefix_match_unit`, or the gcd and lcm of the
+    # groups' block sizes); the replay's manager takes them rather than resolving its own.
+    _, header, manager = load_fixture(conformance_dir, "gpt-oss.shared-prefix")
+    kv = header["kv_cache"]
+    assert (manager.scheduler_block_size, manager.hash_block_size) == (
+        kv["scheduler_block_size"],
+        kv["hash_block_size"],
+    )
+    finer = {**header, "kv_cache": {**kv, "hash_block_size": kv["hash_block_size"] // 2}}
+    manager = manager_from_header(finer, 4096)
+    assert manager.hash_block_size == kv["hash_block_size"] // 2
+    coarser = {**header, "kv_cache": {**kv, "scheduler_block_size": 2 * kv["scheduler_block_size"]}}
+    assert manager_from_header(coarser, 4096).scheduler_block_size == 2 * kv["scheduler_block_size"]
+    # Older headers without them: the manager resolves them as vLLM does.
+    bare = {
+        **header,
+        "kv_cache": {
+            k: v for k, v in kv.items() if k not in ("scheduler_block_size", "hash_block_size")
+        },
+    }
+    manager = manager_from_header(bare, 4096)
+    assert (manager.scheduler_block_size, manager.hash_block_size) == (16, 16)

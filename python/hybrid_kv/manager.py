@@ -39,7 +39,8 @@ def manager_from_plan(plan: KVCachePlan, **kwargs: Any) -> KVCacheManager:
 def manager_from_header(
     header: dict[str, Any], max_model_len: int, max_in_flight_tokens: int | None = None
 ) -> KVCacheManager:
-    """A manager with exactly the KV cache groups, pool size, block sizes and prefix-cache
+    """A manager with exactly the KV cache groups, pool size, block sizes (the scheduler's and
+    the hash block size, as vLLM resolved them, when the header gives them) and prefix-cache
     retention of a vLLM `kvtrace/1` header. `max_in_flight_tokens` is what vLLM's scheduler
     passes (its `max_num_batched_tokens` for a synchronous engine)."""
     kv = header["kv_cache"]
@@ -62,4 +63,6 @@ def manager_from_header(
         max_model_len,
         max_in_flight_tokens=max_in_flight_tokens,
         prefix_cache_retention_interval=kv.get("prefix_cache_retention_interval"),
+        scheduler_block_size=kv.get("scheduler_block_size"),
+        hash_block_size=kv.get("hash_block_size"),
     )
