@@ -111,6 +111,36 @@ pub struct StoreInfo<'a> {
     pub first_block: usize,
 }
 
+impl StoreInfo<'_> {
+    /// The `BlockStored` event of a call that stored `block_hashes` in `group` (the blocks at
+    /// `block_indices`, each with its entry of `extra_keys`: empty when none was stored).
+    pub(crate) fn stored_event(
+        &self,
+        group: GroupId,
+        block_hashes: Vec<BlockHash>,
+        extra_keys: Vec<Option<Vec<EventKey>>>,
+        block_indices: Vec<usize>,
+    ) -> KvEvent {
+        KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash: self.parent_block_hash,
+            token_ids: self.token_ids.to_vec(),
+            block_size: self.block_size,
+            group_id: group,
+            lora: self.lora.map(|(name, id)| (name.to_owned(), id)),
+            extra_keys: (!extra_keys.is_empty()).then_some(extra_keys),
+            first_block: self.first_block,
+            block_indices,
+        }
+    }
+
+    /// The `BlockStored` event of one block stored in `group` under `hash`, the call's first.
+    pub(crate) fn stored_one(&self, group: GroupId, hash: BlockHash) -> KvEvent {
+        let extra_keys = vec![self.block_extra_keys.and_then(|f| f(0))];
+        self.stored_event(group, vec![hash], extra_keys, vec![self.first_block])
+    }
+}
+
 impl std::fmt::Debug for StoreInfo<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StoreInfo")

@@ -690,17 +690,7 @@ impl BlockPool {
             // vLLM publishes an event for every call that had blocks to cache, even when all of
             // them were null or masked.
             if !blocks.is_empty() {
-                events.push(KvEvent::BlockStored {
-                    block_hashes: stored,
-                    parent_block_hash: info.parent_block_hash,
-                    token_ids: info.token_ids.to_vec(),
-                    block_size: info.block_size,
-                    group_id: group,
-                    lora: info.lora.map(|(name, id)| (name.to_owned(), id)),
-                    extra_keys: (!extra_keys.is_empty()).then_some(extra_keys),
-                    first_block: info.first_block,
-                    block_indices,
-                });
+                events.push(info.stored_event(group, stored, extra_keys, block_indices));
             }
         }
         Ok(())
@@ -759,17 +749,7 @@ impl BlockPool {
         };
         if added {
             if let Some(events) = &self.events {
-                events.push(KvEvent::BlockStored {
-                    block_hashes: vec![hash],
-                    parent_block_hash: info.parent_block_hash,
-                    token_ids: info.token_ids.to_vec(),
-                    block_size: info.block_size,
-                    group_id: group,
-                    lora: info.lora.map(|(name, id)| (name.to_owned(), id)),
-                    extra_keys: Some(vec![info.block_extra_keys.and_then(|f| f(0))]),
-                    first_block: info.first_block,
-                    block_indices: vec![info.first_block],
-                });
+                events.push(info.stored_one(group, hash));
             }
         }
         Ok(added)

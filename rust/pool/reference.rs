@@ -222,17 +222,7 @@ impl RefBlockPool {
         }
         self.map.entry(key).or_default().push(id);
         if let Some(events) = &mut self.events {
-            events.push(KvEvent::BlockStored {
-                block_hashes: vec![hash],
-                parent_block_hash: info.parent_block_hash,
-                token_ids: info.token_ids.to_vec(),
-                block_size: info.block_size,
-                group_id: group,
-                lora: info.lora.map(|(name, id)| (name.to_owned(), id)),
-                extra_keys: Some(vec![info.block_extra_keys.and_then(|f| f(0))]),
-                first_block: info.first_block,
-                block_indices: vec![info.first_block],
-            });
+            events.push(info.stored_one(group, hash));
         }
         Ok(true)
     }
@@ -340,17 +330,7 @@ impl RefBlockPool {
         }
         if let Some(events) = &mut self.events {
             if !blocks.is_empty() {
-                events.push(KvEvent::BlockStored {
-                    block_hashes: stored,
-                    parent_block_hash: info.parent_block_hash,
-                    token_ids: info.token_ids.to_vec(),
-                    block_size: info.block_size,
-                    group_id: group,
-                    lora: info.lora.map(|(name, id)| (name.to_owned(), id)),
-                    extra_keys: (!extra_keys.is_empty()).then_some(extra_keys),
-                    first_block: info.first_block,
-                    block_indices,
-                });
+                events.push(info.stored_event(group, stored, extra_keys, block_indices));
             }
         }
         Ok(())
