@@ -690,9 +690,7 @@ impl Coordinator {
         }
         Some(horizon)
     }
-}
 
-impl Coordinator {
     /// The fewest tokens to cache at which a full-attention group with blocks larger than the
     /// hash block would key the block holding the prompt's tail (see
     /// `GroupManager::cache_prompt_tail_key`): `usize::MAX` when it has that key or never gets
