@@ -680,7 +680,7 @@ impl Coordinator {
                 let hint = next - 1;
                 let at = first_at_least(|tokens| self.cacheable_tokens(m, tokens), next, hint);
                 horizon.cache = horizon.cache.min(at);
-                if m.spec.is_full() && bs != self.hash_block_size {
+                if m.keys_prompt_tail(self.hash_block_size) {
                     horizon.cache = horizon
                         .cache
                         .min(self.tail_key_horizon(pool, m, t, request));
@@ -705,17 +705,11 @@ impl Coordinator {
     ) -> usize {
         let (bs, hash_bs) = (m.spec.block_size, self.hash_block_size);
         let hashes = request.block_hashes();
-        let prompt = request.num_prompt_tokens();
-        let limit = if m.use_eagle {
-            prompt
-        } else {
-            prompt.saturating_sub(1)
-        };
-        let full = limit / hash_bs;
+        let boundary = m.prompt_tail_boundary(request.num_prompt_tokens(), hash_bs);
+        let full = boundary / hash_bs;
         if hashes.len() < full {
             return 0;
         }
-        let boundary = full * hash_bs;
         if boundary == 0 || boundary % bs == 0 {
             return usize::MAX;
         }

@@ -535,7 +535,7 @@ impl GroupManager {
                 hash_buf.as_slice()
             };
             if self.spec.prefill_checkpoint_alignment() > 0
-                || (self.spec.is_full() && bs != ctx.hash_block_size)
+                || self.keys_prompt_tail(ctx.hash_block_size)
             {
                 // A block holding an exported checkpoint (or keyed at a prompt tail inside it)
                 // is keyed at a shorter prefix than its slot: caching the slot's full prefix
@@ -570,7 +570,7 @@ impl GroupManager {
         }
         if self.spec.is_mamba_align() {
             self.cache_mamba_prompt_tail(pool, table, request, num_tokens, ctx, effects)?;
-        } else if self.spec.is_full() && bs != ctx.hash_block_size {
+        } else if self.keys_prompt_tail(ctx.hash_block_size) {
             self.cache_prompt_tail_key(pool, table, request, num_tokens, ctx)?;
         }
         Ok(())
@@ -592,13 +592,9 @@ impl GroupManager {
         let bs = self.bs();
         let hash_bs = ctx.hash_block_size;
         let hashes = request.block_hashes();
-        // A resent prompt matches at most all but its last token; EAGLE lookups read it whole.
-        let limit = if self.use_eagle {
-            request.num_prompt_tokens()
-        } else {
-            request.num_prompt_tokens().saturating_sub(1)
-        };
-        let boundary = (limit / hash_bs).min(hashes.len()) * hash_bs;
+        let boundary = self
+            .prompt_tail_boundary(request.num_prompt_tokens(), hash_bs)
+            .min(hashes.len() * hash_bs);
         if boundary == 0 || boundary > num_tokens || boundary % bs == 0 {
             return Ok(());
         }
@@ -621,6 +617,23 @@ impl GroupManager {
         };
         pool.add_block_key(block, hashes[index], self.id, info)?;
         Ok(())
+    }
+
+    /// Whether the group keys the block holding a prompt's tail at the tail's last hash
+    /// boundary as well (full attention with blocks larger than the hash block).
+    pub(crate) fn keys_prompt_tail(&self, hash_block_size: usize) -> bool {
+        self.spec.is_full() && self.bs() != hash_block_size
+    }
+
+    /// The last hash boundary of a prompt of `num_prompt_tokens` a resend can match: all but
+    /// its last token, or the whole prompt for EAGLE lookups.
+    pub(crate) fn prompt_tail_boundary(&self, num_prompt_tokens: usize, hash_bs: usize) -> usize {
+        let limit = if self.use_eagle {
+            num_prompt_tokens
+        } else {
+            num_prompt_tokens.saturating_sub(1)
+        };
+        limit / hash_bs * hash_bs
     }
 
     /// Mamba align: remembers the states cached in `[from, to)` (hits on them wait a step) and
