@@ -289,6 +289,30 @@ def test_same_outputs_as_vllm_with_prompt_embeddings(
     assert run.hits > 0 and run.preempted > 0
 
 
+@pytest.mark.parametrize(
+    "layout,num_blocks,changes",
+    [
+        ("full", 300, {"eagle_tokens": 3}),
+        ("gemma3", 1400, {"eagle_tokens": 1}),
+        ("gpt-oss", 330, {"eagle_tokens": 2, "eagle_method": "mtp"}),
+        ("granite4", 700, {"eagle_tokens": 2, "eagle_method": "mtp", "async_scheduling": True}),
+    ],
+)
+def test_same_outputs_as_vllm_with_prompt_embeddings_and_lookahead_hashes(
+    layout: str, num_blocks: int, changes: dict
+) -> None:
+    # With EAGLE's lookahead hashes (1 token, or 2 with two MTP modules) each block's digest of
+    # embeddings covers the block and the tokens after it, and keys that block only: a block
+    # whose own embeddings and lookahead match is a hit even where the next block's differ.
+    workload = [dataclasses.replace(spec, embeds=i % 2 == 0) for i, spec in enumerate(WORKLOAD)]
+    options = harness.Options(
+        layout=layout, num_blocks=num_blocks, dense_retention=False, prompt_embeds=True, **changes
+    )
+    assert harness.vllm_config(options).num_hash_lookahead_tokens > 0
+    run = run_both(options, workload)
+    assert run.hits > 0 and run.preempted > 0 and run.spec_tokens > 0
+
+
 @pytest.mark.parametrize("layout,num_blocks", [("full", 260), ("gpt-oss", 1000), ("granite4", 700)])
 def test_same_outputs_as_vllm_with_prompt_logprobs_requests(layout: str, num_blocks: int) -> None:
     # Every third request asks for prompt logprobs: it reads no prefix-cache hit, its blocks are
@@ -428,6 +452,25 @@ def _context(options: harness.Options, **config_changes: Any) -> hkv.BuildContex
         "pcp_world_size": 1,
     }
     return hkv.BuildContext(config, kv, kwargs)
+
+
+@pytest.mark.parametrize("lookahead,falls_back", [(15, False), (16, True)])
+def test_prompt_embeddings_with_lookahead_hashes_of_a_hash_block_fall_back(
+    lookahead: int, falls_back: bool
+) -> None:
+    # A block's embeddings key sits between the lookahead of the block before it and the
+    # block's own end: there is no such position when the lookahead is a hash block (16) long.
+    ctx = _context(harness.Options(layout="gpt-oss", prompt_embeds=True))
+    ctx = hkv.BuildContext(
+        ctx.vllm_config,
+        ctx.kv_cache_config,
+        {**ctx.manager_kwargs, "num_hash_lookahead_tokens": lookahead},
+    )
+    reason = hkv.fallback_reason(ctx)
+    if falls_back:
+        assert reason is not None and "enable_prompt_embeds" in reason
+    else:
+        assert reason is None
 
 
 @pytest.mark.parametrize(

@@ -50,18 +50,28 @@ class Unsupported(NotImplementedError):
     """A call that only a configuration in the fallback table makes (vLLM's manager serves it)."""
 
 
-def _prompt_embeds_inputs(request: Request, hash_block_size: int) -> list[tuple[str, int, int]]:
+def _prompt_embeds_inputs(
+    request: Request, hash_block_size: int, lookahead: int
+) -> list[tuple[str, int, int]]:
     """The prompt's embeddings as one keyed input per hash block: vLLM's extra key of each
-    block (`_gen_prompt_embeds_extra_hash_keys`, a SHA-256 of the block's slice, cached on the
-    request) over the prompt positions the block covers. Blocks past the prompt get vLLM's
-    digest of an empty slice, the same for every request with embeddings, which matches no
-    fewer and no more blocks than leaving it out."""
+    block (`_gen_prompt_embeds_extra_hash_keys`, a SHA-256 of the embeddings the block's hash
+    covers, cached on the request), placed so that it keys that block only.
+
+    A block's hash covers its tokens and the `lookahead` tokens after it (vLLM's
+    `num_hash_lookahead_tokens`), and so does vLLM's digest; the core mixes into a block every
+    input overlapping that range. The input of the block at `start` therefore sits at the one
+    position `start + lookahead`: inside the block's own range, past the range of the block
+    before it (which ends there) and before the next block. `lookahead < hash_block_size`
+    (`fallback_reason` refuses the rest). Blocks past the prompt get vLLM's digest of an empty
+    slice, the same for every request with embeddings, which matches no fewer and no more
+    blocks than leaving it out."""
     num_prompt = request.num_prompt_tokens
     inputs = []
     for start in range(0, num_prompt, hash_block_size):
-        ((_, digest),) = _gen_prompt_embeds_extra_hash_keys(request, start, start + hash_block_size)
-        end = min(start + hash_block_size, num_prompt)
-        inputs.append((f"prompt_embeds:{digest.hex()}", start, end - start))
+        ((_, digest),) = _gen_prompt_embeds_extra_hash_keys(
+            request, start, start + hash_block_size + lookahead
+        )
+        inputs.append((f"prompt_embeds:{digest.hex()}", start + lookahead, 1))
     return inputs
 
 
@@ -285,6 +295,7 @@ class HybridKVCacheManager(_RunningSteps):
             # A combination vLLM accepts and the core refuses: vLLM's manager serves it.
             raise Unsupported(str(error)) from error
         self.hash_block_size = hash_block_size
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         # The core hands back this shared instance when a call allocated nothing.
         self._core_empty = self.core.empty_kv_cache_blocks
         self._allocate_running = self.core.allocate_running
@@ -331,7 +342,9 @@ class HybridKVCacheManager(_RunningSteps):
                 # vLLM hashes the token ids it holds (0 where an embedding stands) with a
                 # per-block digest of the embeddings as an extra key.
                 tokens = request.all_token_ids[: request.num_prompt_tokens]
-                inputs += _prompt_embeds_inputs(request, self.hash_block_size)
+                inputs += _prompt_embeds_inputs(
+                    request, self.hash_block_size, self.num_hash_lookahead_tokens
+                )
             companion = hk.Request(
                 request.request_id,
                 tokens,

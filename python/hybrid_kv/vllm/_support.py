@@ -147,6 +147,17 @@ FALLBACKS: tuple[tuple[str, Check, str], ...] = (
         "auxiliary-output connectors cap cache hits (max_cache_hit_length)",
     ),
     (
+        "enable_prompt_embeds with lookahead hashes of a hash block or more",
+        lambda ctx: (
+            ctx.caching
+            and ctx.vllm_config.model_config.enable_prompt_embeds
+            and ctx.manager_kwargs.get("num_hash_lookahead_tokens", 0)
+            >= ctx.manager_kwargs.get("hash_block_size", 1)
+        ),
+        "a block's prompt-embeddings key is placed between the lookahead of the block before "
+        "it and its own end, which needs fewer lookahead tokens than a hash block",
+    ),
+    (
         "encoder-decoder models",
         lambda ctx: ctx.vllm_config.model_config.is_encoder_decoder,
         "cross-attention blocks (num_encoder_tokens) are not implemented",
