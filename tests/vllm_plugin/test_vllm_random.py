@@ -1,0 +1,194 @@
+"""Randomized differential runs: stock vLLM 0.33 against `hybrid_kv.vllm.Scheduler` on
+configurations and workloads drawn from a seed.
+
+Each case draws a layout, retention, prefix caching, pool size (from roomy to under pressure),
+batch budget and concurrency, async scheduling, speculative decoding (n-gram, EAGLE-3 with or
+without lookahead hashes, MTP), a `prefix_match_unit` below the block size, LoRA adapters,
+prompt embeddings, prompt-logprobs requests, KV events and a short `max_model_len`; then a chat
+workload with exact duplicates and block-aligned prompts; and, while it runs, client aborts and
+prefix-cache resets (with and without preempting the running requests) at seeded steps. Every
+step's `SchedulerOutput`, engine-core outputs and KV events must be equal on both sides.
+
+The fixed tests elsewhere name each feature; these cover their combinations. CI runs
+`HYBRID_KV_RANDOM_CASES` cases (default 12) from `HYBRID_KV_RANDOM_SEED` (default 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (see .ci/run)")
+
+import hybrid_kv.vllm as hkv  # noqa: E402
+from hybrid_kv.vllm import testing as harness  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+# Pool blocks at which each layout preempts on the chat workloads below.
+TIGHT_BLOCKS = {
+    "full": 260,
+    "gpt-oss": 330,
+    "gemma3": 1400,
+    "llama4": 1200,
+    "mixed-bs": 330,
+    "jamba": 700,
+    "granite4": 700,
+}
+LORAS = (
+    None,
+    ("alpha", 1, "/adapters/alpha"),
+    ("beta", 2, "/adapters/beta"),
+    ("alpha", 3, "/adapters/alpha-v2"),
+)
+NUM_CASES = int(os.environ.get("HYBRID_KV_RANDOM_CASES", "12"))
+FIRST_SEED = int(os.environ.get("HYBRID_KV_RANDOM_SEED", "0"))
+
+
+def draw_options(rng: random.Random) -> harness.Options:
+    """A configuration vLLM accepts (n-gram drafting is synchronous only; a single group
+    takes no `prefix_match_unit` below its block size)."""
+    layout = rng.choice(sorted(TIGHT_BLOCKS))
+    settings: dict[str, Any] = {
+        "layout": layout,
+        "prefix_caching": rng.random() < 0.85,
+        "dense_retention": rng.random() < 0.3,
+        "num_blocks": int(TIGHT_BLOCKS[layout] * rng.choice([0.6, 0.8, 1.0, 1.3, 3.0])),
+        "max_num_seqs": rng.choice([4, 16, 64]),
+        "max_num_batched_tokens": rng.choice([256, 512, 2048, 8192]),
+        "lora": rng.random() < 0.15,
+        "kv_events": rng.random() < 0.2,
+        "prompt_embeds": rng.random() < 0.15,
+    }
+    drafting = rng.choice(["none", "none", "ngram", "eagle", "eagle-drop", "mtp"])
+    settings["async_scheduling"] = drafting != "ngram" and rng.random() < 0.3
+    if drafting == "ngram":
+        settings["ngram_tokens"] = rng.choice([1, 3])
+    elif drafting in ("eagle", "eagle-drop"):
+        settings["eagle_tokens"] = rng.choice([1, 3])
+        settings["eagle_lookahead_hashes"] = drafting == "eagle"
+    elif drafting == "mtp":
+        settings["eagle_tokens"] = rng.choice([1, 2])
+        settings["eagle_method"] = "mtp"
+    if layout in ("gpt-oss", "gemma3", "mixed-bs") and rng.random() < 0.25:
+        settings["prefix_match_unit"] = 8
+    if rng.random() < 0.3:
+        settings["max_model_len"] = rng.choice([512, 1024])
+    if layout in harness.MAMBA_LAYOUTS:
+        settings["mamba_shared_prefix_checkpoint"] = rng.random() < 0.3
+    return harness.Options(**settings)
+
+
+def draw_workload(rng: random.Random, options: harness.Options) -> list[harness.RequestSpec]:
+    specs = harness.chat_workload(
+        rng.choice([16, 32, 48]),
+        seed=rng.randrange(1 << 30),
+        num_system_prompts=rng.choice([1, 2, 4]),
+        system_len=rng.choice([(16, 64), (100, 300), (200, 1200)]),
+        user_len=rng.choice([(1, 40), (20, 400)]),
+        max_tokens=rng.choice([(1, 8), (8, 96), (30, 200)]),
+        arrivals_per_step=rng.choice([1, 4, 100]),
+        salts=rng.choice([(None,), (None, None, "tenant-a")]),
+    )
+    workload: list[harness.RequestSpec] = []
+    for i, spec in enumerate(specs):
+        roll = rng.random()
+        if roll < 0.1 and workload:
+            # The same prompt again: a hit on every block but the last token's.
+            spec = dataclasses.replace(spec, prompt=rng.choice(workload).prompt)
+        elif roll < 0.2:
+            spec = dataclasses.replace(
+                spec, prompt=spec.prompt[: max(1, len(spec.prompt) // 16) * 16]
+            )
+        if len(spec.prompt) >= options.max_model_len:
+            spec = dataclasses.replace(
+                spec, prompt=spec.prompt[: options.max_model_len - rng.randint(1, 40)]
+            )
+        changes: dict[str, Any] = {}
+        if options.lora:
+            changes["lora"] = LORAS[i % len(LORAS)]
+        if rng.random() < 0.05:
+            changes["prompt_logprobs"] = 1
+        if options.prompt_embeds and rng.random() < 0.5:
+            changes["embeds"] = True
+        if options.kv_events and rng.random() < 0.3:
+            changes["kv_cache_report_mode"] = "full"
+        workload.append(dataclasses.replace(spec, **changes))
+    return workload
+
+
+@dataclasses.dataclass
+class ChaosDriver(harness.Driver):
+    """The harness's engine loop, plus what clients and operators do meanwhile: before a
+    seeded share of steps it aborts a few requests (in any state) and, more rarely, resets
+    the prefix cache, preempting the running requests or not. The choices depend only on the
+    seed, the step and the scheduler's request ids, so both sides make the same ones while
+    their outputs agree; `log` records them and what `reset_prefix_cache` returned."""
+
+    seed: int = 0
+    chaos: float = 0.0
+    log: list[Any] = dataclasses.field(default_factory=list)
+
+    def schedule(self) -> Any:
+        rng = random.Random(f"{self.seed}-{self.step}")
+        if rng.random() < self.chaos:
+            ids = sorted(self.scheduler.requests)
+            if ids:
+                victims = rng.sample(ids, k=min(len(ids), rng.randint(1, 3)))
+                self.scheduler.finish_requests(victims, RequestStatus.FINISHED_ABORTED)
+                self.log.append(("abort", self.step, victims))
+        if rng.random() < self.chaos / 3:
+            preempt = rng.random() < 0.5
+            reset = self.scheduler.reset_prefix_cache(reset_running_requests=preempt)
+            self.log.append(("reset", self.step, preempt, reset))
+        return super().schedule()
+
+
+class Recorder:
+    """Stands in for vLLM's KV-event publisher: keeps the events of every published batch."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    def publish(self, batch: Any) -> None:
+        self.events.extend(batch.events)
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("seed", range(FIRST_SEED, FIRST_SEED + NUM_CASES))
+def test_random_configurations_and_workloads_match_vllm(seed: int) -> None:
+    rng = random.Random(seed)
+    options = draw_options(rng)
+    workload = draw_workload(rng, options)
+    chaos = rng.choice([0.0, 0.03, 0.1])
+    stock = harness.build_scheduler(options)
+    ours = harness.build_scheduler(options, hkv.Scheduler)
+    assert ours.uses_hybrid_kv, f"fell back to vLLM's manager for {options}"
+    stock_events, our_events = Recorder(), Recorder()
+    stock.kv_event_publisher, ours.kv_event_publisher = stock_events, our_events
+    stock_driver = ChaosDriver(stock, workload, seed=seed, chaos=chaos)
+    our_driver = ChaosDriver(ours, workload, seed=seed, chaos=chaos)
+    steps = 0
+    for (stock_out, stock_results), (our_out, our_results) in zip(
+        stock_driver.run(), our_driver.run(), strict=True
+    ):
+        where = f"seed {seed}, step {steps}, {options}"
+        assert our_driver.log == stock_driver.log, f"{where}: aborts or resets differ"
+        assert harness.summarize(our_out) == harness.summarize(stock_out), (
+            f"{where}: SchedulerOutput differs"
+        )
+        assert harness.summarize_results(our_results) == harness.summarize_results(stock_results), (
+            f"{where}: engine-core outputs differ"
+        )
+        assert our_events.events == stock_events.events, f"{where}: KV events differ"
+        steps += 1
+    assert steps > 0
+    # Events of the last resets, which no later step published.
+    assert ours.kv_cache_manager.take_events() == stock.kv_cache_manager.take_events()
+    if options.kv_events and options.prefix_caching:
+        assert stock_events.events, "no KV event was published"
