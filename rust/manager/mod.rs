@@ -942,10 +942,16 @@ impl KVCacheManager {
         num_computed_tokens: usize,
         num_prompt_tokens: Option<usize>,
     ) -> Result<()> {
+        let max_model_len = self.max_model_len;
         let state = self.requests.get_mut(request.into())?;
-        if num_computed_tokens > state.request.num_tokens() {
+        // The request may hold fewer tokens than the caller counts (vLLM's scheduler calls this
+        // with a request id when a request finishes; its latest tokens reach the request only
+        // at its next call): any count up to the model length is a count vLLM could pass.
+        let bound = max_model_len.max(state.request.num_tokens());
+        if num_computed_tokens > bound {
             return Err(CoreError::OutOfRange(format!(
-                "request {:?}: {num_computed_tokens} computed tokens but the request has only {}",
+                "request {:?}: {num_computed_tokens} computed tokens, above max_model_len \
+                 {max_model_len} and the request's {} tokens",
                 state.request.id(),
                 state.request.num_tokens()
             )));

@@ -297,6 +297,25 @@ fn design_worked_example_full_and_two_sliding_window_groups() {
 }
 
 #[test]
+fn remove_skipped_blocks_takes_counts_past_the_known_tokens_up_to_the_model_length() {
+    // vLLM's scheduler passes the finished request's processed count by request id; tokens
+    // appended since the request's last call are not known here yet.
+    let groups = vec![GroupSpec::full(16), GroupSpec::sliding_window(16, 32)];
+    let mut m = manager_with_r(groups, 64, 80);
+    m.allocate_slots("r", &new_tokens(80, 0)).unwrap().unwrap();
+    // 100 processed tokens, 80 known: the window (32) starts at token 69, so the blocks of
+    // tokens 0..64 are skipped.
+    m.remove_skipped_blocks("r", 100, None).unwrap();
+    assert_eq!(m.block_ids("r", 1).unwrap()[..4], [NULL_BLOCK; 4]);
+    assert_ne!(m.block_ids("r", 1).unwrap()[4], NULL_BLOCK);
+    assert_eq!(non_null(m.block_ids("r", 0).unwrap()), 5);
+    let max_model_len = m.max_model_len();
+    let err = m.remove_skipped_blocks("r", max_model_len + 1, None);
+    assert!(matches!(err, Err(CoreError::OutOfRange(_))), "{err:?}");
+    assert_ne!(m.block_ids("r", 1).unwrap()[4], NULL_BLOCK);
+}
+
+#[test]
 fn decode_frees_blocks_that_slide_out_of_the_window() {
     let groups = vec![GroupSpec::full(16), GroupSpec::sliding_window(16, 32)];
     let mut m = manager_with_r(groups, 64, 112);

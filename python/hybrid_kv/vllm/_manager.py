@@ -444,8 +444,8 @@ class HybridKVCacheManager(_RunningSteps):
             # the next horizon left in the slot inside one core call.
             new = self._allocate_running(request, slot, num_new_tokens, num_lookahead_tokens)
         else:
-            if num_external_computed_tokens or num_encoder_tokens or reserved_blocks:
-                raise Unsupported("external computed tokens, encoder tokens or reserved blocks")
+            if num_encoder_tokens:
+                raise Unsupported("encoder tokens (cross-attention groups)")
             hit = None
             if (
                 new_computed_blocks is not None
@@ -462,13 +462,13 @@ class HybridKVCacheManager(_RunningSteps):
                 num_new_computed_tokens,
                 hit,
                 num_lookahead_tokens,
-                0,
+                num_external_computed_tokens,
                 delay_cache_blocks,
                 0,
                 full_sequence_must_fit,
-                0,
+                reserved_blocks,
                 has_scheduled_reqs,
-                (),
+                tuple(skip_zeroing_group_ids),
                 request.num_computed_tokens,
                 request.num_in_flight_tokens,
             )
@@ -568,23 +568,49 @@ class HybridKVCacheManager(_RunningSteps):
     def create_kv_cache_blocks(self, blocks: Any) -> KVCacheBlocks:
         raise Unsupported("create_kv_cache_blocks takes vLLM block objects")
 
-    # ------------------------------------------------------------------ connector-only calls
+    # ------------------------------------------------------------------ connector calls
+
+    def get_computed_blocks_for_connector(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int, bool]:
+        """The local lookup for a request scheduled with a KV connector (vLLM's 4-tuple): for a
+        Mamba hybrid, the full-attention hit and whether a lagging group hit less."""
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return self.empty_kv_cache_blocks, 0, 0, False
+        blocks, num_hit, diverged = self.core.get_computed_blocks_for_connector(
+            self._companion(request), max_cache_hit_length
+        )
+        if len(blocks) == 0:
+            return self.empty_kv_cache_blocks, num_hit, blocks.shared_prefix_boundary, diverged
+        return KVCacheBlocks(blocks), num_hit, blocks.shared_prefix_boundary, diverged
+
+    def truncate_computed_blocks(
+        self, blocks: KVCacheBlocks, num_computed_tokens: int
+    ) -> KVCacheBlocks:
+        """A lookup result cut to its first `num_computed_tokens` tokens (reference counts
+        untouched, `blocks` unchanged)."""
+        if blocks is self.empty_kv_cache_blocks or blocks._core is None:
+            raise Unsupported("truncate_computed_blocks takes a lookup result of this manager")
+        cut = self.core.truncate_computed_blocks(blocks._core, num_computed_tokens)
+        if len(cut) == 0:
+            return self.empty_kv_cache_blocks
+        return KVCacheBlocks(cut)
+
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
+        self.core.remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Removes the prefix-cache entries of the given blocks (a connector's invalidation)."""
+        self.core.evict_blocks(list(block_ids))
 
     @property
     def block_pool(self) -> Any:
         raise Unsupported("block_pool is only used by KV connectors (they use vLLM's manager)")
 
-    def get_computed_blocks_for_connector(self, *args: Any, **kwargs: Any) -> Any:
-        raise Unsupported("get_computed_blocks_for_connector is only used by KV connectors")
-
-    def truncate_computed_blocks(self, *args: Any, **kwargs: Any) -> Any:
-        raise Unsupported("truncate_computed_blocks is only used by KV connectors")
-
-    def remove_skipped_blocks(self, *args: Any, **kwargs: Any) -> None:
-        raise Unsupported("remove_skipped_blocks is only used by KV connectors")
-
     def pop_blocks_for_free(self, request: Request) -> list[Any]:
-        raise Unsupported("pop_blocks_for_free is only used by KV connectors")
-
-    def evict_blocks(self, block_ids: set[int]) -> None:
-        raise Unsupported("evict_blocks is only used by KV connectors")
+        raise Unsupported("pop_blocks_for_free returns vLLM block objects for its block pool")

@@ -1,0 +1,271 @@
+"""The calls a KV connector makes, on vLLM 0.33's `KVCacheManager` and on hybrid-kv's adapter,
+call for call.
+
+No connector runs here (the scheduler still gives vLLM's own manager to a configuration with
+`kv_transfer_config`); a seeded driver plays what vLLM's scheduler does with one: local lookups
+(`get_computed_blocks_for_connector` or `get_computed_blocks`, a second lookup after a diverged
+hit without external tokens, `truncate_computed_blocks`), admissions adopting external tokens
+(`num_external_computed_tokens`, block-aligned or not), asynchronous loads (`delay_cache_blocks`,
+then `cache_blocks` once the load lands, with fewer tokens after a failed load or a free when none
+is valid), running steps, `remove_skipped_blocks` with the processed count, `evict_blocks` of
+arbitrary ids and prefix-cache resets. After every step the two managers must agree on every
+result, the free-block count, the usage, every live request's block table and the KV events.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (see .ci/run)")
+
+import hybrid_kv.vllm as hkv  # noqa: E402
+from hybrid_kv.vllm import testing as harness  # noqa: E402
+
+# Pool blocks at which each layout runs short on the workloads below.
+SHORT_BLOCKS = {
+    "full": 120,
+    "gpt-oss": 160,
+    "gemma3": 700,
+    "llama4": 600,
+    "mixed-bs": 160,
+    "jamba": 300,
+    "granite4": 300,
+}
+NUM_CASES = int(os.environ.get("HYBRID_KV_RANDOM_CASES", "12"))
+FIRST_SEED = int(os.environ.get("HYBRID_KV_RANDOM_SEED", "0"))
+
+
+def ids(blocks: Any) -> Any:
+    return None if blocks is None else tuple(list(g) for g in blocks.get_block_ids())
+
+
+class Pair:
+    """vLLM's manager and hybrid-kv's, driven with the same calls; every result compared."""
+
+    def __init__(self, options: harness.Options) -> None:
+        self.options = options
+        stock = harness.build_scheduler(options)
+        ours = harness.build_scheduler(options, hkv.Scheduler)
+        assert ours.uses_hybrid_kv, f"fell back to vLLM's manager for {options}"
+        self.stock, self.ours = stock.kv_cache_manager, ours.kv_cache_manager
+        self.hash_block_size = stock.hash_block_size
+        self.block_size = stock.block_size
+        self.log: list[Any] = []
+
+    def same(self, what: str, stock: Any, ours: Any) -> None:
+        assert ours == stock, f"{what} differs after {self.log[-6:]} ({self.options})"
+
+    def both(self, what: str, call: str, requests: Any, *args: Any, **kwargs: Any) -> Any:
+        """Calls `call` on both managers (the first argument per side when `requests` is a
+        pair) and returns both results."""
+        self.log.append((what, *args))
+        first = requests if isinstance(requests, tuple) else (requests, requests)
+        got = [
+            getattr(m, call)(*((r,) if r is not None else ()), *args, **kwargs)
+            for m, r in zip((self.stock, self.ours), first, strict=True)
+        ]
+        return got[0], got[1]
+
+    def check_state(self, live: dict[str, Any]) -> None:
+        self.same(
+            "free blocks",
+            self.stock.block_pool.get_num_free_blocks(),
+            self.ours.core.num_free_blocks,
+        )
+        self.same("usage", self.stock.usage, self.ours.usage)
+        for rid in live:
+            self.same(
+                f"{rid}'s blocks", ids(self.stock.get_blocks(rid)), ids(self.ours.get_blocks(rid))
+            )
+        self.same("KV events", self.stock.take_events(), self.ours.take_events())
+
+
+class Live:
+    """A request on both sides: its state and what its last step scheduled."""
+
+    def __init__(self, pair: Pair, spec: harness.RequestSpec) -> None:
+        self.spec = spec
+        self.sides = (
+            harness.make_request(spec, pair.hash_block_size),
+            harness.make_request(spec, pair.hash_block_size),
+        )
+        self.state = "new"
+        self.scheduled = 0
+        self.length = len(spec.prompt) + spec.max_tokens
+
+    @property
+    def computed(self) -> int:
+        return self.sides[0].num_computed_tokens
+
+    @computed.setter
+    def computed(self, value: int) -> None:
+        for r in self.sides:
+            r.num_computed_tokens = value
+
+    @property
+    def num_tokens(self) -> int:
+        return self.sides[0].num_tokens
+
+
+def lookup(pair: Pair, req: Live, rng: random.Random, connector: bool) -> tuple[Any, Any, int]:
+    if connector:
+        s, o = pair.both("lookup for connector", "get_computed_blocks_for_connector", req.sides)
+        pair.same("lookup for connector", (ids(s[0]), *s[1:]), (ids(o[0]), *o[1:]))
+        diverged = s[3]
+    else:
+        s, o = pair.both("lookup", "get_computed_blocks", req.sides)
+        pair.same("lookup", (ids(s[0]), *s[1:]), (ids(o[0]), *o[1:]))
+        diverged = False
+    # vLLM's scheduler keeps the shared-prefix junction on the request (its manager reads it
+    # when caching; hybrid-kv's keeps the one its lookup found).
+    for r, result in zip(req.sides, (s, o), strict=True):
+        r.shared_prefix_boundary = result[2]
+    return (s[0], o[0]), s[1], diverged
+
+
+def admit(pair: Pair, req: Live, rng: random.Random) -> bool:
+    hits, local, diverged = lookup(pair, req, rng, connector=rng.random() < 0.6)
+    if local and rng.random() < 0.2:
+        cut = rng.randint(0, local // pair.block_size) * pair.block_size
+        if cut < local:
+            s = pair.stock.truncate_computed_blocks(hits[0], cut)
+            o = pair.ours.truncate_computed_blocks(hits[1], cut)
+            pair.log.append(("truncate", req.spec.request_id, cut))
+            pair.same("truncated hit", ids(s), ids(o))
+            hits, local = (s, o), cut
+    external = 0
+    if rng.random() < 0.4 and req.num_tokens - 1 - local > 0:
+        external = rng.randint(1, req.num_tokens - 1 - local)
+        if rng.random() < 0.5:
+            external = max(0, (local + external) // pair.block_size * pair.block_size - local)
+    if diverged and external == 0:
+        # No external tokens back the deeper full-attention hit: vLLM's scheduler looks up
+        # again for the boundary every group agrees on.
+        hits, local, _ = lookup(pair, req, rng, connector=False)
+    load_async = external > 0 and rng.random() < 0.6
+    computed = local + external
+    num_new = 0 if load_async else min(rng.choice([64, 256, 4096]), req.num_tokens - computed)
+    results = [
+        m.allocate_slots(
+            r,
+            num_new,
+            num_new_computed_tokens=local,
+            new_computed_blocks=hit,
+            num_external_computed_tokens=external,
+            delay_cache_blocks=load_async,
+        )
+        for m, r, hit in zip((pair.stock, pair.ours), req.sides, hits, strict=True)
+    ]
+    pair.log.append(("admit", req.spec.request_id, num_new, local, external, load_async))
+    pair.same("admission", ids(results[0]), ids(results[1]))
+    if results[0] is None:
+        return False
+    req.computed = computed
+    req.state = "loading" if load_async else "running"
+    req.scheduled = num_new
+    return True
+
+
+def land_load(pair: Pair, req: Live, rng: random.Random) -> None:
+    """The asynchronous load completes (or fails, leaving fewer valid tokens)."""
+    valid = req.computed
+    if rng.random() < 0.2:
+        valid = rng.randint(0, valid)
+        req.computed = valid
+    if valid:
+        pair.both("cache loaded blocks", "cache_blocks", req.sides, valid)
+    else:
+        pair.both("free after a failed load", "free", req.sides)
+    if valid == req.num_tokens:
+        req.computed = valid - 1
+    req.state = "resuming" if valid else "gone"
+    req.scheduled = 0
+
+
+def step(pair: Pair, req: Live, rng: random.Random) -> str:
+    """One scheduler step of a running or resuming request: 'ok', 'finished' or 'preempted'."""
+    rid = req.spec.request_id
+    if req.state == "running":
+        req.computed = req.computed + req.scheduled
+        if req.computed >= req.num_tokens:
+            if req.num_tokens >= req.length:
+                pair.both("finish", "free", req.sides)
+                return "finished"
+            token = rng.randrange(30_000)
+            for r in req.sides:
+                r.append_output_token_ids(token)
+        num_new = min(rng.choice([1, 1, 16, 64]), req.num_tokens - req.computed)
+    else:
+        num_new = req.num_tokens - req.computed
+    if num_new <= 0:
+        return "ok"
+    s, o = pair.both("step", "allocate_slots", req.sides, num_new)
+    pair.same("step", ids(s), ids(o))
+    if s is None:
+        pair.both("preempt", "free", req.sides)
+        return "preempted"
+    req.state, req.scheduled = "running", num_new
+    if rng.random() < 0.1:
+        pair.both("remove skipped blocks", "remove_skipped_blocks", None, rid, req.computed)
+    return "ok"
+
+
+@pytest.mark.parametrize("seed", range(FIRST_SEED, FIRST_SEED + NUM_CASES))
+def test_connector_calls_match_vllms_manager(seed: int) -> None:
+    rng = random.Random(seed)
+    layout = rng.choice(sorted(SHORT_BLOCKS))
+    options = harness.Options(
+        layout=layout,
+        num_blocks=int(SHORT_BLOCKS[layout] * rng.choice([0.7, 1, 2, 5])),
+        dense_retention=rng.random() < 0.3,
+        prefix_caching=rng.random() < 0.9,
+        kv_events=rng.random() < 0.3,
+    )
+    pair = Pair(options)
+    specs = harness.chat_workload(
+        40,
+        seed=seed,
+        num_system_prompts=rng.choice([1, 2, 3]),
+        system_len=(16, 300),
+        user_len=(1, 120),
+        max_tokens=(1, 40),
+    )
+    # Waiting requests: new ones, and preempted ones or failed loads back for a new lookup
+    # (the same request objects, as vLLM's scheduler keeps them).
+    waiting = [Live(pair, spec) for spec in specs]
+    live: dict[str, Live] = {}
+    finished = 0
+    for _ in range(3000):
+        if not waiting and not live:
+            break
+        pair.both("new step", "new_step_starts", None)
+        if waiting and rng.random() < 0.6 and admit(pair, waiting[0], rng):
+            req = waiting.pop(0)
+            live[req.spec.request_id] = req
+        for rid, req in list(live.items()):
+            if req.state == "loading" and rng.random() < 0.5:
+                land_load(pair, req, rng)
+            elif req.state in ("running", "resuming"):
+                outcome = step(pair, req, rng)
+                if outcome == "finished":
+                    finished += 1
+                    del live[rid]
+                elif outcome == "preempted":
+                    req.state = "gone"
+            if req.state == "gone":
+                del live[rid]
+                req.computed, req.scheduled, req.state = 0, 0, "new"
+                waiting.insert(0, req)
+        if rng.random() < 0.05:
+            num_blocks = pair.stock.block_pool.num_gpu_blocks
+            evicted = set(rng.sample(range(1, num_blocks), k=rng.randint(1, 8)))
+            pair.both("evict", "evict_blocks", None, evicted)
+        if rng.random() < 0.01:
+            s, o = pair.both("reset", "reset_prefix_cache", None)
+            pair.same("reset", s, o)
+        pair.check_state(live)
+    assert finished == len(specs), f"{finished} of {len(specs)} finished ({options})"
