@@ -33,7 +33,7 @@ pub use spec::{AttentionKind, GroupSpec, KindParams, MambaMode, ManagerConfig};
 use crate::error::{invalid, CoreError, Result};
 use crate::hashing::{BlockHasher, ExtraKeys, TokenId};
 use crate::pool::BlockPool;
-use crate::types::{BlockId, GroupId, KvEvent, NULL_BLOCK};
+use crate::types::{BlockHash, BlockId, GroupId, KvEvent, NULL_BLOCK};
 use coordinator::RunningStep;
 use single_type::{Effects, GroupTable};
 use slots::Slots;
@@ -246,6 +246,10 @@ pub struct KVCacheManager {
     /// Successful allocations and cache resets so far (only these evict cached blocks).
     epoch: u64,
     stats: PrefixCacheStats,
+    /// Blocks handed out by [`KVCacheManager::take_kv_cache_block_copies`] as retained and not
+    /// yet released: each entry holds one reference until
+    /// [`KVCacheManager::free_retained_blocks`] drops it.
+    retained: Vec<BlockId>,
     scratch: Vec<BlockId>,
     /// Tests: take the general allocation path even for running requests.
     #[cfg(test)]
@@ -293,6 +297,7 @@ impl KVCacheManager {
             effects: Effects::default(),
             epoch: 0,
             stats: PrefixCacheStats::default(),
+            retained: Vec::new(),
             scratch: Vec::new(),
             #[cfg(test)]
             general_path_only: false,
@@ -646,6 +651,7 @@ impl KVCacheManager {
         {
             let step = RunningStep {
                 processed,
+                computed: n_local,
                 need_slot,
                 cache_tokens,
                 reserved: args.reserved_blocks,
@@ -676,6 +682,7 @@ impl KVCacheManager {
                 full,
                 hits,
                 total,
+                n_local,
                 full,
                 true,
                 prefill_end,
@@ -700,6 +707,7 @@ impl KVCacheManager {
             need_slot,
             hits,
             n_local + n_external,
+            n_local,
             main,
             false,
             prefill_end,
@@ -733,6 +741,7 @@ impl KVCacheManager {
         coordinator.allocate_new_blocks(
             pool,
             &mut state.tables,
+            state.request.id(),
             need_slot,
             main,
             new_blocks,
@@ -744,6 +753,7 @@ impl KVCacheManager {
                 &mut state.tables,
                 &state.request,
                 n,
+                args.num_computed_tokens,
                 state.shared_prefix_boundary,
                 &mut self.scratch,
                 &mut self.effects,
@@ -871,7 +881,7 @@ impl KVCacheManager {
                 let key = self.pool.block_key(b)?;
                 let matches =
                     i < view.len() && key.is_some_and(|k| k.group == m.id && k.hash == view.get(i));
-                if matches {
+                if matches || (i + 1 == list.len() && self.keyed_inside(b, m, i, hashes)?) {
                     continue;
                 }
                 if evicted_since && b != NULL_BLOCK {
@@ -890,6 +900,27 @@ impl KVCacheManager {
             }
         }
         Ok(())
+    }
+
+    /// With partial hash hits: whether block `b` (slot `i` of group `m`) is cached at one of
+    /// the prompt's hash boundaries inside the slot, as the last block of a hit may be.
+    fn keyed_inside(
+        &self,
+        b: BlockId,
+        m: &single_type::GroupManager,
+        i: usize,
+        hashes: &[BlockHash],
+    ) -> Result<bool> {
+        if !self.coordinator.partial_hash_hits() || b == NULL_BLOCK {
+            return Ok(false);
+        }
+        let scale = m.spec.block_size / self.hash_block_size;
+        let span = &hashes[(i * scale).min(hashes.len())..((i + 1) * scale).min(hashes.len())];
+        Ok(self
+            .pool
+            .block_keys(b)?
+            .iter()
+            .any(|k| k.group == m.id && span.contains(&k.hash)))
     }
 
     /// Blocks the admission check of `allocate_slots(..., full_sequence_must_fit)` needs free
@@ -915,6 +946,7 @@ impl KVCacheManager {
             &state.tables,
             full,
             hits,
+            computed,
             computed,
             full,
             true,
@@ -1152,6 +1184,8 @@ impl KVCacheManager {
             &mut state.tables,
             &state.request,
             num_computed_tokens,
+            // The tokens cached are computed already: no shared-prefix junction is written now.
+            num_computed_tokens,
             state.shared_prefix_boundary,
             &mut self.scratch,
             &mut self.effects,
@@ -1219,6 +1253,82 @@ impl KVCacheManager {
     /// `(request id, group, block, boundary tokens)` each.
     pub fn take_boundary_state_offloads(&mut self) -> Vec<(String, GroupId, BlockId, usize)> {
         std::mem::take(&mut self.effects.boundary_offloads)
+    }
+
+    /// Drains the copy-on-write copies `(source, copy)` the worker must run before this step's
+    /// forward pass, group by group, and the blocks retained for them: the endpoints of every
+    /// copy, `[source, copy, ...]`, each holding one reference until
+    /// [`KVCacheManager::free_retained_blocks`] gets it back once the copy ran (vLLM's
+    /// `take_kv_cache_block_copies`).
+    pub fn take_kv_cache_block_copies(&mut self) -> (Vec<(BlockId, BlockId)>, Vec<BlockId>) {
+        let mut pending = std::mem::take(&mut self.effects.cow_copies);
+        // vLLM drains its managers in group order.
+        pending.sort_by_key(|&(group, _, _)| group);
+        let copies: Vec<(BlockId, BlockId)> = pending.iter().map(|&(_, s, d)| (s, d)).collect();
+        let retained: Vec<BlockId> = copies.iter().flat_map(|&(s, d)| [s, d]).collect();
+        self.retained.extend_from_slice(&retained);
+        (copies, retained)
+    }
+
+    /// Releases blocks retained for copies (what `take_kv_cache_block_copies` returned, or
+    /// part of it), in the given order as `BlockPool::free_blocks` does: blocks no one else
+    /// holds join the free order. Only blocks handed out as retained and not released yet are
+    /// accepted; otherwise nothing changes.
+    pub fn free_retained_blocks(&mut self, blocks: &[BlockId]) -> Result<()> {
+        let mut outstanding = self.retained.clone();
+        for &b in blocks {
+            match outstanding.iter().position(|&r| r == b) {
+                Some(i) => {
+                    outstanding.swap_remove(i);
+                }
+                None => {
+                    return Err(CoreError::InvalidArgument(format!(
+                        "block {b} is not retained for a copy (or was released already)"
+                    )))
+                }
+            }
+        }
+        self.pool.free_blocks(blocks)?;
+        self.retained = outstanding;
+        Ok(())
+    }
+
+    /// Blocks retained for copies and not released yet.
+    pub fn num_retained_blocks(&self) -> usize {
+        self.retained.len()
+    }
+
+    /// The Mamba states the request keyed inside a block as its prompt's boundary, when it
+    /// finishes exactly there (`num_computed_tokens` at that boundary, nothing in flight):
+    /// `(group, block, boundary tokens)` for KV connectors to offload before the blocks are
+    /// freed (vLLM's `finalize_partial_tail_offloads`). Forgets them either way.
+    pub fn finalize_partial_tail_offloads<'a>(
+        &mut self,
+        request: impl Into<RequestKey<'a>>,
+        num_computed_tokens: usize,
+        num_in_flight_tokens: usize,
+    ) -> Result<Vec<(GroupId, BlockId, usize)>> {
+        let state = self.requests.get_mut(request.into())?;
+        let groups = self.coordinator.groups();
+        Ok(groups
+            .iter()
+            .zip(state.tables.iter_mut())
+            .filter_map(|(m, t)| {
+                m.finalize_partial_tail(t, num_computed_tokens, num_in_flight_tokens)
+            })
+            .collect())
+    }
+
+    /// Whether hits may end at hash block boundaries inside blocks (vLLM's coordinator
+    /// `enable_partial_hash_hits`).
+    pub fn partial_hash_hits(&self) -> bool {
+        self.coordinator.partial_hash_hits()
+    }
+
+    /// Whether Mamba groups key states at shared-prefix junctions (vLLM's manager
+    /// `mamba_shared_prefix_checkpoint`).
+    pub fn mamba_shared_prefix_checkpoint(&self) -> bool {
+        self.coordinator.mamba_shared_prefix_checkpoint()
     }
 
     /// The request's block tables with attention groups clipped to the blocks covering
