@@ -23,6 +23,8 @@ mod spec;
 mod tests;
 #[cfg(test)]
 mod tests_defaults;
+#[cfg(test)]
+mod tests_partial;
 
 pub use coordinator::{Coordinator, CoordinatorKind};
 pub use request::Request;
