@@ -1374,9 +1374,12 @@ impl KVCacheManager {
                     .flatten()
                     .filter(|k| k.group == m.id)
             };
-            let group = if m.spec.prefill_checkpoint_alignment() > 0 {
+            let group = if m.spec.prefill_checkpoint_alignment() > 0
+                || self.coordinator.partial_hash_hits()
+            {
                 // An exported checkpoint sits one slot past the prefix its key covers when
-                // EAGLE's drop moves the checkpoint back a block: read the prefix off the key
+                // EAGLE's drop moves the checkpoint back a block, and with partial hash hits a
+                // block may be keyed at a hash boundary inside it: read the prefix off the key
                 // (vLLM's `block_hash_num_tokens`), the longest over the group's keyed blocks.
                 let hashes = state.request.block_hashes();
                 let hash_bs = self.hash_block_size;

@@ -685,9 +685,9 @@ impl GroupManager {
 
     /// Full attention with blocks larger than the hash block: also keys the block holding the
     /// prompt's last hash boundary at that boundary, when the boundary falls inside the block
-    /// and is computed (vLLM's `FullAttentionManager._cache_partial_tail_block`). Hits are
-    /// aligned to whole blocks here, so the key is not read by lookups; it is published in KV
-    /// events and removed with the block's other key.
+    /// and is computed (vLLM's `FullAttentionManager._cache_partial_tail_block`). Lookups read
+    /// it only with partial hash hits (hits inside blocks); it is published in KV events and
+    /// removed with the block's other key.
     fn cache_prompt_tail_key(
         &self,
         pool: &BlockPool,

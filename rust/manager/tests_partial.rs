@@ -231,6 +231,8 @@ fn a_chunk_ending_on_the_prompts_hash_boundary_keys_both_groups_inside_their_blo
     assert_eq!(pool.block_key(full[0]).unwrap(), Some(key(1, 0, &m, "a")));
     assert_eq!(pool.block_key(full[1]).unwrap(), Some(key(2, 0, &m, "a")));
     assert_eq!(pool.block_key(mamba[1]).unwrap(), Some(key(2, 1, &m, "a")));
+    // Cached tokens are read off the keys (vLLM's `block_hash_num_tokens`), not the slots.
+    assert_eq!(m.estimate_cached_tokens("a").unwrap(), 24);
     // The request finishing right there hands its state to connectors (once).
     assert_eq!(
         m.finalize_partial_tail_offloads("a", 24, 0).unwrap(),
