@@ -523,6 +523,8 @@ _EAGLE = {"eagle_tokens": 2, "eagle_lookahead_hashes": False}
         ("jamba", 400, {}),
         ("granite4", 400, {}),
         ("jamba", 700, {"async_scheduling": True}),
+        ("jamba", 700, {"ngram_tokens": 3}),
+        ("granite4", 700, {"eagle_tokens": 2, "eagle_method": "mtp"}),
         ("granite4", 700, _EAGLE),
         # Shared-prefix junctions keyed inside blocks: partial hits under pressure too.
         ("jamba", 700, {**_EAGLE, "mamba_shared_prefix_checkpoint": True}),
@@ -562,6 +564,32 @@ def test_same_outputs_as_vllm_with_partial_hash_hits(
         assert run.copies > 0
     # Every retained block went back.
     assert ours.kv_cache_manager.core.num_retained_blocks == 0
+
+
+@pytest.mark.parametrize("unit", [8, 16])
+@pytest.mark.parametrize(
+    "num_blocks,changes",
+    [(20000, {}), (700, {**_EAGLE, "mamba_shared_prefix_checkpoint": True})],
+)
+def test_same_outputs_as_vllm_with_mamba_blocks_larger_than_the_attention_blocks(
+    unit: int, num_blocks: int, changes: dict
+) -> None:
+    # Mamba blocks of 32, full-attention blocks of 16: hits on the scheduler block (32) would
+    # be block-aligned; with hashes every 8 or 16 tokens vLLM's hits land inside Mamba blocks.
+    options = harness.Options(
+        layout="jamba-2x",
+        num_blocks=num_blocks,
+        prefix_match_unit=unit,
+        dense_retention=False,
+        **changes,
+    )
+    stock = harness.build_scheduler(options)
+    assert (stock.block_size, stock.hash_block_size) == (32, unit)
+    assert stock.kv_cache_manager.coordinator.enable_partial_hash_hits
+    run = run_both(options, RESENT_WORKLOAD)
+    assert run.hits > 0 and run.copies > 0
+    if num_blocks < 20000:
+        assert run.preempted > 0
 
 
 def test_unsupported_configuration_builds_vllms_own_manager() -> None:
