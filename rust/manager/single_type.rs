@@ -815,8 +815,12 @@ impl GroupManager {
         if block == NULL_BLOCK {
             return Ok(());
         }
+        // Not hashed that far yet (lookahead hashing lags the tokens): nothing to key.
+        let Some(&hash) = request.block_hashes().get(num_tokens / hash_bs - 1) else {
+            return Ok(());
+        };
         let key = CacheKey {
-            hash: request.block_hashes()[num_tokens / hash_bs - 1],
+            hash,
             group: self.id,
         };
         if pool.block_key(block)? == Some(key) {

@@ -370,3 +370,51 @@ fn the_copy_of_a_partial_block_is_cached_once_full() {
     // under b's hash of 32 tokens.
     assert_eq!(m.pool().block_key(copy).unwrap(), Some(key(3, 0, &m, "b")));
 }
+
+#[test]
+fn a_shared_prefix_junction_inside_a_block_keys_the_mamba_state_there() {
+    for enabled in [true, false] {
+        let mut c = config(jamba(), 8);
+        c.use_eagle = true;
+        c.enable_mamba_shared_prefix_checkpoint = enabled;
+        let mut m = manager(&c);
+        let mut a = tokens(0, 24);
+        a.extend(tokens(500, 16));
+        m.add_request("a", &a, ExtraKeys::default()).unwrap();
+        admit_chunk(&mut m, "a", 40);
+        m.new_step_starts();
+        // B shares 24 tokens with A: full attention alone matches 16 and drops one hash block
+        // (EAGLE), Mamba matches nothing: no hit, a junction at 8 tokens.
+        let mut b = tokens(0, 24);
+        b.extend(tokens(900, 16));
+        m.add_request("b", &b, ExtraKeys::default()).unwrap();
+        let hit = m.get_computed_blocks("b").unwrap();
+        assert_eq!(hit.num_computed_tokens, 0);
+        assert_eq!(m.shared_prefix_boundary("b").unwrap(), 8);
+        // The scheduler ends B's first chunk at the junction.
+        let args = AllocateArgs {
+            num_new_tokens: 8,
+            ..Default::default()
+        };
+        m.allocate_slots("b", &args).unwrap().unwrap();
+        let state = m.block_ids("b", 1).unwrap()[0];
+        let keyed = m.pool().block_key(state).unwrap();
+        if enabled {
+            assert_eq!(keyed, Some(key(0, 1, &m, "b")));
+            // Keyed inside the block B writes on into: its next chunk copies it.
+            let args = AllocateArgs {
+                num_new_tokens: 8,
+                num_computed_tokens: 8,
+                ..Default::default()
+            };
+            m.new_step_starts();
+            m.allocate_slots("b", &args).unwrap().unwrap();
+            let (copies, retained) = m.take_kv_cache_block_copies();
+            assert_eq!(copies.len(), 1);
+            assert_eq!(copies[0].0, state);
+            m.free_retained_blocks(&retained).unwrap();
+        } else {
+            assert_eq!(keyed, None);
+        }
+    }
+}
