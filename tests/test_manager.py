@@ -578,3 +578,38 @@ def test_an_attention_free_model_has_no_groups_and_no_blocks() -> None:
     new = manager.allocate_slots(req, 30)
     assert new is not None and new.get_block_ids() == ()
     assert manager.num_free_blocks == 0
+
+
+def test_partial_hash_hit_copies_the_shared_blocks_and_retains_them_until_released() -> None:
+    # Full attention and Mamba blocks of 16, hashes every 8: a hit may end inside a block (vLLM's
+    # fine-grained partial hash hits), whose shared block the new request writes on into a copy.
+    groups = [{"kind": "full", "block_size": 16}, {"kind": "mamba", "block_size": 16}]
+    manager = hk.KVCacheManager(groups, 64, 1024, hash_block_size=8)
+    assert manager.enable_partial_hash_hits and not manager.mamba_shared_prefix_checkpoint
+    a = hk.Request("a", list(range(29)), block_size=8)
+    # A chunk ending on the prompt's last hash boundary (24) caches both groups' state there.
+    assert manager.allocate_slots(a, 24) is not None
+    a.num_computed_tokens = 24
+    manager.new_step_starts()
+    b = hk.Request("b", list(range(24)) + [1000 + i for i in range(10)], block_size=8)
+    blocks, hit = manager.get_computed_blocks(b)
+    assert hit == 24
+    new = manager.allocate_slots(b, 10, num_new_computed_tokens=hit, new_computed_blocks=blocks)
+    assert new is not None
+    full_copy, state_copy = (ids[0] for ids in new.get_block_ids())
+    a_full, a_mamba = manager.get_block_ids("a")
+    copies, retained = manager.take_kv_cache_block_copies()
+    assert copies == [(int(a_full[1]), full_copy), (int(a_mamba[1]), state_copy)]
+    assert retained.tolist() == [int(a_full[1]), full_copy, int(a_mamba[1]), state_copy]
+    assert manager.num_retained_blocks == 4
+    assert manager.take_kv_cache_block_copies()[0] == [], "drained"
+    free = manager.num_free_blocks
+    manager.free_retained_blocks(retained.tolist())
+    assert manager.num_retained_blocks == 0
+    # Every end is still in a request's table: released references only.
+    assert manager.num_free_blocks == free
+    with pytest.raises(hk.InvalidArgumentError):
+        manager.free_retained_blocks([full_copy])
+    manager.free(b)
+    manager.free(a)
+    assert manager.num_free_blocks == 63

@@ -436,6 +436,7 @@ class KVCacheManager:
         num_prefill_lookahead: int = 0,
         scheduler_block_size: int | None = None,
         hash_block_size: int | None = None,
+        enable_mamba_shared_prefix_checkpoint: bool = False,
     ) -> KVCacheManager:
         """A manager over a pool of `num_blocks` blocks (the null block included), with
         vLLM 0.33's `KVCacheManager` semantics as vLLM configures itself by default.
@@ -484,7 +485,14 @@ class KVCacheManager:
             hash_block_size: tokens per request hash (vLLM's `prefix_match_unit` when set).
                 None: the gcd of the prefix-cacheable groups' block sizes (the scheduler block
                 size with caching off or a Mamba group outside `align` mode). It must divide
-                every prefix-cacheable group's block size.
+                every prefix-cacheable group's block size. Below the block size of an `align`
+                Mamba group of a hybrid layout, hits land on hash boundaries inside blocks
+                (vLLM's fine-grained partial hash hits, `enable_partial_hash_hits`) when every
+                other prefix-cacheable group is full-attention-like, Mamba or of the hash
+                block size.
+            enable_mamba_shared_prefix_checkpoint: vLLM's `CacheConfig` option: Mamba groups
+                also cache the state at a request's shared-prefix junction; acts only with
+                EAGLE groups, partial hash hits and `num_prefill_lookahead` at most 1.
 
         Raises:
             InvalidConfigError: an unknown kind, a missing field, block sizes that do not
@@ -512,6 +520,17 @@ class KVCacheManager:
     @property
     def hash_block_size(self) -> int:
         """Tokens per request block hash: pass it as `Request(..., block_size=...)`."""
+    @property
+    def enable_partial_hash_hits(self) -> bool:
+        """Whether hits may end at hash block boundaries inside blocks (vLLM's coordinator
+        `enable_partial_hash_hits`)."""
+    @property
+    def mamba_shared_prefix_checkpoint(self) -> bool:
+        """Whether Mamba groups also cache states at shared-prefix junctions (vLLM's manager
+        `mamba_shared_prefix_checkpoint`)."""
+    @property
+    def num_retained_blocks(self) -> int:
+        """Blocks retained for copy-on-write copies and not released yet."""
     @property
     def usage(self) -> float:
         """Fraction of the usable blocks in use (vLLM's `usage`)."""
@@ -640,11 +659,27 @@ class KVCacheManager:
     def take_kv_cache_block_copies(
         self,
     ) -> tuple[list[tuple[int, int]], npt.NDArray[np.int32]]:
-        """Copy-on-write copies and their retained blocks: always empty (copies arise only from
-        fine-grained partial hash hits, which hybrid-kv refuses to configure)."""
-    def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
-        """Producer partial tails to offload when a request finishes: always empty (fine-grained
-        partial hash hits only)."""
+        """Drains the copy-on-write copies `[(src, dst), ...]` partial hits queued for the
+        worker (group by group) and the blocks retained for them: the endpoints of every copy,
+        `[src, dst, ...]`, each keeping one reference until `free_retained_blocks` gets it
+        back (vLLM's `take_kv_cache_block_copies`)."""
+    def free_retained_blocks(self, blocks: Sequence[int]) -> None:
+        """Releases blocks `take_kv_cache_block_copies` retained, once their copies ran, in
+        the given order (vLLM's `block_pool.free_blocks`).
+
+        Raises:
+            InvalidArgumentError: a block not retained, or released already (nothing changes).
+        """
+    def finalize_partial_tail_offloads(
+        self,
+        request: Request,
+        num_computed_tokens: int | None = None,
+        num_in_flight_tokens: int | None = None,
+    ) -> list[tuple[int, int, int]]:
+        """Mamba states the request cached inside a block at its prompt boundary, when it
+        finishes exactly there with nothing in flight: `[(group, block, boundary_tokens)]`
+        (vLLM's `finalize_partial_tail_offloads`); forgotten either way. The counts default
+        to the request's."""
     def get_block_ids_for_computed_tokens(
         self, request_id: str, num_computed_tokens: int
     ) -> tuple[npt.NDArray[np.int32], ...]:

@@ -55,6 +55,12 @@ pub struct Coordinator {
     scheduler_block_size: usize,
     /// Tokens a hit length must be a multiple of.
     alignment: usize,
+    /// Fine-grained partial hash hits: hits at hash block boundaries inside blocks (vLLM's
+    /// `enable_partial_hash_hits`).
+    partial_hash_hits: bool,
+    /// Mamba groups key the state at shared-prefix junctions too (vLLM's
+    /// `mamba_shared_prefix_checkpoint`).
+    mamba_shared_prefix_checkpoint: bool,
     /// Exactly one full-attention spec group and one other: one pass of the fixed point.
     simple_hybrid: bool,
     /// Some group drops the EAGLE block (the replay boundaries move).
@@ -92,10 +98,13 @@ impl Coordinator {
             _ => Vec::new(),
         };
         let drops = |g: usize| config.use_eagle && eagle_groups.contains(&g);
+        let partial_hash_hits = config.partial_hash_hits(hash_block_size);
         let alignment = match kind {
             CoordinatorKind::Unitary => specs[0].block_size,
+            _ if partial_hash_hits => hash_block_size,
             _ => scheduler_block_size,
         };
+        let mamba_shared_prefix_checkpoint = config.mamba_shared_prefix_checkpoint(hash_block_size);
         let max_in_flight = config.max_in_flight_tokens.unwrap_or(config.max_model_len);
         let extra_retained = config.extra_retained_tokens();
         let needs_zeroing = specs.iter().any(|g| g.is_mamba());
@@ -151,12 +160,17 @@ impl Coordinator {
                         config.max_model_len,
                         extra_retained,
                     ),
-                    alignment: scheduler_block_size,
+                    alignment: if partial_hash_hits {
+                        hash_block_size
+                    } else {
+                        scheduler_block_size
+                    },
                     use_eagle,
                     drop_eagle_checkpoint: config.use_eagle,
                     extra_retained,
                     records_new_blocks: needs_zeroing && spec.zeroes_new_blocks(),
                     num_gpu_blocks: config.num_blocks,
+                    shared_prefix_checkpoint: mamba_shared_prefix_checkpoint && spec.is_mamba(),
                 }
             })
             .collect();
@@ -170,6 +184,8 @@ impl Coordinator {
             hash_block_size,
             scheduler_block_size,
             alignment,
+            partial_hash_hits,
+            mamba_shared_prefix_checkpoint,
             retention: config.retention_interval,
             num_reprefillable: config.num_prefill_lookahead.saturating_sub(1),
             num_hash_lookahead_tokens: config.num_hash_lookahead_tokens,
@@ -187,6 +203,30 @@ impl Coordinator {
     /// Tokens a hit length must be a multiple of.
     pub fn alignment(&self) -> usize {
         self.alignment
+    }
+
+    /// Whether hits may end at hash block boundaries inside blocks (vLLM's coordinator
+    /// `enable_partial_hash_hits`).
+    pub fn partial_hash_hits(&self) -> bool {
+        self.partial_hash_hits
+    }
+
+    /// Whether Mamba groups key the state at shared-prefix junctions (vLLM's manager
+    /// `mamba_shared_prefix_checkpoint`).
+    pub fn mamba_shared_prefix_checkpoint(&self) -> bool {
+        self.mamba_shared_prefix_checkpoint
+    }
+
+    /// Tokens an EAGLE group matches past a candidate hit before dropping them (vLLM's
+    /// `eagle_proof_margin`): one hash block for a fine-grained lookup in a group of larger
+    /// blocks, else one block.
+    fn eagle_margin(&self, spec: &GroupSpec) -> usize {
+        let fine_grained = spec.is_full() || spec.is_mamba();
+        if self.partial_hash_hits && fine_grained && spec.block_size > self.hash_block_size {
+            self.hash_block_size
+        } else {
+            spec.block_size
+        }
     }
 
     pub(crate) fn groups(&self) -> &[GroupManager] {
@@ -256,8 +296,8 @@ impl Coordinator {
                 let drop = sg.use_eagle && !verified[idx];
                 let mut max = curr;
                 if drop && !sg.spec.is_mamba() {
-                    // Match one block past the candidate, then drop it.
-                    max = (curr + sg.spec.block_size).min(hashed);
+                    // Match one block (or hash block) past the candidate, then drop it.
+                    max = (curr + self.eagle_margin(&sg.spec)).min(hashed);
                 }
                 let new = self.find_for(sg, pool, hashes, max, drop, out, &mut scratch);
                 if drop {
@@ -315,7 +355,7 @@ impl Coordinator {
         for sg in &self.spec_groups {
             let mut max = max_len;
             if sg.use_eagle && !sg.spec.is_mamba() {
-                max = (max_len + sg.spec.block_size).min(hashed);
+                max = (max_len + self.eagle_margin(&sg.spec)).min(hashed);
             }
             let hit = self.find_for(sg, pool, hashes, max, sg.use_eagle, out, &mut scratch);
             for &g in &sg.group_ids {
@@ -369,6 +409,7 @@ impl Coordinator {
         num_tokens: usize,
         hits: &[Vec<BlockId>],
         total_computed_tokens: usize,
+        num_local_computed_tokens: usize,
         num_tokens_main_model: usize,
         apply_admission_cap: bool,
         prefill_end: usize,
@@ -387,6 +428,7 @@ impl Coordinator {
                     num_tokens,
                     hit,
                     total_computed_tokens,
+                    num_local_computed_tokens,
                     num_tokens_main_model,
                     apply_admission_cap,
                     &chunk,
@@ -467,7 +509,14 @@ impl Coordinator {
         let total = num_local_computed_tokens + num_external_computed_tokens;
         for (g, (m, t)) in self.groups.iter().zip(tables.iter_mut()).enumerate() {
             let hit = hits.get(g).map_or(&[][..], Vec::as_slice);
-            m.add_local_computed_blocks(pool, t, hit, total, enable_caching)?;
+            m.add_local_computed_blocks(
+                pool,
+                t,
+                hit,
+                num_local_computed_tokens,
+                total,
+                enable_caching,
+            )?;
         }
         if num_external_computed_tokens > 0 {
             for (g, (m, t)) in self.groups.iter().zip(tables.iter_mut()).enumerate() {
@@ -486,17 +535,27 @@ impl Coordinator {
 
     /// Grows every group's table to cover `num_tokens` slots; what each group hands the worker
     /// goes to `new_blocks[g]`.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn allocate_new_blocks(
         &self,
         pool: &BlockPool,
         tables: &mut [GroupTable],
+        request_id: &str,
         num_tokens: usize,
         num_tokens_main_model: usize,
         new_blocks: &mut [Vec<BlockId>],
         effects: &mut Effects,
     ) -> Result<()> {
         for ((m, t), out) in self.groups.iter().zip(tables.iter_mut()).zip(new_blocks) {
-            m.allocate_new_blocks(pool, t, num_tokens, num_tokens_main_model, out, effects)?;
+            m.allocate_new_blocks(
+                pool,
+                t,
+                request_id,
+                num_tokens,
+                num_tokens_main_model,
+                out,
+                effects,
+            )?;
         }
         Ok(())
     }
@@ -529,11 +588,19 @@ impl Coordinator {
         if self.kind != CoordinatorKind::Hybrid {
             return num_tokens.saturating_sub(self.num_reprefillable);
         }
-        let sbs = self.scheduler_block_size;
-        let aligned = num_tokens / sbs * sbs;
+        let align = |n: usize| {
+            if self.partial_hash_hits {
+                // Hits may end anywhere on a hash boundary: no rounding (rounding even to the
+                // hash block would re-key a privatized Mamba tail).
+                n
+            } else {
+                n / self.scheduler_block_size * self.scheduler_block_size
+            }
+        };
+        let aligned = align(num_tokens);
         if m.use_eagle && aligned > 0 {
             let finalized = num_tokens.saturating_sub(self.num_reprefillable);
-            return finalized.min(finalized / sbs * sbs + m.spec.block_size);
+            return finalized.min(align(finalized) + m.spec.block_size);
         }
         aligned
     }
@@ -547,6 +614,7 @@ impl Coordinator {
         tables: &mut [GroupTable],
         request: &Request,
         num_tokens: usize,
+        num_computed_tokens: usize,
         shared_prefix_boundary: usize,
         scratch: &mut Vec<BlockId>,
         effects: &mut Effects,
@@ -558,6 +626,7 @@ impl Coordinator {
             replay_boundaries: &boundaries[..n],
             shared_prefix_boundary,
             num_hash_lookahead_tokens: self.num_hash_lookahead_tokens,
+            num_computed_tokens,
         };
         for (m, t) in self.groups.iter().zip(tables.iter_mut()) {
             let tokens = self.cacheable_tokens(m, num_tokens);
@@ -631,7 +700,15 @@ impl Coordinator {
             .zip(new_blocks.iter_mut())
         {
             if need > 0 {
-                m.allocate_new_blocks(pool, t, step.need_slot, step.need_slot, out, effects)?;
+                m.allocate_new_blocks(
+                    pool,
+                    t,
+                    request.id(),
+                    step.need_slot,
+                    step.need_slot,
+                    out,
+                    effects,
+                )?;
             }
         }
         if let Some(n) = step.cache_tokens {
@@ -640,6 +717,7 @@ impl Coordinator {
                 tables,
                 request,
                 n,
+                step.computed,
                 step.shared_prefix_boundary,
                 scratch,
                 effects,
@@ -737,6 +815,8 @@ impl Coordinator {
 pub(crate) struct RunningStep {
     /// Tokens processed: blocks before the window of these are freed.
     pub(crate) processed: usize,
+    /// The request's computed tokens before this step.
+    pub(crate) computed: usize,
     /// Slots the request needs after this step.
     pub(crate) need_slot: usize,
     /// Tokens to cache (finalized ones); `None` when caching is off or delayed.

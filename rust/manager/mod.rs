@@ -23,6 +23,8 @@ mod spec;
 mod tests;
 #[cfg(test)]
 mod tests_defaults;
+#[cfg(test)]
+mod tests_partial;
 
 pub use coordinator::{Coordinator, CoordinatorKind};
 pub use request::Request;
@@ -33,7 +35,7 @@ pub use spec::{AttentionKind, GroupSpec, KindParams, MambaMode, ManagerConfig};
 use crate::error::{invalid, CoreError, Result};
 use crate::hashing::{BlockHasher, ExtraKeys, TokenId};
 use crate::pool::BlockPool;
-use crate::types::{BlockId, GroupId, KvEvent, NULL_BLOCK};
+use crate::types::{BlockHash, BlockId, GroupId, KvEvent, NULL_BLOCK};
 use coordinator::RunningStep;
 use single_type::{Effects, GroupTable};
 use slots::Slots;
@@ -246,6 +248,10 @@ pub struct KVCacheManager {
     /// Successful allocations and cache resets so far (only these evict cached blocks).
     epoch: u64,
     stats: PrefixCacheStats,
+    /// Blocks handed out by [`KVCacheManager::take_kv_cache_block_copies`] as retained and not
+    /// yet released: each entry holds one reference until
+    /// [`KVCacheManager::free_retained_blocks`] drops it.
+    retained: Vec<BlockId>,
     scratch: Vec<BlockId>,
     /// Tests: take the general allocation path even for running requests.
     #[cfg(test)]
@@ -293,6 +299,7 @@ impl KVCacheManager {
             effects: Effects::default(),
             epoch: 0,
             stats: PrefixCacheStats::default(),
+            retained: Vec::new(),
             scratch: Vec::new(),
             #[cfg(test)]
             general_path_only: false,
@@ -646,6 +653,7 @@ impl KVCacheManager {
         {
             let step = RunningStep {
                 processed,
+                computed: n_local,
                 need_slot,
                 cache_tokens,
                 reserved: args.reserved_blocks,
@@ -676,6 +684,7 @@ impl KVCacheManager {
                 full,
                 hits,
                 total,
+                n_local,
                 full,
                 true,
                 prefill_end,
@@ -700,6 +709,7 @@ impl KVCacheManager {
             need_slot,
             hits,
             n_local + n_external,
+            n_local,
             main,
             false,
             prefill_end,
@@ -733,6 +743,7 @@ impl KVCacheManager {
         coordinator.allocate_new_blocks(
             pool,
             &mut state.tables,
+            state.request.id(),
             need_slot,
             main,
             new_blocks,
@@ -744,6 +755,7 @@ impl KVCacheManager {
                 &mut state.tables,
                 &state.request,
                 n,
+                args.num_computed_tokens,
                 state.shared_prefix_boundary,
                 &mut self.scratch,
                 &mut self.effects,
@@ -871,7 +883,7 @@ impl KVCacheManager {
                 let key = self.pool.block_key(b)?;
                 let matches =
                     i < view.len() && key.is_some_and(|k| k.group == m.id && k.hash == view.get(i));
-                if matches {
+                if matches || (i + 1 == list.len() && self.keyed_inside(b, m, i, hashes)?) {
                     continue;
                 }
                 if evicted_since && b != NULL_BLOCK {
@@ -890,6 +902,27 @@ impl KVCacheManager {
             }
         }
         Ok(())
+    }
+
+    /// With partial hash hits: whether block `b` (slot `i` of group `m`) is cached at one of
+    /// the prompt's hash boundaries inside the slot, as the last block of a hit may be.
+    fn keyed_inside(
+        &self,
+        b: BlockId,
+        m: &single_type::GroupManager,
+        i: usize,
+        hashes: &[BlockHash],
+    ) -> Result<bool> {
+        if !self.coordinator.partial_hash_hits() || b == NULL_BLOCK {
+            return Ok(false);
+        }
+        let scale = m.spec.block_size / self.hash_block_size;
+        let span = &hashes[(i * scale).min(hashes.len())..((i + 1) * scale).min(hashes.len())];
+        Ok(self
+            .pool
+            .block_keys(b)?
+            .iter()
+            .any(|k| k.group == m.id && span.contains(&k.hash)))
     }
 
     /// Blocks the admission check of `allocate_slots(..., full_sequence_must_fit)` needs free
@@ -915,6 +948,7 @@ impl KVCacheManager {
             &state.tables,
             full,
             hits,
+            computed,
             computed,
             full,
             true,
@@ -1158,6 +1192,8 @@ impl KVCacheManager {
             &mut state.tables,
             &state.request,
             num_computed_tokens,
+            // The tokens cached are computed already: no shared-prefix junction is written now.
+            num_computed_tokens,
             state.shared_prefix_boundary,
             &mut self.scratch,
             &mut self.effects,
@@ -1227,6 +1263,82 @@ impl KVCacheManager {
         std::mem::take(&mut self.effects.boundary_offloads)
     }
 
+    /// Drains the copy-on-write copies `(source, copy)` the worker must run before this step's
+    /// forward pass, group by group, and the blocks retained for them: the endpoints of every
+    /// copy, `[source, copy, ...]`, each holding one reference until
+    /// [`KVCacheManager::free_retained_blocks`] gets it back once the copy ran (vLLM's
+    /// `take_kv_cache_block_copies`).
+    pub fn take_kv_cache_block_copies(&mut self) -> (Vec<(BlockId, BlockId)>, Vec<BlockId>) {
+        let mut pending = std::mem::take(&mut self.effects.cow_copies);
+        // vLLM drains its managers in group order.
+        pending.sort_by_key(|&(group, _, _)| group);
+        let copies: Vec<(BlockId, BlockId)> = pending.iter().map(|&(_, s, d)| (s, d)).collect();
+        let retained: Vec<BlockId> = copies.iter().flat_map(|&(s, d)| [s, d]).collect();
+        self.retained.extend_from_slice(&retained);
+        (copies, retained)
+    }
+
+    /// Releases blocks retained for copies (what `take_kv_cache_block_copies` returned, or
+    /// part of it), in the given order as `BlockPool::free_blocks` does: blocks no one else
+    /// holds join the free order. Only blocks handed out as retained and not released yet are
+    /// accepted; otherwise nothing changes.
+    pub fn free_retained_blocks(&mut self, blocks: &[BlockId]) -> Result<()> {
+        let mut outstanding = self.retained.clone();
+        for &b in blocks {
+            match outstanding.iter().position(|&r| r == b) {
+                Some(i) => {
+                    outstanding.swap_remove(i);
+                }
+                None => {
+                    return Err(CoreError::InvalidArgument(format!(
+                        "block {b} is not retained for a copy (or was released already)"
+                    )))
+                }
+            }
+        }
+        self.pool.free_blocks(blocks)?;
+        self.retained = outstanding;
+        Ok(())
+    }
+
+    /// Blocks retained for copies and not released yet.
+    pub fn num_retained_blocks(&self) -> usize {
+        self.retained.len()
+    }
+
+    /// The Mamba states the request keyed inside a block as its prompt's boundary, when it
+    /// finishes exactly there (`num_computed_tokens` at that boundary, nothing in flight):
+    /// `(group, block, boundary tokens)` for KV connectors to offload before the blocks are
+    /// freed (vLLM's `finalize_partial_tail_offloads`). Forgets them either way.
+    pub fn finalize_partial_tail_offloads<'a>(
+        &mut self,
+        request: impl Into<RequestKey<'a>>,
+        num_computed_tokens: usize,
+        num_in_flight_tokens: usize,
+    ) -> Result<Vec<(GroupId, BlockId, usize)>> {
+        let state = self.requests.get_mut(request.into())?;
+        let groups = self.coordinator.groups();
+        Ok(groups
+            .iter()
+            .zip(state.tables.iter_mut())
+            .filter_map(|(m, t)| {
+                m.finalize_partial_tail(t, num_computed_tokens, num_in_flight_tokens)
+            })
+            .collect())
+    }
+
+    /// Whether hits may end at hash block boundaries inside blocks (vLLM's coordinator
+    /// `enable_partial_hash_hits`).
+    pub fn partial_hash_hits(&self) -> bool {
+        self.coordinator.partial_hash_hits()
+    }
+
+    /// Whether Mamba groups key states at shared-prefix junctions (vLLM's manager
+    /// `mamba_shared_prefix_checkpoint`).
+    pub fn mamba_shared_prefix_checkpoint(&self) -> bool {
+        self.coordinator.mamba_shared_prefix_checkpoint()
+    }
+
     /// The request's block tables with attention groups clipped to the blocks covering
     /// `num_computed_tokens` (Mamba groups whole).
     pub fn get_block_ids_for_computed_tokens<'a>(
@@ -1268,9 +1380,12 @@ impl KVCacheManager {
                     .flatten()
                     .filter(|k| k.group == m.id)
             };
-            let group = if m.spec.prefill_checkpoint_alignment() > 0 {
+            let group = if m.spec.prefill_checkpoint_alignment() > 0
+                || self.coordinator.partial_hash_hits()
+            {
                 // An exported checkpoint sits one slot past the prefix its key covers when
-                // EAGLE's drop moves the checkpoint back a block: read the prefix off the key
+                // EAGLE's drop moves the checkpoint back a block, and with partial hash hits a
+                // block may be keyed at a hash boundary inside it: read the prefix off the key
                 // (vLLM's `block_hash_num_tokens`), the longest over the group's keyed blocks.
                 let hashes = state.request.block_hashes();
                 let hash_bs = self.hash_block_size;

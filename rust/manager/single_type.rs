@@ -30,6 +30,14 @@ pub(crate) struct GroupTable {
     /// worker exports in the chunk being allocated (vLLM's `_checkpoints`), set when the chunk
     /// is counted.
     pub(crate) checkpoint: Option<(usize, usize)>,
+    /// A hit (or, for Mamba align, a state keyed by the request itself) ending inside block
+    /// `.0`: the shared block `.1` gets a private copy at the next allocation (vLLM's
+    /// `_partial_hit_reqs`).
+    pub(crate) partial_hit: Option<(usize, BlockId)>,
+    /// Mamba align: the request keyed its own state inside a block at this prompt boundary
+    /// `(block, tokens)`; the copy that preserves it, or the block itself when the request
+    /// finishes there, goes to KV connectors (vLLM's `_producer_partial_tail_reqs`).
+    pub(crate) producer_tail: Option<(BlockId, usize)>,
 }
 
 impl GroupTable {
@@ -53,6 +61,9 @@ pub(crate) struct Effects {
     /// Mamba align: `(group, block, boundary tokens)` of each state committed to the cache
     /// this step, for KV connectors; keyed by request id.
     pub(crate) boundary_offloads: Vec<(String, GroupId, BlockId, usize)>,
+    /// Copy-on-write copies `(group, source, copy)` for the worker, queued by partial hits;
+    /// both blocks hold one reference more until the caller releases them after the copy.
+    pub(crate) cow_copies: Vec<(GroupId, BlockId, BlockId)>,
 }
 
 impl Effects {
@@ -75,8 +86,9 @@ pub(crate) struct CacheCtx<'a> {
     pub(crate) replay_boundaries: &'a [usize],
     /// The request's shared-prefix junction (0: none).
     pub(crate) shared_prefix_boundary: usize,
-    /// The request's computed tokens before this call (Mamba shared-prefix checkpoints).
     pub(crate) num_hash_lookahead_tokens: usize,
+    /// The request's computed tokens before this call (Mamba shared-prefix checkpoints).
+    pub(crate) num_computed_tokens: usize,
 }
 
 /// What the prefill checkpoint rule of a Mamba group needs to know about a chunk beyond the
@@ -135,6 +147,9 @@ pub(crate) struct GroupManager {
     pub(crate) records_new_blocks: bool,
     /// Blocks in the pool, the null block included (Mamba's "wait a step" answer).
     pub(crate) num_gpu_blocks: usize,
+    /// Mamba align: also key the state at the request's shared-prefix junction (vLLM's
+    /// `shared_prefix_checkpoint`).
+    pub(crate) shared_prefix_checkpoint: bool,
 }
 
 /// Mamba: the hit ends on a state cached in this step (written by this step's forward pass).
@@ -172,12 +187,14 @@ impl GroupManager {
         num_tokens: usize,
         hits: &[BlockId],
         total_computed_tokens: usize,
+        num_local_computed_tokens: usize,
         num_tokens_main_model: usize,
         apply_admission_cap: bool,
         chunk: &ChunkCtx,
         effects: &Effects,
     ) -> i64 {
         let bs = self.bs();
+        let partial_local_hit = self.partial_local_hit(hits, num_local_computed_tokens);
         match self.spec.kind {
             AttentionKind::CircularBuffer => return table.blocks.is_empty() as i64,
             AttentionKind::Mamba {
@@ -198,11 +215,16 @@ impl GroupManager {
                         hits,
                         total_computed_tokens,
                         apply_admission_cap,
-                    );
+                    ) + partial_local_hit as i64;
                 }
                 // Align: lookahead tokens get no state block.
                 let required = (num_tokens_main_model.div_ceil(bs) + speculative_blocks) as i64;
                 let mut new = required - hits.len() as i64 - table.blocks.len() as i64;
+                // A partial hit (or state keyed inside a block) takes one block for its copy.
+                let partial = partial_local_hit || table.partial_hit.is_some();
+                if partial {
+                    new = new.max(0) + 1;
+                }
                 if new > 0 {
                     let checkpoint = self
                         .internal_checkpoint(
@@ -212,7 +234,7 @@ impl GroupManager {
                             chunk,
                         )
                         .is_some();
-                    let mut cap = 1 + checkpoint as i64;
+                    let mut cap = 1 + partial as i64 + checkpoint as i64;
                     if !table.allocated {
                         cap += speculative_blocks as i64;
                     }
@@ -229,7 +251,13 @@ impl GroupManager {
             hits,
             total_computed_tokens,
             apply_admission_cap,
-        )
+        ) + partial_local_hit as i64 // the copy of a partially hit block
+    }
+
+    /// The hit ends inside one of this group's blocks: the shared block needs a private copy
+    /// (vLLM's `_has_partial_local_hit`).
+    fn partial_local_hit(&self, hits: &[BlockId], num_local_computed_tokens: usize) -> bool {
+        !hits.is_empty() && num_local_computed_tokens % self.bs() != 0
     }
 
     /// Mamba align with checkpoint exports: the `(position, slot)` of the prefill checkpoint
@@ -325,6 +353,7 @@ impl GroupManager {
         pool: &BlockPool,
         table: &mut GroupTable,
         hits: &[BlockId],
+        num_local_computed_tokens: usize,
         total_computed_tokens: usize,
         enable_caching: bool,
     ) -> Result<()> {
@@ -339,6 +368,16 @@ impl GroupManager {
         table.blocks.resize(skipped, NULL_BLOCK);
         table.blocks.extend_from_slice(kept);
         table.num_cached = Some(table.blocks.len());
+        if let (true, Some(&last)) = (
+            self.partial_local_hit(kept, num_local_computed_tokens),
+            kept.last(),
+        ) {
+            // The hit ends inside its last block: the next allocation copies it, and the copy
+            // is cached once full.
+            let idx = num_local_computed_tokens / self.bs();
+            table.partial_hit = Some((idx, last));
+            table.num_cached = Some(idx);
+        }
         Ok(())
     }
 
@@ -394,10 +433,12 @@ impl GroupManager {
 
     /// Grows the table to cover `num_tokens` slots; what the worker gets for this step goes to
     /// `out` (for Mamba align that may include null blocks and relocated speculative blocks).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn allocate_new_blocks(
         &self,
         pool: &BlockPool,
         table: &mut GroupTable,
+        request_id: &str,
         num_tokens: usize,
         num_tokens_main_model: usize,
         out: &mut Vec<BlockId>,
@@ -419,9 +460,11 @@ impl GroupManager {
                 return self.allocate_mamba_align(
                     pool,
                     table,
+                    request_id,
                     num_tokens_main_model,
                     speculative_blocks,
                     out,
+                    effects,
                 )
             }
             AttentionKind::Mamba {
@@ -431,6 +474,13 @@ impl GroupManager {
             } => num_tokens + bs * speculative_blocks,
             _ => num_tokens,
         };
+        if let Some((idx, source)) = table.partial_hit.take() {
+            // The hit ends inside `source`, shared with others: the request writes on into a
+            // private copy instead (recorded for zeroing whatever the layout, as vLLM does).
+            let copy = self.copy_on_write(pool, table, idx, source, effects)?;
+            effects.new_block_ids.push(copy);
+            out.push(copy);
+        }
         let new = num_tokens.div_ceil(bs).saturating_sub(table.blocks.len());
         if new > 0 {
             let start = table.blocks.len();
@@ -445,21 +495,45 @@ impl GroupManager {
         Ok(())
     }
 
+    /// Takes a new block for slot `idx` of the table in place of `source` and queues the copy
+    /// of `source` into it (vLLM's `_apply_cow`). Both blocks stay referenced until the copy
+    /// ran: `source` keeps the reference the hit took, the copy gets one more than the table's.
+    fn copy_on_write(
+        &self,
+        pool: &BlockPool,
+        table: &mut GroupTable,
+        idx: usize,
+        source: BlockId,
+        effects: &mut Effects,
+    ) -> Result<BlockId> {
+        let mut one = Vec::with_capacity(1);
+        pool.get_new_blocks_into(1, &mut one)?;
+        let copy = one[0];
+        table.blocks[idx] = copy;
+        pool.touch(&one)?;
+        effects.cow_copies.push((self.id, source, copy));
+        Ok(copy)
+    }
+
     /// vLLM's align-mode Mamba allocation: the table keeps only live states (nulls elsewhere),
     /// one new state block per step (plus the speculative blocks on the first allocation),
-    /// exclusively owned speculative blocks relocated to the end.
+    /// exclusively owned speculative blocks relocated to the end. A partial hit (or a state
+    /// the request keyed inside a block) takes one block more, for its copy.
+    #[allow(clippy::too_many_arguments)]
     fn allocate_mamba_align(
         &self,
         pool: &BlockPool,
         table: &mut GroupTable,
+        request_id: &str,
         num_tokens: usize,
         spec_blocks: usize,
         out: &mut Vec<BlockId>,
+        effects: &mut Effects,
     ) -> Result<()> {
         let required = num_tokens.div_ceil(self.bs()) + spec_blocks;
         // A chunk exporting a prefill checkpoint keeps one more block, at the checkpoint's slot.
         let checkpoint = table.checkpoint.is_some() as usize;
-        if required <= table.blocks.len() && checkpoint == 0 {
+        if required <= table.blocks.len() && checkpoint == 0 && table.partial_hit.is_none() {
             table.allocated = true;
             return Ok(());
         }
@@ -489,10 +563,43 @@ impl GroupManager {
                 table.blocks[idx] = NULL_BLOCK;
             }
         }
-        let new = required.saturating_sub(table.blocks.len());
+        let partial = table.partial_hit.take();
+        let new = required.saturating_sub(table.blocks.len()) + partial.is_some() as usize;
+        let kept_from = out.len();
         out.extend_from_slice(&table.blocks[prev..]);
         let start = table.blocks.len();
         pool.get_new_blocks_into(new, &mut table.blocks)?;
+        if let Some((idx, source)) = partial {
+            // The copy is the first of the new blocks.
+            let copy = table.blocks.remove(start);
+            if allocated {
+                // A running request keyed its own state inside `source` and writes on into it
+                // (the worker's table is append-only): the cache entry moves to the copy,
+                // which the queued copy fills before this step's forward overwrites `source`.
+                pool.move_block_keys(source, copy)?;
+                pool.touch(&[source])?;
+                effects.cow_copies.push((self.id, source, copy));
+                if let Some((_, boundary)) = table.producer_tail.take() {
+                    effects.boundary_offloads.push((
+                        request_id.to_owned(),
+                        self.id,
+                        copy,
+                        boundary,
+                    ));
+                }
+                if let Some(key) = pool.block_key(copy)? {
+                    // Filled by this step's copy: hits on it wait a step.
+                    effects.cached_this_step.insert(key);
+                }
+            } else {
+                // A new request's hit state: the request writes into a private copy (the hit's
+                // reference to `source` goes with the queued copy).
+                table.blocks[idx] = copy;
+                pool.touch(&[copy])?;
+                effects.cow_copies.push((self.id, source, copy));
+                out.insert(kept_from, copy);
+            }
+        }
         out.extend_from_slice(&table.blocks[start..]);
         table.allocated = true;
         Ok(())
@@ -578,9 +685,9 @@ impl GroupManager {
 
     /// Full attention with blocks larger than the hash block: also keys the block holding the
     /// prompt's last hash boundary at that boundary, when the boundary falls inside the block
-    /// and is computed (vLLM's `FullAttentionManager._cache_partial_tail_block`). Hits are
-    /// aligned to whole blocks here, so the key is not read by lookups; it is published in KV
-    /// events and removed with the block's other key.
+    /// and is computed (vLLM's `FullAttentionManager._cache_partial_tail_block`). Lookups read
+    /// it only with partial hash hits (hits inside blocks); it is published in KV events and
+    /// removed with the block's other key.
     fn cache_prompt_tail_key(
         &self,
         pool: &BlockPool,
@@ -664,9 +771,10 @@ impl GroupManager {
         }
     }
 
-    /// Mamba align: caches the state at the prompt's latest hash boundary when this chunk ended
-    /// exactly there, or the checkpoint this chunk exported (vLLM's `_cache_partial_tail_block`
-    /// at hash block size = block size).
+    /// Mamba align: caches the state at the prompt's latest hash boundary (or, with shared-prefix
+    /// checkpoints, at the request's shared-prefix junction) when this chunk ended exactly
+    /// there, or the checkpoint this chunk exported (vLLM's `_cache_partial_tail_block`). A
+    /// boundary inside a block makes the request the producer of a partial tail.
     fn cache_mamba_prompt_tail(
         &self,
         pool: &BlockPool,
@@ -684,13 +792,20 @@ impl GroupManager {
         if num_tokens == 0 || num_tokens % hash_bs != 0 {
             return Ok(());
         }
+        let num_prompt = request.num_prompt_tokens();
         let latest = mamba_checkpoint_position(
-            request.num_prompt_tokens(),
+            num_prompt,
             hash_bs,
             self.drop_eagle_checkpoint,
             ctx.num_hash_lookahead_tokens,
         );
-        if num_tokens != latest {
+        // The shared-prefix junction, where a sibling resumes, while the prompt chunk ending
+        // there is being computed (later, the running state block no longer holds it).
+        let junction = self.shared_prefix_checkpoint
+            && num_tokens == ctx.shared_prefix_boundary
+            && ctx.num_computed_tokens < num_tokens
+            && num_tokens <= num_prompt;
+        if num_tokens != latest && !junction {
             return Ok(());
         }
         let idx = num_tokens.div_ceil(self.bs()) - 1;
@@ -700,7 +815,42 @@ impl GroupManager {
         if block == NULL_BLOCK {
             return Ok(());
         }
-        self.key_state_block(pool, request, block, num_tokens, ctx, effects)
+        // Not hashed that far yet (lookahead hashing lags the tokens): nothing to key.
+        let Some(&hash) = request.block_hashes().get(num_tokens / hash_bs - 1) else {
+            return Ok(());
+        };
+        let key = CacheKey {
+            hash,
+            group: self.id,
+        };
+        if pool.block_key(block)? == Some(key) {
+            // Keyed here already (by a hit or an earlier step).
+            return Ok(());
+        }
+        self.key_state_block(pool, request, block, num_tokens, ctx, effects)?;
+        if num_tokens % self.bs() != 0 {
+            // Keyed inside the block the request writes on into: the next allocation moves
+            // the key to a copy of it, which is cached once full (vLLM's producer partial
+            // tail).
+            table.partial_hit = Some((idx, block));
+            table.num_cached = Some(idx);
+            table.producer_tail = Some((block, num_tokens));
+        }
+        Ok(())
+    }
+
+    /// Mamba align: the state this request keyed inside a block, if the request finishes
+    /// exactly there with nothing in flight (vLLM's `finalize_partial_tail_offload`); forgets
+    /// it either way.
+    pub(crate) fn finalize_partial_tail(
+        &self,
+        table: &mut GroupTable,
+        num_computed_tokens: usize,
+        num_in_flight_tokens: usize,
+    ) -> Option<(GroupId, BlockId, usize)> {
+        let (block, boundary) = table.producer_tail.take()?;
+        (num_in_flight_tokens == 0 && num_computed_tokens == boundary)
+            .then_some((self.id, block, boundary))
     }
 
     /// Mamba align: keys the block the worker exported this chunk's checkpoint into at the
@@ -1164,6 +1314,24 @@ pub(crate) fn find_longest_cache_hit(
                 }
             }
             let mut hit = out[gids[0]].len() * bs;
+            if alignment < bs && alignment == hash_block_size {
+                // Fine-grained: extend into the first block not wholly cached, probing its hash
+                // boundaries from the highest down (a block keyed at a prompt tail inside it).
+                let scale = bs / alignment;
+                let first = out[gids[0]].len() * scale;
+                let end = (first + scale - 1)
+                    .min(max_len / alignment)
+                    .min(hashes.len());
+                for j in (first..end).rev() {
+                    if lookup_all(pool, hashes[j], gids, scratch) {
+                        for (&g, &b) in gids.iter().zip(scratch.iter()) {
+                            out[g].push(b);
+                        }
+                        hit = (j + 1) * alignment;
+                        break;
+                    }
+                }
+            }
             if drop_eagle && hit > 0 {
                 hit -= alignment.min(bs);
             }
@@ -1246,6 +1414,22 @@ pub(crate) fn find_longest_cache_hit(
                 }
             }
             out[gids[0]].len() * bs
+        }
+        AttentionKind::Mamba { .. } if alignment < bs && alignment == hash_block_size => {
+            // Fine-grained: the latest state cached at any hash boundary, right to left; no
+            // EAGLE drop.
+            let scale = bs / alignment;
+            let units = (max_len / alignment).min(hashes.len());
+            for j in (0..units).rev() {
+                if lookup_all(pool, hashes[j], gids, scratch) {
+                    for (&g, &b) in gids.iter().zip(scratch.iter()) {
+                        out[g].resize(j / scale, NULL_BLOCK);
+                        out[g].push(b);
+                    }
+                    return (j + 1) * alignment;
+                }
+            }
+            0
         }
         AttentionKind::Mamba { .. } => {
             // Right to left: the latest cached state on an aligned boundary; no EAGLE drop

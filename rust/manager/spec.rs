@@ -395,6 +395,11 @@ pub struct ManagerConfig {
     /// Multi-token prediction: the last `num_prefill_lookahead - 1` tokens may be re-prefilled,
     /// so they are not cached and sliding windows keep them.
     pub num_prefill_lookahead: usize,
+    /// vLLM's `enable_mamba_shared_prefix_checkpoint`: Mamba groups also key the state at a
+    /// request's shared-prefix junction. Acts only with EAGLE groups, fine-grained partial
+    /// hash hits and no multi-token re-prefill (see
+    /// [`ManagerConfig::mamba_shared_prefix_checkpoint`]).
+    pub enable_mamba_shared_prefix_checkpoint: bool,
 }
 
 impl ManagerConfig {
@@ -417,6 +422,7 @@ impl ManagerConfig {
             eagle_groups: None,
             num_hash_lookahead_tokens: 0,
             num_prefill_lookahead: 0,
+            enable_mamba_shared_prefix_checkpoint: false,
         }
     }
 
@@ -424,6 +430,41 @@ impl ManagerConfig {
     pub fn dense(mut self) -> Self {
         self.retention_interval = None;
         self
+    }
+
+    /// Whether the hybrid coordinator serves fine-grained partial hash hits with hashes at
+    /// `hash_block_size` (vLLM's `partial_hash_hits_enabled` with the manager classes): some
+    /// align-mode Mamba group's block is larger than the hash block, and every other
+    /// prefix-cacheable group either looks up at hash granularity (full attention and its
+    /// variants, Mamba) or has blocks of the hash block size. Hits then land on hash block
+    /// boundaries, inside blocks.
+    pub(crate) fn partial_hash_hits(&self, hash_block_size: usize) -> bool {
+        if !self.enable_caching || self.groups.len() < 2 {
+            return false;
+        }
+        let mamba = self
+            .groups
+            .iter()
+            .any(|g| g.is_mamba_align() && g.block_size > hash_block_size);
+        mamba
+            && self.groups.iter().all(|g| {
+                !g.prefix_cacheable()
+                    || g.is_full()
+                    || g.is_mamba()
+                    || g.block_size == hash_block_size
+            })
+    }
+
+    /// Whether Mamba groups key the state at shared-prefix junctions (vLLM's manager
+    /// `mamba_shared_prefix_checkpoint`): the option, with EAGLE groups, partial hash hits and
+    /// nothing re-prefilled.
+    pub(crate) fn mamba_shared_prefix_checkpoint(&self, hash_block_size: usize) -> bool {
+        let eagle_groups =
+            self.use_eagle || self.eagle_groups.as_ref().is_some_and(|g| !g.is_empty());
+        self.enable_mamba_shared_prefix_checkpoint
+            && eagle_groups
+            && self.partial_hash_hits(hash_block_size)
+            && self.extra_retained_tokens() == 0
     }
 
     /// Tokens below a sliding window that are kept (vLLM's `extra_retained_tokens`).
@@ -543,14 +584,6 @@ impl ManagerConfig {
                     return invalid(format!(
                         "KV cache group {i}: chunked local attention with prefix caching needs \
                          its block size ({}) to equal scheduler_block_size ({scheduler})",
-                        g.block_size
-                    ));
-                }
-                if g.is_mamba_align() && g.block_size > hash && self.groups.len() > 1 {
-                    return invalid(format!(
-                        "KV cache group {i}: Mamba block size {} above hash_block_size {hash} \
-                         needs fine-grained partial hash hits, which hybrid-kv does not \
-                         implement; hash at the Mamba block size",
                         g.block_size
                     ));
                 }

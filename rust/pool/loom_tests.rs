@@ -509,3 +509,36 @@ fn loom_claim_after_a_second_key_removes_both() {
         check_pool(&pool, &held);
     });
 }
+
+/// A block's two keys moved to another block while a prober looks one up: the lookup finds the
+/// source, the destination or nothing (the moment between), and afterwards both keys name the
+/// destination alone, in slot and map alike.
+#[test]
+fn loom_moved_keys_racing_a_lookup_end_on_the_destination() {
+    model("moved_keys_racing_a_lookup", 4, || {
+        let pool = Arc::new(BlockPool::with_options(3, true, false).unwrap());
+        assert_eq!(pool.get_new_blocks(2).unwrap(), vec![1, 2]);
+        pool.cache_full_blocks(&[1], &[BlockHash(9)], 0, StoreInfo::default())
+            .unwrap();
+        assert!(pool
+            .add_block_key(1, BlockHash(4), 0, StoreInfo::default())
+            .unwrap());
+        let p = pool.clone();
+        let prober = thread::spawn(move || p.lookup(BlockHash(4), 0));
+        let p = pool.clone();
+        let mover = thread::spawn(move || p.move_block_keys(1, 2).unwrap());
+        let seen = prober.join().unwrap();
+        mover.join().unwrap();
+        assert!(matches!(seen, None | Some(1) | Some(2)), "{seen:?}");
+        check_pool(&pool, &[1, 2]);
+        let keys: Vec<CacheKey> = [9, 4]
+            .into_iter()
+            .map(|h| CacheKey {
+                hash: BlockHash(h),
+                group: 0,
+            })
+            .collect();
+        assert_eq!(pool.block_keys(2).unwrap(), keys);
+        assert!(pool.block_keys(1).unwrap().is_empty());
+    });
+}

@@ -723,9 +723,20 @@ impl BlockPool {
         if !self.enable_caching {
             return Ok(false);
         }
-        let key = CacheKey { hash, group };
+        let added = self.add_key(id, CacheKey { hash, group });
+        if added {
+            if let Some(events) = &self.events {
+                events.push(info.stored_one(group, hash));
+            }
+        }
+        Ok(added)
+    }
+
+    /// Enters block `id` (in use, not null) under one more key, as its slot's key if it has
+    /// none; no event. Whether the key was added (see [`BlockPool::add_block_key`]).
+    fn add_key(&self, id: BlockId, key: CacheKey) -> bool {
         let slot = &self.keys[id as usize];
-        let added = loop {
+        loop {
             match slot.hold() {
                 Ok(primary) => {
                     let added = primary != key && self.add_secondary(id, key);
@@ -746,13 +757,48 @@ impl BlockPool {
                 // Another thread is writing, clearing or holding the key: a bounded step.
                 Err(_) => spin_wait(),
             }
-        };
-        if added {
-            if let Some(events) = &self.events {
-                events.push(info.stored_one(group, hash));
-            }
         }
-        Ok(added)
+    }
+
+    /// Re-points every key of block `src` at block `dst` (vLLM's `move_block_hashes`): the
+    /// prefix cache keeps a copy of `src`'s contents in `dst` while `src`'s holder writes on
+    /// into it. No events (the entries stay live). `dst` must be in use and carry no key.
+    pub fn move_block_keys(&self, src: BlockId, dst: BlockId) -> Result<()> {
+        self.check_id(src)?;
+        self.check_id(dst)?;
+        if src == NULL_BLOCK || dst == NULL_BLOCK {
+            return Err(CoreError::NullBlock(NULL_BLOCK));
+        }
+        if src == dst {
+            return Err(CoreError::InvalidArgument(format!(
+                "cannot move the keys of block {src} onto itself"
+            )));
+        }
+        if self.states.ref_count(dst) == 0 {
+            return Err(CoreError::NotInUse(dst));
+        }
+        if self.keys[dst as usize].get().is_some() {
+            return Err(CoreError::InvalidArgument(format!(
+                "block {dst} already has a key: the keys of block {src} cannot move to it"
+            )));
+        }
+        if !self.enable_caching {
+            return Ok(());
+        }
+        // The slot's key, then those beside it in the order they were added; the ones beside
+        // go while the slot is being cleared, as an eviction removes them.
+        let mut moved = Vec::new();
+        let mut beside = Vec::new();
+        self.keys[src as usize].take(self.keyed.marker(src), |key| {
+            self.map.remove(&key, src);
+            moved.push(key);
+            self.remove_secondary(src, |key| beside.push(key));
+        });
+        moved.append(&mut beside);
+        for key in moved {
+            self.add_key(dst, key);
+        }
+        Ok(())
     }
 
     /// Adds `key` beside the key in `id`'s slot, which the caller holds.

@@ -638,3 +638,54 @@ fn an_added_key_the_map_has_no_room_for_is_refused_without_waiting() {
     pool.evict_blocks(&ids[..1]).unwrap();
     assert_eq!(pool.num_cached_keys(), 0);
 }
+
+#[test]
+fn moving_keys_re_points_every_key_without_events() {
+    let pool = BlockPool::with_options(8, true, true).unwrap();
+    assert_eq!(pool.get_new_blocks(3).unwrap(), vec![1, 2, 3]);
+    cache(&pool, &[1], &[9], 1);
+    assert!(pool
+        .add_block_key(1, h(4), 1, StoreInfo::default())
+        .unwrap());
+    pool.take_events();
+    pool.move_block_keys(1, 2).unwrap();
+    assert!(pool.take_events().is_empty(), "the entries stay live");
+    let key = |x| CacheKey {
+        hash: h(x),
+        group: 1,
+    };
+    assert_eq!(pool.block_keys(2).unwrap(), vec![key(9), key(4)]);
+    assert!(pool.block_keys(1).unwrap().is_empty());
+    assert_eq!(pool.lookup(h(9), 1), Some(2));
+    assert_eq!(pool.lookup(h(4), 1), Some(2));
+    assert_eq!(pool.num_cached_keys(), 2);
+    // Freed, the destination is a cached block (back of the free order), the source is not.
+    pool.free_blocks(&[1, 2]).unwrap();
+    assert_eq!(pool.free_order().first(), Some(&1));
+    assert_eq!(pool.free_order().last(), Some(&2));
+}
+
+#[test]
+fn moving_keys_needs_a_held_unkeyed_destination() {
+    let pool = BlockPool::new(8).unwrap();
+    assert_eq!(pool.get_new_blocks(3).unwrap(), vec![1, 2, 3]);
+    cache(&pool, &[1, 3], &[9, 7], 0);
+    assert!(matches!(
+        pool.move_block_keys(1, NULL_BLOCK),
+        Err(CoreError::NullBlock(_))
+    ));
+    assert!(pool.move_block_keys(1, 1).is_err());
+    assert!(
+        pool.move_block_keys(1, 3).is_err(),
+        "the destination has a key"
+    );
+    pool.free_blocks(&[2]).unwrap();
+    assert!(matches!(
+        pool.move_block_keys(1, 2),
+        Err(CoreError::NotInUse(2))
+    ));
+    assert!(pool.move_block_keys(1, 99).is_err());
+    // Nothing moved.
+    assert_eq!(pool.lookup(h(9), 0), Some(1));
+    assert_eq!(pool.lookup(h(7), 0), Some(3));
+}

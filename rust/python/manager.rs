@@ -458,7 +458,7 @@ impl PyKVCacheManager {
 #[pymethods]
 impl PyKVCacheManager {
     #[new]
-    #[pyo3(signature = (groups, num_blocks, max_model_len, *, enable_caching = true, enable_kv_events = false, hash_algo = Text::Static("xxh3"), hash_seed = Text::Static(""), watermark = 0.0, max_in_flight_tokens = None, prefix_cache_retention_interval = Some(UInt(0)), use_eagle = false, eagle_groups = None, num_hash_lookahead_tokens = UInt(0), num_prefill_lookahead = UInt(0), scheduler_block_size = None, hash_block_size = None), text_signature = "(groups, num_blocks, max_model_len, *, enable_caching=True, enable_kv_events=False, hash_algo='xxh3', hash_seed='', watermark=0.0, max_in_flight_tokens=None, prefix_cache_retention_interval=0, use_eagle=False, eagle_groups=None, num_hash_lookahead_tokens=0, num_prefill_lookahead=0, scheduler_block_size=None, hash_block_size=None)")]
+    #[pyo3(signature = (groups, num_blocks, max_model_len, *, enable_caching = true, enable_kv_events = false, hash_algo = Text::Static("xxh3"), hash_seed = Text::Static(""), watermark = 0.0, max_in_flight_tokens = None, prefix_cache_retention_interval = Some(UInt(0)), use_eagle = false, eagle_groups = None, num_hash_lookahead_tokens = UInt(0), num_prefill_lookahead = UInt(0), scheduler_block_size = None, hash_block_size = None, enable_mamba_shared_prefix_checkpoint = false), text_signature = "(groups, num_blocks, max_model_len, *, enable_caching=True, enable_kv_events=False, hash_algo='xxh3', hash_seed='', watermark=0.0, max_in_flight_tokens=None, prefix_cache_retention_interval=0, use_eagle=False, eagle_groups=None, num_hash_lookahead_tokens=0, num_prefill_lookahead=0, scheduler_block_size=None, hash_block_size=None, enable_mamba_shared_prefix_checkpoint=False)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -478,6 +478,7 @@ impl PyKVCacheManager {
         num_prefill_lookahead: Count,
         scheduler_block_size: Option<Count>,
         hash_block_size: Option<Count>,
+        enable_mamba_shared_prefix_checkpoint: bool,
     ) -> PyResult<Self> {
         if groups.is_instance_of::<PyString>() || groups.is_instance_of::<PyDict>() {
             return Err(PyTypeError::new_err(
@@ -504,6 +505,7 @@ impl PyKVCacheManager {
         config.num_prefill_lookahead = num_prefill_lookahead.get();
         config.scheduler_block_size = scheduler_block_size.map(Count::get);
         config.hash_block_size = hash_block_size.map(Count::get);
+        config.enable_mamba_shared_prefix_checkpoint = enable_mamba_shared_prefix_checkpoint;
         let manager = KVCacheManager::new(&config)?;
         let num_groups = manager.num_groups();
         let id = manager.id();
@@ -633,6 +635,27 @@ impl PyKVCacheManager {
     #[getter]
     fn hash_block_size(&self) -> usize {
         self.inner().manager.hash_block_size()
+    }
+
+    /// Whether hits may end at hash block boundaries inside blocks (vLLM's coordinator
+    /// `enable_partial_hash_hits`): a hybrid layout with an align-mode Mamba group of blocks
+    /// larger than the hash block.
+    #[getter]
+    fn enable_partial_hash_hits(&self) -> bool {
+        self.inner().manager.partial_hash_hits()
+    }
+
+    /// Whether Mamba groups also key states at shared-prefix junctions (vLLM's manager
+    /// `mamba_shared_prefix_checkpoint`).
+    #[getter]
+    fn mamba_shared_prefix_checkpoint(&self) -> bool {
+        self.inner().manager.mamba_shared_prefix_checkpoint()
+    }
+
+    /// Blocks retained for copy-on-write copies and not released yet.
+    #[getter]
+    fn num_retained_blocks(&self) -> usize {
+        self.inner().manager.num_retained_blocks()
     }
 
     #[getter]
@@ -893,20 +916,59 @@ impl PyKVCacheManager {
     }
 
     /// Copy-on-write block copies for the worker and the blocks retained until they ran:
-    /// `([(src, dst), ...], retained)`. Always empty: copies only arise from fine-grained
-    /// partial hash hits, which hybrid-kv does not implement (it refuses such layouts).
+    /// `([(src, dst), ...], retained)`, `retained` the endpoints of every copy in order. Each
+    /// retained block keeps one reference until `free_retained_blocks` gets it back.
     fn take_kv_cache_block_copies<'py>(
         &self,
         py: Python<'py>,
     ) -> (Vec<(i32, i32)>, Bound<'py, numpy::PyArray1<i32>>) {
-        (Vec::new(), ids_to_numpy(py, Vec::new()))
+        let (copies, retained) = self.inner().manager.take_kv_cache_block_copies();
+        let copies = copies
+            .into_iter()
+            .map(|(s, d)| (s as i32, d as i32))
+            .collect();
+        (copies, ids_to_numpy(py, retained))
     }
 
-    /// Producer partial tails safe to offload when the request finishes: always empty (they
-    /// arise only from fine-grained partial hash hits).
-    fn finalize_partial_tail_offloads(&self, request: &PyRequest) -> Vec<(u32, i32, usize)> {
-        let _ = request;
-        Vec::new()
+    /// Releases blocks `take_kv_cache_block_copies` retained, in the given order (vLLM's
+    /// `block_pool.free_blocks` of them once the copies ran). Only blocks retained and not yet
+    /// released are accepted; otherwise nothing changes.
+    fn free_retained_blocks(&self, blocks: Vec<i64>) -> PyResult<()> {
+        let ids = blocks
+            .into_iter()
+            .map(|b| {
+                BlockId::try_from(b).map_err(|_| {
+                    InvalidArgumentError::new_err(format!("block id {b} is out of range"))
+                })
+            })
+            .collect::<PyResult<Vec<BlockId>>>()?;
+        Ok(self.inner().manager.free_retained_blocks(&ids)?)
+    }
+
+    /// Mamba states the request keyed inside a block at its prompt boundary, when it finishes
+    /// exactly there: `[(group, block, boundary_tokens), ...]` (vLLM's
+    /// `finalize_partial_tail_offloads`). The counts default to the request's.
+    #[pyo3(signature = (request, num_computed_tokens = None, num_in_flight_tokens = None))]
+    fn finalize_partial_tail_offloads(
+        &self,
+        request: &PyRequest,
+        num_computed_tokens: Option<Count>,
+        num_in_flight_tokens: Option<Count>,
+    ) -> PyResult<Vec<(u32, i32, usize)>> {
+        let mut guard = self.inner();
+        let inner = &mut *guard;
+        let record = lock(&request.record);
+        let computed = num_computed_tokens.map_or(record.num_computed_tokens, Count::get);
+        let in_flight = num_in_flight_tokens.map_or(record.num_in_flight_tokens, Count::get);
+        match inner.registry.lookup(&inner.manager, &record)? {
+            Lookup::Registered(handle) => Ok(inner
+                .manager
+                .finalize_partial_tail_offloads(handle, computed, in_flight)?
+                .into_iter()
+                .map(|(g, b, t)| (g, b as i32, t))
+                .collect()),
+            _ => Ok(Vec::new()),
+        }
     }
 
     /// The request's tables with attention groups clipped to `num_computed_tokens`.

@@ -79,6 +79,10 @@ def recorded_events(
         ("gpt-oss", 330, False, "unit8"),
         ("gemma3", 1400, True, "unit8"),
         ("gpt-oss", 330, False, "eagle3+unit8"),
+        # Mamba blocks of 16 above the hash block: partial hash hits (Mamba states stored at
+        # hash boundaries inside blocks, moved to copies without events).
+        ("jamba", 700, False, "unit8"),
+        ("granite4", 700, False, "unit8"),
     ],
 )
 def test_events_equal_stock_vllms(layout: str, num_blocks: int, dense: bool, eagle: str) -> None:

@@ -35,6 +35,10 @@ class Run:
     # Steps handing a request two or more new blocks of the last group (a Mamba group: its
     # state plus an exported prefill checkpoint).
     two_states: int = 0
+    # Hits ending inside a block (fine-grained partial hash hits).
+    partial_hits: int = 0
+    # Copy-on-write block copies handed to the worker.
+    copies: int = 0
 
 
 def run_both(
@@ -69,6 +73,8 @@ def run_both(
         run.finished += len(expected["finished"])
         run.spec_tokens += sum(len(v) for v in expected["spec"].values())
         run.hits += sum(1 for _, _, n in expected["new"] if n > 0)
+        run.partial_hits += sum(1 for _, _, n in expected["new"] if n % options.block_size)
+        run.copies += len(expected["copies"] or ())
         # New requests list their hit blocks too: count those past the hit. Resumed requests
         # list their whole table: left out.
         handed = [ids[-1][n // options.block_size :] for _, ids, n in expected["new"]]
@@ -523,14 +529,110 @@ def test_a_full_attention_block_larger_than_the_hash_block_is_served() -> None:
     assert hkv.fallback_reason(ctx) is None
 
 
-def test_a_mamba_block_larger_than_the_hash_block_falls_back() -> None:
+def test_a_mamba_block_larger_than_the_hash_block_is_served() -> None:
     # vLLM's coordinator turns fine-grained partial hash hits on for such a Mamba group.
     options = harness.Options(layout="jamba")
     ctx = _context(options)
     mamba = ctx.kv_cache_config.kv_cache_groups[1]
     mamba.kv_cache_spec = dataclasses.replace(mamba.kv_cache_spec, block_size=32)
-    reason = hkv.fallback_reason(ctx)
-    assert reason is not None and reason.startswith("partial hash hits")
+    assert hkv.fallback_reason(ctx) is None
+
+
+def _ending_inside_a_block(spec: harness.RequestSpec) -> harness.RequestSpec:
+    # 13 tokens past a block boundary: a resend hits up to the prompt's last hash boundary
+    # (8 tokens into the block).
+    n = len(spec.prompt) - (len(spec.prompt) - 13) % 16
+    return dataclasses.replace(spec, prompt=spec.prompt[:n])
+
+
+# The chat workload with prompts ending inside blocks, then the first 24 prompts sent again.
+_INSIDE = [_ending_inside_a_block(spec) for spec in WORKLOAD]
+RESENT_WORKLOAD = _INSIDE + [
+    dataclasses.replace(spec, request_id=f"again-{i}", arrival_step=spec.arrival_step + 30)
+    for i, spec in enumerate(_INSIDE[:24])
+]
+
+_EAGLE = {"eagle_tokens": 2, "eagle_lookahead_hashes": False}
+
+
+@pytest.mark.parametrize(
+    "layout,num_blocks,changes",
+    [
+        # With room: resends hit inside blocks.
+        ("jamba", 20000, {}),
+        ("granite4", 20000, {}),
+        ("jamba", 20000, {"dense_retention": True}),
+        # Under memory pressure: preemptions.
+        ("jamba", 400, {}),
+        ("granite4", 400, {}),
+        ("jamba", 700, {"async_scheduling": True}),
+        ("jamba", 700, {"ngram_tokens": 3}),
+        ("granite4", 700, {"eagle_tokens": 2, "eagle_method": "mtp"}),
+        ("granite4", 700, _EAGLE),
+        # Shared-prefix junctions keyed inside blocks: partial hits under pressure too.
+        ("jamba", 700, {**_EAGLE, "mamba_shared_prefix_checkpoint": True}),
+        ("granite4", 700, {**_EAGLE, "mamba_shared_prefix_checkpoint": True}),
+    ],
+)
+def test_same_outputs_as_vllm_with_partial_hash_hits(
+    layout: str, num_blocks: int, changes: dict
+) -> None:
+    # Requests hashed every 8 tokens, Mamba (and full-attention) blocks of 16: vLLM's hybrid
+    # coordinator lets hits end on any hash boundary, inside blocks; a hit's shared tail block
+    # and a Mamba state a request keyed inside the block it writes on into are copied
+    # (`kv_cache_block_copies` in the scheduler outputs), the copies' ends retained until the
+    # scheduler frees them.
+    settings = {"dense_retention": False, **changes}
+    options = harness.Options(layout=layout, num_blocks=num_blocks, prefix_match_unit=8, **settings)
+    stock = harness.build_scheduler(options)
+    assert (stock.block_size, stock.hash_block_size) == (16, 8)
+    assert stock.kv_cache_manager.coordinator.enable_partial_hash_hits
+    kept: list[Any] = []
+    run = run_both(options, RESENT_WORKLOAD, watch=kept.append)
+    (ours,) = kept
+    assert ours.kv_cache_manager.coordinator.enable_partial_hash_hits
+    assert (
+        ours.kv_cache_manager.mamba_shared_prefix_checkpoint
+        == stock.kv_cache_manager.mamba_shared_prefix_checkpoint
+        == changes.get("mamba_shared_prefix_checkpoint", False)
+    )
+    assert run.hits > 0
+    if num_blocks < 20000:
+        assert run.preempted > 0, "the pool should be small enough to preempt"
+    if num_blocks == 20000 or changes.get("mamba_shared_prefix_checkpoint"):
+        assert run.partial_hits > 0, "some hit should end inside a block"
+    if layout == "jamba" or changes.get("mamba_shared_prefix_checkpoint"):
+        # Granite-4's Mamba layers export the prompt's state into a block of its own: copies
+        # come from hits inside blocks only.
+        assert run.copies > 0
+    # Every retained block went back.
+    assert ours.kv_cache_manager.core.num_retained_blocks == 0
+
+
+@pytest.mark.parametrize("unit", [8, 16])
+@pytest.mark.parametrize(
+    "num_blocks,changes",
+    [(20000, {}), (700, {**_EAGLE, "mamba_shared_prefix_checkpoint": True})],
+)
+def test_same_outputs_as_vllm_with_mamba_blocks_larger_than_the_attention_blocks(
+    unit: int, num_blocks: int, changes: dict
+) -> None:
+    # Mamba blocks of 32, full-attention blocks of 16: hits on the scheduler block (32) would
+    # be block-aligned; with hashes every 8 or 16 tokens vLLM's hits land inside Mamba blocks.
+    options = harness.Options(
+        layout="jamba-2x",
+        num_blocks=num_blocks,
+        prefix_match_unit=unit,
+        dense_retention=False,
+        **changes,
+    )
+    stock = harness.build_scheduler(options)
+    assert (stock.block_size, stock.hash_block_size) == (32, unit)
+    assert stock.kv_cache_manager.coordinator.enable_partial_hash_hits
+    run = run_both(options, RESENT_WORKLOAD)
+    assert run.hits > 0 and run.copies > 0
+    if num_blocks < 20000:
+        assert run.preempted > 0
 
 
 def test_unsupported_configuration_builds_vllms_own_manager() -> None:

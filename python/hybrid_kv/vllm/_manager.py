@@ -20,7 +20,8 @@ calling the core, which takes the tokens appended meanwhile at the request's nex
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -146,6 +147,31 @@ class KVCacheBlocks:
         return f"KVCacheBlocks({[a.tolist() for a in self._arrays()]})"
 
 
+@dataclass(frozen=True, slots=True)
+class RetainedBlock:
+    """A block kept alive for a copy-on-write copy (vLLM hands its `KVCacheBlock`); the
+    scheduler gives it back through `HybridKVCacheManager.block_pool.free_blocks`."""
+
+    block_id: int
+
+
+class RetainedBlockPool:
+    """What vLLM's scheduler reads of the manager's `block_pool`: `free_blocks` of the blocks
+    `take_kv_cache_block_copies` retained, once their copies ran. Anything else is a KV
+    connector's (they use vLLM's own manager)."""
+
+    __slots__ = ("_core",)
+
+    def __init__(self, core: hk.KVCacheManager) -> None:
+        self._core = core
+
+    def free_blocks(self, ordered_blocks: Iterable[RetainedBlock]) -> None:
+        self._core.free_retained_blocks([b.block_id for b in ordered_blocks])
+
+    def __getattr__(self, name: str) -> Any:
+        raise Unsupported(f"block_pool.{name} is only used by KV connectors")
+
+
 class SingleTypeManagerView:
     """What vLLM reads of a per-group manager: `block_size`, `kv_cache_spec`, its group id."""
 
@@ -171,6 +197,7 @@ class CoordinatorView:
         self.single_type_managers = [
             SingleTypeManagerView(i, group.kv_cache_spec) for i, group in enumerate(groups)
         ]
+        # Set from the core once it is built.
         self.enable_partial_hash_hits = False
         # vLLM's: the groups holding draft layers, all of them when EAGLE drops and none is
         # flagged; the drop applies to them only with `use_eagle`.
@@ -290,12 +317,16 @@ class HybridKVCacheManager(_RunningSteps):
                 # gcd or `prefix_match_unit`.
                 scheduler_block_size=scheduler_block_size,
                 hash_block_size=hash_block_size,
+                enable_mamba_shared_prefix_checkpoint=enable_mamba_shared_prefix_checkpoint,
             )
         except hk.InvalidConfigError as error:
             # A combination vLLM accepts and the core refuses: vLLM's manager serves it.
             raise Unsupported(str(error)) from error
         self.hash_block_size = hash_block_size
         self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
+        self.coordinator.enable_partial_hash_hits = self.core.enable_partial_hash_hits
+        self.mamba_shared_prefix_checkpoint = self.core.mamba_shared_prefix_checkpoint
+        self._block_pool = RetainedBlockPool(self.core)
         # The core hands back this shared instance when a call allocated nothing.
         self._core_empty = self.core.empty_kv_cache_blocks
         self._allocate_running = self.core.allocate_running
@@ -551,19 +582,27 @@ class HybridKVCacheManager(_RunningSteps):
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
         self.core.record_blocks_for_zeroing(request_id, start_token)
 
-    def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[Any]]:
+    def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[RetainedBlock]]:
+        """The copy-on-write copies of partial hits for the worker, and their endpoints, which
+        the core keeps referenced until the scheduler frees them through `block_pool`."""
         copies, retained = self.core.take_kv_cache_block_copies()
-        if copies or len(retained):
-            # vLLM frees the retained blocks through its block pool, which hybrid-kv replaces.
-            raise Unsupported("copy-on-write block copies (fine-grained partial hash hits)")
-        return [], []
+        if not copies:
+            return [], []
+        return (
+            [KVCacheBlockCopy(src_block_id=src, dst_block_id=dst) for src, dst in copies],
+            [RetainedBlock(block_id) for block_id in retained.tolist()],
+        )
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
         return self.core.take_boundary_state_offloads()
 
     def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
         slot = request.__dict__.get(self._key)
-        return [] if slot is None else self.core.finalize_partial_tail_offloads(slot.request)
+        if slot is None:
+            return []
+        return self.core.finalize_partial_tail_offloads(
+            slot.request, request.num_computed_tokens, request.num_in_flight_tokens
+        )
 
     def create_kv_cache_blocks(self, blocks: Any) -> KVCacheBlocks:
         raise Unsupported("create_kv_cache_blocks takes vLLM block objects")
@@ -589,7 +628,9 @@ class HybridKVCacheManager(_RunningSteps):
     ) -> KVCacheBlocks:
         """A lookup result cut to its first `num_computed_tokens` tokens (reference counts
         untouched, `blocks` unchanged)."""
-        if blocks is self.empty_kv_cache_blocks or blocks._core is None:
+        if blocks is self.empty_kv_cache_blocks and num_computed_tokens == 0:
+            return blocks
+        if blocks._core is None:
             raise Unsupported("truncate_computed_blocks takes a lookup result of this manager")
         cut = self.core.truncate_computed_blocks(blocks._core, num_computed_tokens)
         if len(cut) == 0:
@@ -609,8 +650,10 @@ class HybridKVCacheManager(_RunningSteps):
         self.core.evict_blocks(list(block_ids))
 
     @property
-    def block_pool(self) -> Any:
-        raise Unsupported("block_pool is only used by KV connectors (they use vLLM's manager)")
+    def block_pool(self) -> RetainedBlockPool:
+        """Frees the blocks retained for copy-on-write copies (all vLLM's scheduler does with
+        its manager's pool)."""
+        return self._block_pool
 
     def pop_blocks_for_free(self, request: Request) -> list[Any]:
         raise Unsupported("pop_blocks_for_free returns vLLM block objects for its block pool")

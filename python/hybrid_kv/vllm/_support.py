@@ -68,29 +68,6 @@ def _unknown_group(ctx: BuildContext) -> str | None:
     return None
 
 
-def _partial_hash_hits(ctx: BuildContext) -> str | None:
-    # vLLM's hybrid coordinator turns fine-grained partial hash hits on when a Mamba "align"
-    # group's block is larger than the hash block (`partial_hash_hits_enabled`); with them,
-    # `enable_mamba_shared_prefix_checkpoint` and `cache_hit_alignment_tokens` below the
-    # scheduler block size take effect too. Groups of different block sizes without a larger
-    # Mamba block (hits at the lcm of the block sizes, hashes at their gcd, full-attention
-    # blocks also keyed at the prompt's last hash boundary inside them) are served.
-    hash_block_size = ctx.manager_kwargs.get("hash_block_size")
-    if not ctx.caching or hash_block_size is None:
-        return None
-    for index, spec in enumerate(ctx.specs):
-        if (
-            isinstance(spec, MambaSpec)
-            and spec.mamba_cache_mode == "align"
-            and spec.block_size > hash_block_size
-        ):
-            return (
-                f"group {index} is a Mamba group of block size {spec.block_size} "
-                f"> hash_block_size={hash_block_size}"
-            )
-    return None
-
-
 Check = Callable[[BuildContext], "str | bool | None"]
 
 # (vLLM option or feature, check, why hybrid-kv cannot serve it yet). A check returns a truthy
@@ -105,12 +82,6 @@ FALLBACKS: tuple[tuple[str, Check, str], ...] = (
         "KV cache group kind",
         _unknown_group,
         "only full, MLA, sliding-window, chunked-local and Mamba groups are implemented",
-    ),
-    (
-        "partial hash hits",
-        _partial_hash_hits,
-        "fine-grained partial hash hits (multi-key blocks, copy-on-write of a partial tail) "
-        "are not implemented",
     ),
     (
         "decode/prefill context parallelism",

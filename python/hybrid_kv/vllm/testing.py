@@ -142,10 +142,14 @@ LAYOUTS: dict[str, Callable[[int], list[KVCacheSpec]]] = {
     # Granite-4.0-H / Nemotron-H-like: vLLM 0.33's Mamba-2 mixer exports the prompt's state
     # from inside the final prefill chunk into one more block (`num_prefill_checkpoint_blocks`).
     "granite4": lambda bs: [FullAttentionSpec(**_attention(bs)), _mamba(bs, checkpoint_blocks=1)],
+    # Jamba-like with Mamba blocks twice the attention block (scheduler block 2 * bs, hashes
+    # every bs tokens unless `prefix_match_unit` says otherwise): vLLM's fine-grained partial
+    # hash hits land inside the Mamba blocks.
+    "jamba-2x": lambda bs: [FullAttentionSpec(**_attention(bs)), _mamba(2 * bs)],
 }
 
 # Layouts with Mamba groups (vLLM then picks mamba_cache_mode "align" with prefix caching).
-MAMBA_LAYOUTS = ("jamba", "granite4")
+MAMBA_LAYOUTS = ("jamba", "granite4", "jamba-2x")
 
 
 @dataclass(frozen=True)
