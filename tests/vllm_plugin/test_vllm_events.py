@@ -227,3 +227,32 @@ def test_events_cross_vllms_zmq_publisher_to_a_subscriber() -> None:
     # The stock run also recorded the final reset's AllBlocksCleared; this run has no reset.
     assert expected[-1] == AllBlocksCleared()
     assert events == expected[:-1]
+
+
+def test_a_reported_partial_hit_past_the_requests_hashes_publishes_its_hashed_blocks() -> None:
+    # Jamba hashed every 8 tokens (Mamba blocks of 16 above it: fine-grained partial hash
+    # hits). A resend of a 105-token prompt hits 104 tokens, which end inside the request's
+    # 7th block of 16; the request has 13 hashes of 8 tokens, so whole-block hashes for 6
+    # blocks. Publishing the hit for `kv_cache_report_mode="full"`, vLLM 0.33's scheduler
+    # indexes a 7th and raises IndexError; hybrid-kv publishes the 6 hashed blocks.
+    prompt = tuple(range(1000, 1105))
+    workload = [
+        harness.RequestSpec("first", prompt, max_tokens=4, arrival_step=0),
+        harness.RequestSpec(
+            "resend", prompt, max_tokens=4, arrival_step=10, kv_cache_report_mode="full"
+        ),
+    ]
+    options = harness.Options(layout="jamba", kv_events=True, prefix_match_unit=8)
+    with pytest.raises(IndexError):
+        recorded_events(options, workload=workload)
+    got = recorded_events(options, hkv.Scheduler, workload)
+    resend = harness.make_request(workload[1], block_size=8)
+    whole_block_hashes = [int.from_bytes(h[-8:], "big") for h in resend.block_hashes[1::2]]
+    reported = [
+        e
+        for e in got
+        if isinstance(e, BlockStored) and e.group_idx == 0 and e.parent_block_hash is None
+    ]
+    # The first request stores its blocks as it runs; the resend's report is the last one.
+    assert reported[-1].block_hashes == whole_block_hashes[:6]
+    assert reported[-1].token_ids == list(prompt[:96])

@@ -97,12 +97,18 @@ class EventTranslator:
     def reused(self, request: Request, hit: tuple[Any, ...]) -> None:
         """Publishes the blocks of a prefix hit, per group from the request's first block (vLLM's
         `emit_cached_block_events` for `kv_cache_report_mode="full"`); `hit` holds the hit's
-        block ids per group. The blocks stay stored: nothing here is counted for removals."""
+        block ids per group. The blocks stay stored: nothing here is counted for removals.
+
+        A fine-grained partial hash hit can end inside a block whose own hash the request does
+        not have yet (its tokens end inside that block): vLLM 0.33 raises `IndexError` there,
+        in its scheduler; this publishes the blocks up to the last one with a hash instead."""
         for group, ids in enumerate(hit):
             if len(ids):
-                n = len(ids)
                 block_size = self._block_sizes[group]
-                self._pending.append(self._event(request, group, block_size, 0, n, range(n)))
+                hashed = len(request.block_hashes) * self._hash_block_size // block_size
+                n = min(len(ids), hashed)
+                if n:
+                    self._pending.append(self._event(request, group, block_size, 0, n, range(n)))
 
     def _stored_event(self, request: Request, event: hk.BlockStored) -> BlockStored:
         # Positions are in units of the event's block size: the group's, or the hash block
