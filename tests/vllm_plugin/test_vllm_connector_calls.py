@@ -8,8 +8,10 @@ hit without external tokens, `truncate_computed_blocks`), admissions adopting ex
 (`num_external_computed_tokens`, block-aligned or not), asynchronous loads (`delay_cache_blocks`,
 then `cache_blocks` once the load lands, with fewer tokens after a failed load or a free when none
 is valid), running steps, `remove_skipped_blocks` with the processed count, `evict_blocks` of
-arbitrary ids and prefix-cache resets. After every step the two managers must agree on every
-result, the free-block count, the usage, every live request's block table and the KV events.
+arbitrary ids and prefix-cache resets; with Mamba layouts hashed finer than their blocks, the
+copy-on-write copies of fine-grained partial hash hits and the release of their blocks. After
+every step the two managers must agree on every result, the free-block count, the usage, every
+live request's block table and the KV events.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ SHORT_BLOCKS = {
     "mixed-bs": 160,
     "jamba": 300,
     "granite4": 300,
+    "jamba-2x": 300,
 }
 NUM_CASES = int(os.environ.get("HYBRID_KV_RANDOM_CASES", "12"))
 FIRST_SEED = int(os.environ.get("HYBRID_KV_RANDOM_SEED", "0"))
@@ -82,6 +85,23 @@ class Pair:
                 f"{rid}'s blocks", ids(self.stock.get_blocks(rid)), ids(self.ours.get_blocks(rid))
             )
         self.same("KV events", self.stock.take_events(), self.ours.take_events())
+
+    def copy_blocks(self) -> None:
+        """What vLLM's scheduler does with each step's copy-on-write copies (fine-grained
+        partial hash hits): hands them to the worker and frees their retained ends through its
+        manager's block pool."""
+        (s_copies, s_retained), (o_copies, o_retained) = self.both(
+            "copies", "take_kv_cache_block_copies", None
+        )
+        self.same("copy-on-write copies", s_copies, o_copies)
+        self.same(
+            "retained blocks",
+            [b.block_id for b in s_retained],
+            [b.block_id for b in o_retained],
+        )
+        if s_copies:
+            self.stock.block_pool.free_blocks(s_retained)
+            self.ours.block_pool.free_blocks(o_retained)
 
 
 class Live:
@@ -224,6 +244,8 @@ def test_connector_calls_match_vllms_manager(seed: int) -> None:
         dense_retention=rng.random() < 0.3,
         prefix_caching=rng.random() < 0.9,
         kv_events=rng.random() < 0.3,
+        # Mamba layouts: hashes finer than the Mamba block give fine-grained partial hash hits.
+        prefix_match_unit=8 if layout in harness.MAMBA_LAYOUTS and rng.random() < 0.4 else None,
     )
     pair = Pair(options)
     specs = harness.chat_workload(
@@ -267,5 +289,7 @@ def test_connector_calls_match_vllms_manager(seed: int) -> None:
         if rng.random() < 0.01:
             s, o = pair.both("reset", "reset_prefix_cache", None)
             pair.same("reset", s, o)
+        pair.copy_blocks()
         pair.check_state(live)
+    assert pair.ours.core.num_retained_blocks == 0
     assert finished == len(specs), f"{finished} of {len(specs)} finished ({options})"

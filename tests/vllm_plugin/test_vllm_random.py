@@ -9,7 +9,9 @@ workload with exact duplicates and block-aligned prompts; and, while it runs, cl
 prefix-cache resets (with and without preempting the running requests) at seeded steps. Every
 step's `SchedulerOutput`, engine-core outputs and KV events must be equal on both sides.
 
-The fixed tests elsewhere name each feature; these cover their combinations. CI runs
+Mamba layouts also draw hashes finer than their blocks (fine-grained partial hash hits, with
+copy-on-write block copies, which the outputs compare too). The fixed tests elsewhere name each
+feature; these cover their combinations. CI runs
 `HYBRID_KV_RANDOM_CASES` cases (default 12) from `HYBRID_KV_RANDOM_SEED` (default 0).
 """
 
@@ -37,6 +39,7 @@ TIGHT_BLOCKS = {
     "mixed-bs": 330,
     "jamba": 700,
     "granite4": 700,
+    "jamba-2x": 700,
 }
 LORAS = (
     None,
@@ -46,6 +49,7 @@ LORAS = (
 )
 NUM_CASES = int(os.environ.get("HYBRID_KV_RANDOM_CASES", "12"))
 FIRST_SEED = int(os.environ.get("HYBRID_KV_RANDOM_SEED", "0"))
+MAX_STEPS = 20_000
 
 
 def draw_options(rng: random.Random) -> harness.Options:
@@ -75,11 +79,22 @@ def draw_options(rng: random.Random) -> harness.Options:
         settings["eagle_method"] = "mtp"
     if layout in ("gpt-oss", "gemma3", "mixed-bs") and rng.random() < 0.25:
         settings["prefix_match_unit"] = 8
+    elif layout in harness.MAMBA_LAYOUTS and rng.random() < 0.4:
+        # Hashes finer than the Mamba block: fine-grained partial hash hits, copy-on-write.
+        settings["prefix_match_unit"] = rng.choice([8, 16] if layout == "jamba-2x" else [8])
     if rng.random() < 0.3:
         settings["max_model_len"] = rng.choice([512, 1024])
     if layout in harness.MAMBA_LAYOUTS:
         settings["mamba_shared_prefix_checkpoint"] = rng.random() < 0.3
     return harness.Options(**settings)
+
+
+def partial_hash_hits(options: harness.Options) -> bool:
+    """Whether vLLM turns fine-grained partial hash hits on: a Mamba block above the hash block."""
+    return options.prefix_caching and (
+        options.layout == "jamba-2x"
+        or (options.layout in harness.MAMBA_LAYOUTS and options.prefix_match_unit is not None)
+    )
 
 
 def draw_workload(rng: random.Random, options: harness.Options) -> list[harness.RequestSpec]:
@@ -114,7 +129,10 @@ def draw_workload(rng: random.Random, options: harness.Options) -> list[harness.
             changes["prompt_logprobs"] = 1
         if options.prompt_embeds and rng.random() < 0.5:
             changes["embeds"] = True
-        if options.kv_events and rng.random() < 0.3:
+        if options.kv_events and not partial_hash_hits(options) and rng.random() < 0.3:
+            # (With partial hash hits vLLM 0.33's scheduler raises IndexError publishing a hit
+            # that ends inside a block the request has no hash for; hybrid-kv publishes the
+            # blocks up to the last one with a hash: test_vllm_events.py.)
             changes["kv_cache_report_mode"] = "full"
         workload.append(dataclasses.replace(spec, **changes))
     return workload
@@ -174,9 +192,20 @@ def test_random_configurations_and_workloads_match_vllm(seed: int) -> None:
     stock_driver = ChaosDriver(stock, workload, seed=seed, chaos=chaos)
     our_driver = ChaosDriver(ours, workload, seed=seed, chaos=chaos)
     steps = 0
-    for (stock_out, stock_results), (our_out, our_results) in zip(
-        stock_driver.run(), our_driver.run(), strict=True
-    ):
+    stalled = False
+    pairs = zip(stock_driver.run(MAX_STEPS), our_driver.run(MAX_STEPS), strict=True)
+    while True:
+        try:
+            (stock_out, stock_results), (our_out, our_results) = next(pairs)
+        except StopIteration:
+            break
+        except RuntimeError as error:
+            # vLLM's scheduler can stall on a draw (a request that never gets scheduled):
+            # hybrid-kv's must have stalled with it, having matched it step for step so far.
+            assert "not finished" in str(error), error
+            assert (our_driver.step, our_driver.done) == (stock_driver.step, False)
+            stalled = True
+            break
         where = f"seed {seed}, step {steps}, {options}"
         assert our_driver.log == stock_driver.log, f"{where}: aborts or resets differ"
         assert harness.summarize(our_out) == harness.summarize(stock_out), (
@@ -188,6 +217,10 @@ def test_random_configurations_and_workloads_match_vllm(seed: int) -> None:
         assert our_events.events == stock_events.events, f"{where}: KV events differ"
         steps += 1
     assert steps > 0
+    if stalled:
+        return
+    # Every block kept for a copy-on-write copy went back.
+    assert ours.kv_cache_manager.core.num_retained_blocks == 0
     # Events of the last resets, which no later step published.
     assert ours.kv_cache_manager.take_events() == stock.kv_cache_manager.take_events()
     if options.kv_events and options.prefix_caching:
