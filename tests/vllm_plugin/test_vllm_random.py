@@ -2,7 +2,8 @@
 configurations and workloads drawn from a seed.
 
 Each case draws a layout, retention, prefix caching, pool size (from roomy to under pressure),
-batch budget and concurrency, async scheduling, speculative decoding (n-gram, EAGLE-3 with or
+batch budget and concurrency, the scheduler's watermark, whole-prompt fit check and long-prefill
+cap, async scheduling, speculative decoding (n-gram, EAGLE-3 with or
 without lookahead hashes, MTP), a `prefix_match_unit` below the block size, LoRA adapters,
 prompt embeddings, prompt-logprobs requests, KV events and a short `max_model_len`; then a chat
 workload with exact duplicates and block-aligned prompts; and, while it runs, client aborts and
@@ -66,6 +67,9 @@ def draw_options(rng: random.Random) -> harness.Options:
         "lora": rng.random() < 0.15,
         "kv_events": rng.random() < 0.2,
         "prompt_embeds": rng.random() < 0.15,
+        "watermark": rng.choice([0.0, 0.0, 0.01, 0.1]),
+        "reserve_full_isl": rng.random() < 0.8,
+        "long_prefill_token_threshold": rng.choice([0, 0, 0, 64, 200]),
     }
     drafting = rng.choice(["none", "none", "ngram", "eagle", "eagle-drop", "mtp"])
     settings["async_scheduling"] = drafting != "ngram" and rng.random() < 0.3

@@ -186,6 +186,12 @@ class Options:
     prefix_match_unit: int | None = None
     # ModelConfig.enable_prompt_embeds, for workloads whose requests send embeddings.
     prompt_embeds: bool = False
+    # SchedulerConfig knobs an operator sets: the share of blocks kept free at admission, the
+    # whole-prompt fit check at admission (vLLM's default) and the per-step cap on a long
+    # prefill's tokens (0: none).
+    watermark: float = 0.0
+    reserve_full_isl: bool = True
+    long_prefill_token_threshold: int = 0
 
 
 def _speculative_tokens(options: Options) -> int:
@@ -280,6 +286,9 @@ def vllm_config(options: Options) -> VllmConfig:
         is_encoder_decoder=False,
         async_scheduling=options.async_scheduling,
         enable_chunked_prefill=True,
+        watermark=options.watermark,
+        scheduler_reserve_full_isl=options.reserve_full_isl,
+        long_prefill_token_threshold=options.long_prefill_token_threshold,
     )
     cache = CacheConfig(
         block_size=options.block_size,
