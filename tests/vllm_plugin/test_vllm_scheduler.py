@@ -460,6 +460,34 @@ def _context(options: harness.Options, **config_changes: Any) -> hkv.BuildContex
     return hkv.BuildContext(config, kv, kwargs)
 
 
+@pytest.mark.parametrize(
+    "layout,unit,expected",
+    [("jamba", 8, 8), ("jamba-2x", None, 16), ("gpt-oss", 8, 16), ("gemma3", None, 16)],
+)
+def test_the_hit_alignment_vllms_engine_core_sets_is_served(
+    layout: str, unit: int | None, expected: int
+) -> None:
+    # vLLM's EngineCore writes where hits land into the KVCacheConfig before it builds the
+    # scheduler: the hash block with fine-grained partial hash hits, else the scheduler block.
+    options = harness.Options(layout=layout, prefix_match_unit=unit, dense_retention=False)
+    scheduler = harness.build_scheduler(options, hkv.Scheduler)
+    assert scheduler.kv_cache_manager.kv_cache_config.cache_hit_alignment_tokens == expected
+    assert scheduler.uses_hybrid_kv
+    # A value vLLM's coordinator would not use falls back (a connector reading it would
+    # disagree with the manager's hits).
+    ctx = _context(options)
+    kwargs = {
+        **ctx.manager_kwargs,
+        "scheduler_block_size": scheduler.block_size,
+        "hash_block_size": scheduler.hash_block_size,
+    }
+    served = scheduler.kv_cache_manager.kv_cache_config
+    assert hkv.fallback_reason(hkv.BuildContext(ctx.vllm_config, served, kwargs)) is None
+    changed = dataclasses.replace(served, cache_hit_alignment_tokens=expected * 2)
+    reason = hkv.fallback_reason(hkv.BuildContext(ctx.vllm_config, changed, kwargs))
+    assert reason is not None and "cache_hit_alignment_tokens" in reason
+
+
 @pytest.mark.parametrize("lookahead,falls_back", [(15, False), (16, True)])
 def test_prompt_embeddings_with_lookahead_hashes_of_a_hash_block_fall_back(
     lookahead: int, falls_back: bool

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm.config import VllmConfig
+from vllm.v1.core.kv_cache_utils import resolve_cache_hit_alignment_tokens
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -68,6 +69,24 @@ def _unknown_group(ctx: BuildContext) -> str | None:
     return None
 
 
+def _hit_alignment(ctx: BuildContext) -> str | None:
+    # vLLM's EngineCore sets the config's alignment to where its coordinator puts hits (the hash
+    # block with fine-grained partial hash hits, else the scheduler block); the manager derives
+    # the same. Any other value was set by someone else, and vLLM's manager ignores it too, but
+    # a connector reading it would then disagree with hybrid-kv's hits.
+    alignment = ctx.kv_cache_config.cache_hit_alignment_tokens
+    scheduler_block_size = ctx.manager_kwargs.get("scheduler_block_size")
+    hash_block_size = ctx.manager_kwargs.get("hash_block_size")
+    if alignment is None or scheduler_block_size is None or hash_block_size is None:
+        return None
+    expected = resolve_cache_hit_alignment_tokens(
+        ctx.kv_cache_config, ctx.vllm_config, scheduler_block_size, hash_block_size
+    )
+    if alignment != expected:
+        return f"{alignment}, where vLLM's coordinator puts hits every {expected} tokens"
+    return None
+
+
 Check = Callable[[BuildContext], "str | bool | None"]
 
 # (vLLM option or feature, check, why hybrid-kv cannot serve it yet). A check returns a truthy
@@ -103,14 +122,8 @@ FALLBACKS: tuple[tuple[str, Check, str], ...] = (
     ),
     (
         "cache_hit_alignment_tokens",
-        lambda ctx: (
-            ctx.kv_cache_config.cache_hit_alignment_tokens
-            not in (
-                None,
-                ctx.manager_kwargs.get("scheduler_block_size"),
-            )
-        ),
-        "hits aligned to other than the scheduler block size are not implemented",
+        _hit_alignment,
+        "hits aligned to other than where vLLM's coordinator puts them are not implemented",
     ),
     (
         "aux_output_config",

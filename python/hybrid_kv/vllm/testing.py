@@ -44,6 +44,7 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import (
     get_request_block_hasher,
     init_none_hash,
+    resolve_cache_hit_alignment_tokens,
     resolve_kv_cache_block_sizes,
 )
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -347,8 +348,14 @@ def build_scheduler(
         scheduler_cls = config.scheduler_config.get_scheduler_cls()
     kv_config = kv_cache_config(options, config)
     # As vLLM's EngineCore: the scheduler's block size is the lcm of the groups', hashes are
-    # made every gcd of them.
+    # made every gcd of them, and the config carries both and where hits land (the hash block
+    # with fine-grained partial hash hits, else the scheduler block) before the scheduler is
+    # built.
     scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_config, config)
+    kv_config.hash_block_size = hash_block_size
+    kv_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
+        kv_config, config, scheduler_block_size, hash_block_size
+    )
     return scheduler_cls(
         vllm_config=config,
         kv_cache_config=kv_config,
