@@ -525,6 +525,16 @@ def test_unsupported_manager_arguments_have_a_fallback_reason(
     assert reason is not None and option in reason
 
 
+def _hashed_every_8(layout: str, num_blocks: int, changes: dict) -> tuple[harness.Options, Any]:
+    """Default retention and `changes`, requests hashed every 8 tokens (blocks of 16); and
+    stock vLLM's scheduler for them."""
+    settings = {"dense_retention": False, **changes}
+    options = harness.Options(layout=layout, num_blocks=num_blocks, prefix_match_unit=8, **settings)
+    stock = harness.build_scheduler(options)
+    assert (stock.block_size, stock.hash_block_size) == (16, 8)
+    return options, stock
+
+
 @pytest.mark.parametrize(
     "layout,num_blocks,changes",
     [
@@ -540,10 +550,7 @@ def test_same_outputs_as_vllm_with_a_prefix_match_unit_below_the_full_attention_
 ) -> None:
     # Requests hashed every 8 tokens, blocks of 16: vLLM also keys each full-attention block
     # holding a prompt's last hash boundary at that boundary (a second key of the block).
-    settings = {"dense_retention": False, **changes}
-    options = harness.Options(layout=layout, num_blocks=num_blocks, prefix_match_unit=8, **settings)
-    stock = harness.build_scheduler(options)
-    assert (stock.block_size, stock.hash_block_size) == (16, 8)
+    options, _ = _hashed_every_8(layout, num_blocks, changes)
     run = run_both(options, WORKLOAD)
     assert run.preempted > 0 and run.hits > 0
 
@@ -610,10 +617,7 @@ def test_same_outputs_as_vllm_with_partial_hash_hits(
     # and a Mamba state a request keyed inside the block it writes on into are copied
     # (`kv_cache_block_copies` in the scheduler outputs), the copies' ends retained until the
     # scheduler frees them.
-    settings = {"dense_retention": False, **changes}
-    options = harness.Options(layout=layout, num_blocks=num_blocks, prefix_match_unit=8, **settings)
-    stock = harness.build_scheduler(options)
-    assert (stock.block_size, stock.hash_block_size) == (16, 8)
+    options, stock = _hashed_every_8(layout, num_blocks, changes)
     assert stock.kv_cache_manager.coordinator.enable_partial_hash_hits
     kept: list[Any] = []
     run = run_both(options, RESENT_WORKLOAD, watch=kept.append)
