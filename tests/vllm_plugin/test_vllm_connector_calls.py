@@ -236,8 +236,9 @@ def step(pair: Pair, req: Live, rng: random.Random) -> str:
 
 # Seeds that once diverged, run every time: 587 and 1082 resume a request whose connector
 # lookup diverged (no shared-prefix junction, as vLLM's scheduler stores it) after an earlier
-# lookup had found one.
-REGRESSION_SEEDS = (587, 1082)
+# lookup had found one; 60866 evicts blocks and then resets the prefix cache (the removals are
+# published before the reset's AllBlocksCleared).
+REGRESSION_SEEDS = (587, 1082, 60866)
 
 
 @pytest.mark.parametrize(
