@@ -489,6 +489,7 @@ impl KVCacheManager {
         let state = self.requests.get_mut(request.into())?;
         let mut blocks = Vec::new();
         if state.request.skip_reading_prefix_cache() {
+            state.shared_prefix_boundary = 0;
             blocks.resize_with(self.coordinator.num_groups(), Vec::new);
             return Ok(ComputedBlocks {
                 blocks,
@@ -571,6 +572,8 @@ impl KVCacheManager {
         let diverged = (0..lengths.len())
             .filter(cacheable)
             .any(|g| lengths[g] < fa_hit);
+        // vLLM's scheduler sets the request's junction from this call too: none.
+        self.requests.get_mut(key)?.shared_prefix_boundary = 0;
         Ok((
             ComputedBlocks {
                 blocks,

@@ -671,12 +671,13 @@ impl GroupManager {
             };
             pool.cache_full_blocks(blocks, block_hashes, self.id, info)?;
             table.num_cached = Some(num_full);
-            if self.spec.is_mamba_align() {
-                self.record_cached_states(pool, table, request, num_cached, num_full, effects);
-            }
         }
         if self.spec.is_mamba_align() {
             self.cache_mamba_prompt_tail(pool, table, request, num_tokens, ctx, effects)?;
+            // Recorded under the keys the blocks hold after the prompt tail: a block the
+            // exported checkpoint re-keyed is cached this step under its checkpoint key only
+            // (vLLM reads `block_hash` after `_cache_partial_tail_block`).
+            self.record_cached_states(pool, table, request, num_cached, num_full, ctx, effects);
         } else if self.keys_prompt_tail(ctx.hash_block_size) {
             self.cache_prompt_tail_key(pool, table, request, num_tokens, ctx)?;
         }
@@ -743,8 +744,11 @@ impl GroupManager {
         limit / hash_bs * hash_bs
     }
 
-    /// Mamba align: remembers the states cached in `[from, to)` (hits on them wait a step) and
-    /// offers them to KV connectors.
+    /// Mamba align: remembers the states cached in `[from, to)` under the keys they hold now
+    /// (hits on them wait a step) and offers them to KV connectors at the prefix their key
+    /// covers: the slot's full prefix, or the checkpoint's position for a block the exported
+    /// checkpoint re-keyed.
+    #[allow(clippy::too_many_arguments)]
     fn record_cached_states(
         &self,
         pool: &BlockPool,
@@ -752,21 +756,38 @@ impl GroupManager {
         request: &Request,
         from: usize,
         to: usize,
+        ctx: &CacheCtx<'_>,
         effects: &mut Effects,
     ) {
-        for idx in from..to {
+        let hashes = request.block_hashes();
+        let hash_bs = ctx.hash_block_size;
+        let hash_at = |tokens: usize| {
+            tokens
+                .checked_div(hash_bs)
+                .and_then(|n| n.checked_sub(1))
+                .and_then(|i| hashes.get(i))
+        };
+        for idx in from..to.min(table.blocks.len()) {
             let block = table.blocks[idx];
             if block == NULL_BLOCK {
                 continue;
             }
             if let Ok(Some(key)) = pool.block_key(block) {
+                let full = (idx + 1) * self.bs();
+                let boundary = match table.checkpoint {
+                    Some((position, slot))
+                        if slot == idx
+                            && hash_at(full) != Some(&key.hash)
+                            && hash_at(position) == Some(&key.hash) =>
+                    {
+                        position
+                    }
+                    _ => full,
+                };
                 effects.cached_this_step.insert(key);
-                effects.boundary_offloads.push((
-                    request.id().to_owned(),
-                    self.id,
-                    block,
-                    (idx + 1) * self.bs(),
-                ));
+                effects
+                    .boundary_offloads
+                    .push((request.id().to_owned(), self.id, block, boundary));
             }
         }
     }

@@ -663,6 +663,31 @@ fn lookahead_hashing_hashes_a_block_once_the_tokens_after_it_exist() {
 // ----- connectors and the rest of the API ---------------------------------------------------------
 
 #[test]
+fn a_diverged_connector_lookup_leaves_the_request_no_junction() {
+    // Full attention and Mamba, blocks of 4, sparse retention. A 12-token prompt prefilled in
+    // one chunk caches full attention's blocks but no Mamba state: a sibling sharing 8 tokens
+    // hits nothing, with full attention alone ahead (its junction: 8 tokens).
+    let mut m = manager(vec![GroupSpec::full(4), GroupSpec::mamba(4)], 64, Some(0));
+    m.add_request("a", &tokens(0, 12), ExtraKeys::default())
+        .unwrap();
+    m.allocate_slots("a", &chunk(12, 0)).unwrap().unwrap();
+    let mut b = tokens(0, 8);
+    b.extend(tokens(100, 8));
+    m.add_request("b", &b, ExtraKeys::default()).unwrap();
+    let hit = m.get_computed_blocks("b").unwrap();
+    assert_eq!(hit.num_computed_tokens, 0);
+    assert_eq!(hit.shared_prefix_boundary, 8);
+    assert_eq!(m.shared_prefix_boundary("b").unwrap(), 8);
+    // The connector lookup reports full attention's hit, flagged as diverged, and no junction;
+    // vLLM's scheduler stores that junction on the request, which caching then reads.
+    let (hit, diverged) = m.get_computed_blocks_for_connector("b", None).unwrap();
+    assert!(diverged);
+    assert_eq!(hit.num_computed_tokens, 8);
+    assert_eq!(hit.shared_prefix_boundary, 0);
+    assert_eq!(m.shared_prefix_boundary("b").unwrap(), 0);
+}
+
+#[test]
 fn external_tokens_get_blocks_after_the_local_hit_and_delayed_caching_waits() {
     let mut m = manager(vec![GroupSpec::full(4)], 64, Some(0));
     m.add_request("a", &tokens(0, 16), ExtraKeys::default())

@@ -418,3 +418,71 @@ fn a_shared_prefix_junction_inside_a_block_keys_the_mamba_state_there() {
         }
     }
 }
+
+#[test]
+fn a_block_rekeyed_at_its_checkpoint_counts_as_cached_this_step_under_that_key_only() {
+    // Full attention and a Mamba group exporting prefill checkpoints, blocks of 16, hashes
+    // every 8. vLLM's `MambaManager.cache_blocks` records the newly cached blocks' hashes
+    // after `_cache_partial_tail_block` re-keyed the checkpoint block: a hit on another block
+    // keyed at the checkpoint block's former (full-prefix) hash does not wait a step.
+    let groups = vec![
+        GroupSpec::full(16),
+        GroupSpec::mamba_with_checkpoints(16, 8),
+    ];
+    let mut m = manager(&config(groups, 8));
+    let shared = tokens(0, 32);
+    let with_tail = |start: u32, n: usize| {
+        let mut prompt = shared.clone();
+        prompt.extend(tokens(start, n));
+        prompt
+    };
+    // A: 41 tokens, a first chunk of 16 (its state at 16 cached).
+    m.add_request("a", &with_tail(1000, 9), ExtraKeys::default())
+        .unwrap();
+    admit_chunk(&mut m, "a", 16);
+    m.new_step_starts();
+    // X: 40 tokens sharing A's first 32, hits A's state at 16 and computes the rest; its
+    // checkpoint (39 // 8 * 8 = 32) is exported into slot 1, keyed at its full prefix.
+    m.add_request("x", &with_tail(2000, 8), ExtraKeys::default())
+        .unwrap();
+    let (hit, _) = admit_chunk(&mut m, "x", 64);
+    assert_eq!(hit, 16);
+    let x_state = m.block_ids("x", 1).unwrap()[1];
+    assert_eq!(
+        m.pool().block_key(x_state).unwrap(),
+        Some(key(3, 1, &m, "x"))
+    );
+    m.new_step_starts();
+    m.take_boundary_state_offloads();
+    // A's last chunk [16, 41): slot 1 is cached at its full prefix (32, the hash X's state
+    // holds), then re-keyed at the exported checkpoint 40.
+    let args = AllocateArgs {
+        num_new_tokens: 25,
+        num_computed_tokens: 16,
+        ..Default::default()
+    };
+    m.allocate_slots("a", &args).unwrap().unwrap();
+    let a_state = m.block_ids("a", 1).unwrap()[1];
+    assert_eq!(
+        m.pool().block_key(a_state).unwrap(),
+        Some(key(4, 1, &m, "a"))
+    );
+    // Offered to connectors at the prefix its key covers.
+    assert_eq!(
+        m.take_boundary_state_offloads(),
+        vec![("a".into(), 1, a_state, 40)]
+    );
+    // C shares the 32 tokens: its hit ends on X's state, cached in an earlier step.
+    m.add_request("c", &with_tail(3000, 9), ExtraKeys::default())
+        .unwrap();
+    let hit = m.get_computed_blocks("c").unwrap();
+    assert_eq!(hit.num_computed_tokens, 32);
+    assert_eq!(hit.blocks[1].last(), Some(&x_state));
+    let args = AllocateArgs {
+        num_new_tokens: 9,
+        num_new_computed_tokens: 32,
+        new_computed_blocks: Some(&hit),
+        ..Default::default()
+    };
+    assert!(m.allocate_slots("c", &args).unwrap().is_some());
+}

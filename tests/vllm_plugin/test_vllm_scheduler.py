@@ -641,6 +641,27 @@ def test_same_outputs_as_vllm_with_partial_hash_hits(
     assert ours.kv_cache_manager.core.num_retained_blocks == 0
 
 
+def test_a_checkpoint_rekeyed_block_defers_no_hit_on_its_former_key() -> None:
+    # Granite-4, hashes every 8 tokens. X (40 tokens) exports its prompt state at 32 into slot 1,
+    # keyed at 32. A step later A (41 tokens sharing X's first 32, prompt logprobs: no hit)
+    # caches its slot 1 at 32 too, and its exported checkpoint (40) re-keys that block at once;
+    # C (sharing the 32 tokens), admitted in the same step, hits X's state. vLLM counts A's block
+    # cached this step under its checkpoint key only, so C does not wait a step.
+    shared = tuple(range(1, 33))
+
+    def spec(name: str, tail: range, step: int, logprobs: int | None = None) -> harness.RequestSpec:
+        return harness.RequestSpec(name, shared + tuple(tail), 4, step, prompt_logprobs=logprobs)
+
+    workload = [
+        spec("x", range(500, 508), 0),
+        spec("a", range(600, 609), 1, logprobs=1),
+        spec("c", range(700, 709), 1),
+    ]
+    options = harness.Options(layout="granite4", num_blocks=20000, prefix_match_unit=8)
+    run = run_both(options, workload)
+    assert run.hits > 0
+
+
 @pytest.mark.parametrize("unit", [8, 16])
 @pytest.mark.parametrize(
     "num_blocks,changes",

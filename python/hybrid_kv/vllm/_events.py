@@ -90,6 +90,9 @@ class EventTranslator:
                 )
                 (self._pending if event.on_reuse else stores).append(removed)
             else:
+                # Everything the core published before the reset comes before it.
+                self._pending.extend(stores)
+                stores = []
                 self._stored.clear()
                 self._pending.append(AllBlocksCleared())
         self._pending.extend(stores)

@@ -648,6 +648,9 @@ class HybridKVCacheManager(_RunningSteps):
     def evict_blocks(self, block_ids: set[int]) -> None:
         """Removes the prefix-cache entries of the given blocks (a connector's invalidation)."""
         self.core.evict_blocks(list(block_ids))
+        if self._events is not None:
+            # Published now, as vLLM's pool queues them: before any later call's events.
+            self._events.collect(None)
 
     @property
     def block_pool(self) -> RetainedBlockPool:
