@@ -509,10 +509,25 @@ impl GroupManager {
         let mut one = Vec::with_capacity(1);
         pool.get_new_blocks_into(1, &mut one)?;
         let copy = one[0];
-        table.blocks[idx] = copy;
-        pool.touch(&one)?;
-        effects.cow_copies.push((self.id, source, copy));
+        self.queue_copy(pool, table, idx, source, copy, effects)?;
         Ok(copy)
+    }
+
+    /// Puts the new block `copy` at slot `idx` in place of `source`, takes the copy's extra
+    /// reference and queues the copy of `source` into it.
+    fn queue_copy(
+        &self,
+        pool: &BlockPool,
+        table: &mut GroupTable,
+        idx: usize,
+        source: BlockId,
+        copy: BlockId,
+        effects: &mut Effects,
+    ) -> Result<()> {
+        table.blocks[idx] = copy;
+        pool.touch(&[copy])?;
+        effects.cow_copies.push((self.id, source, copy));
+        Ok(())
     }
 
     /// vLLM's align-mode Mamba allocation: the table keeps only live states (nulls elsewhere),
@@ -594,9 +609,7 @@ impl GroupManager {
             } else {
                 // A new request's hit state: the request writes into a private copy (the hit's
                 // reference to `source` goes with the queued copy).
-                table.blocks[idx] = copy;
-                pool.touch(&[copy])?;
-                effects.cow_copies.push((self.id, source, copy));
+                self.queue_copy(pool, table, idx, source, copy, effects)?;
                 out.insert(kept_from, copy);
             }
         }
