@@ -112,6 +112,13 @@ pub struct StoreInfo<'a> {
 }
 
 impl StoreInfo<'_> {
+    /// The prefix length the key of the `i`-th block of the call covers: through the end of
+    /// that block (vLLM's `block_hash_num_tokens`), saturating.
+    pub(crate) fn key_tokens(&self, i: usize) -> u32 {
+        let end = (self.first_block + i + 1).saturating_mul(self.block_size as usize);
+        u32::try_from(end).unwrap_or(u32::MAX)
+    }
+
     /// The `BlockStored` event of a call that stored `block_hashes` in `group` (the blocks at
     /// `block_indices`, each with its entry of `extra_keys`: empty when none was stored).
     pub(crate) fn stored_event(

@@ -1367,8 +1367,11 @@ impl KVCacheManager {
     }
 
     /// Tokens of the request's own blocks in the prefix cache: per prefix-cacheable group the
-    /// longest prefix one of its blocks is cached for, the least over groups (vLLM's
-    /// `estimate_cached_tokens`).
+    /// longest prefix one of its blocks is keyed for, the least over groups (vLLM's
+    /// `estimate_cached_tokens`). A block's prefix is the one its key was cached with
+    /// ([`BlockPool::block_key_tokens`]), whichever request keyed it: a Mamba checkpoint sits a
+    /// slot before the prefix it covers under EAGLE's drop, a partial hash hit is keyed inside
+    /// its block, and a state block can hold another request's key.
     pub fn estimate_cached_tokens<'a>(&self, request: impl Into<RequestKey<'a>>) -> Result<usize> {
         let state = self.state(request)?;
         let mut cached: Option<usize> = None;
@@ -1376,46 +1379,12 @@ impl KVCacheManager {
             if !m.spec.prefix_cacheable() {
                 continue;
             }
-            let bs = m.spec.block_size;
-            let key_of = |b: BlockId| {
-                (b != NULL_BLOCK)
-                    .then(|| self.pool.block_key(b).ok().flatten())
-                    .flatten()
-                    .filter(|k| k.group == m.id)
-            };
-            let group = if m.spec.prefill_checkpoint_alignment() > 0
-                || self.coordinator.partial_hash_hits()
-            {
-                // An exported checkpoint sits one slot past the prefix its key covers when
-                // EAGLE's drop moves the checkpoint back a block, and with partial hash hits a
-                // block may be keyed at a hash boundary inside it: read the prefix off the key
-                // (vLLM's `block_hash_num_tokens`), the longest over the group's keyed blocks.
-                let hashes = state.request.block_hashes();
-                let hash_bs = self.hash_block_size;
-                t.blocks
-                    .iter()
-                    .enumerate()
-                    .filter_map(|(i, &b)| {
-                        let key = key_of(b)?;
-                        let natural = (i + 1) * bs;
-                        if hashes.get(natural / hash_bs - 1) == Some(&key.hash) {
-                            return Some(natural);
-                        }
-                        hashes
-                            .iter()
-                            .rposition(|&h| h == key.hash)
-                            .map(|j| (j + 1) * hash_bs)
-                    })
-                    .max()
-                    .unwrap_or(0)
-            } else {
-                t.blocks
-                    .iter()
-                    .enumerate()
-                    .rev()
-                    .find(|&(_, &b)| key_of(b).is_some())
-                    .map_or(0, |(i, _)| (i + 1) * bs)
-            };
+            let mut group = 0;
+            for &b in &t.blocks {
+                if b != NULL_BLOCK {
+                    group = group.max(self.pool.block_key_tokens(b)?.unwrap_or(0));
+                }
+            }
             cached = Some(cached.map_or(group, |c| c.min(group)));
         }
         Ok(cached.unwrap_or(0))

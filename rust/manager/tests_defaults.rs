@@ -554,6 +554,51 @@ fn eagle_moves_the_exported_checkpoint_back_a_block_and_the_estimate_reads_its_k
 }
 
 #[test]
+fn the_estimate_reads_the_prefix_a_shared_state_block_is_keyed_at_now() {
+    // As above (MTP, block 4, 17-token prompt, asynchronous steps): "a"'s checkpoint after 12
+    // tokens sits in slot 3. "b" shares those 12 tokens and the 2 lookahead tokens their hash
+    // covers, and hits that state block. Then "a"'s
+    // sampled token proves its slot-3 prefix and re-keys the block at "a"'s 16 tokens, a
+    // prefix "b" does not have. vLLM's estimate reads the block's `block_hash_num_tokens`,
+    // whichever request set it: 16 for "b" too.
+    let mut c = config(vec![GroupSpec::mamba_with_checkpoints(4, 1)], 64, Some(0));
+    c.num_hash_lookahead_tokens = 2;
+    c.num_prefill_lookahead = 2;
+    let mut m = KVCacheManager::new(&c).unwrap();
+    m.add_request("a", &tokens(0, 17), ExtraKeys::default())
+        .unwrap();
+    let block = m.allocate_slots("a", &chunk(17, 0)).unwrap().unwrap()[0][3];
+    let decode = AllocateArgs {
+        num_new_tokens: 1,
+        num_computed_tokens: 17,
+        num_in_flight_tokens: 17,
+        ..Default::default()
+    };
+    m.allocate_slots("a", &decode).unwrap().unwrap();
+    m.new_step_starts();
+    let mut prompt = tokens(0, 14);
+    prompt.extend(tokens(500, 3));
+    m.add_request("b", &prompt, ExtraKeys::default()).unwrap();
+    let (hit, new) = admit_n(&mut m, "b", 5);
+    assert_eq!(hit.num_computed_tokens, 12);
+    assert!(new.is_some());
+    assert_eq!(m.block_ids("b", 0).unwrap()[2], block);
+    assert_eq!(m.estimate_cached_tokens("b").unwrap(), 12);
+    m.append_token_ids("a", &[100u32]).unwrap();
+    m.cache_blocks("a", 17).unwrap();
+    let a16 = m.request("a").unwrap().block_hashes()[3];
+    assert_eq!(
+        key_of(&m, block),
+        Some(CacheKey {
+            hash: a16,
+            group: 0
+        })
+    );
+    assert!(!m.request("b").unwrap().block_hashes().contains(&a16));
+    assert_eq!(m.estimate_cached_tokens("b").unwrap(), 16);
+}
+
+#[test]
 fn a_checkpoint_keyed_below_its_slot_is_rekeyed_when_the_slot_prefix_is_cached() {
     // Multi-token prediction (2 prefill lookahead tokens, hashes covering 2 more tokens),
     // block 4, a 17-token prompt in one chunk: the checkpoint is (17 - 2) // 4 * 4 = 12,
@@ -578,6 +623,7 @@ fn a_checkpoint_keyed_below_its_slot_is_rekeyed_when_the_slot_prefix_is_cached()
             assert_eq!(hashes(&m).len(), 4);
             m.cache_blocks("a", 17).unwrap();
             assert_eq!(key_of(&m, block), key(hashes(&m)[2]));
+            assert_eq!(m.estimate_cached_tokens("a").unwrap(), 12);
         } else {
             // Async scheduling: the next step is allocated while the prefill is in flight (the
             // slot stays), then the sampled token arrives and the slot's full prefix is cached:
@@ -594,6 +640,9 @@ fn a_checkpoint_keyed_below_its_slot_is_rekeyed_when_the_slot_prefix_is_cached()
             m.cache_blocks("a", 17).unwrap();
             assert_eq!(key_of(&m, block), key(hashes(&m)[3]));
             assert_eq!(m.num_cached_keys(), 1);
+            // The estimate reads the prefix the block's key covers now (vLLM's
+            // `block_hash_num_tokens`), not the prefix the state in it was computed for.
+            assert_eq!(m.estimate_cached_tokens("a").unwrap(), 16);
         }
     }
 }

@@ -123,6 +123,8 @@ struct KeySlot {
     group: AtomicU32,
     lo: AtomicU64,
     hi: AtomicU64,
+    /// The prefix length the key covers (vLLM's `block_hash_num_tokens`), written with it.
+    tokens: AtomicU32,
 }
 
 impl KeySlot {
@@ -132,13 +134,20 @@ impl KeySlot {
             group: AtomicU32::new(0),
             lo: AtomicU64::new(0),
             hi: AtomicU64::new(0),
+            tokens: AtomicU32::new(0),
         }
     }
 
     /// Sets the key if the block has none; `false` if it already has one or `publish` refuses
     /// (the map had no room). `publish` runs before the key can be taken again, so a map entry is
-    /// inserted before it can be removed.
-    fn set(&self, key: CacheKey, mark: Marker<'_>, publish: impl FnOnce(CacheKey) -> bool) -> bool {
+    /// inserted before it can be removed. `tokens` is the prefix length the key covers.
+    fn set(
+        &self,
+        key: CacheKey,
+        tokens: u32,
+        mark: Marker<'_>,
+        publish: impl FnOnce(CacheKey) -> bool,
+    ) -> bool {
         if self
             .state
             .compare_exchange(KEY_NONE, KEY_WRITING, Ordering::Acquire, Ordering::Relaxed)
@@ -151,6 +160,7 @@ impl KeySlot {
         self.lo.store(lo, Ordering::Relaxed);
         self.hi.store(hi, Ordering::Relaxed);
         self.group.store(key.group, Ordering::Relaxed);
+        self.tokens.store(tokens, Ordering::Relaxed);
         if !publish(key) {
             mark.clear();
             self.state.store(KEY_NONE, Ordering::Release);
@@ -165,7 +175,7 @@ impl KeySlot {
     ///
     /// A held key is waited for: the hold is one insert into the table of added keys and the map,
     /// by a thread that waits for nothing this thread holds.
-    fn take(&self, mark: Marker<'_>, done: impl FnOnce(CacheKey)) -> bool {
+    fn take(&self, mark: Marker<'_>, done: impl FnOnce(CacheKey, u32)) -> bool {
         loop {
             match self.state.load(Ordering::Relaxed) {
                 KEY_SET => {}
@@ -186,7 +196,7 @@ impl KeySlot {
                 Err(_) => return false,
             }
         }
-        done(self.read());
+        done(self.read(), self.tokens.load(Ordering::Relaxed));
         mark.clear();
         self.state.store(KEY_NONE, Ordering::Release);
         true
@@ -217,6 +227,11 @@ impl KeySlot {
 
     fn get(&self) -> Option<CacheKey> {
         matches!(self.state.load(Ordering::Acquire), KEY_SET | KEY_HELD).then(|| self.read())
+    }
+
+    fn get_tokens(&self) -> Option<u32> {
+        matches!(self.state.load(Ordering::Acquire), KEY_SET | KEY_HELD)
+            .then(|| self.tokens.load(Ordering::Relaxed))
     }
 }
 
@@ -389,6 +404,14 @@ impl BlockPool {
     pub fn block_key(&self, id: BlockId) -> Result<Option<CacheKey>> {
         self.check_id(id)?;
         Ok(self.keys[id as usize].get())
+    }
+
+    /// The prefix length, in tokens, that the key in the block's slot covers (vLLM's
+    /// `block_hash_num_tokens`): `(first_block + i + 1) * block_size` of the [`StoreInfo`] it
+    /// was cached with, carried along when its keys move. `None` for a block without a key.
+    pub fn block_key_tokens(&self, id: BlockId) -> Result<Option<usize>> {
+        self.check_id(id)?;
+        Ok(self.keys[id as usize].get_tokens().map(|t| t as usize))
     }
 
     /// Every key a block is cached under: the one in its slot first, then those added beside it
@@ -677,9 +700,10 @@ impl BlockPool {
                 continue;
             }
             let key = CacheKey { hash, group };
-            if self.keys[id as usize]
-                .set(key, self.keyed.marker(id), |key| self.map.insert(key, id))
-                && events.is_some()
+            let tokens = info.key_tokens(i);
+            if self.keys[id as usize].set(key, tokens, self.keyed.marker(id), |key| {
+                self.map.insert(key, id)
+            }) && events.is_some()
             {
                 stored.push(hash);
                 extra_keys.push(info.block_extra_keys.and_then(|f| f(i)));
@@ -723,7 +747,7 @@ impl BlockPool {
         if !self.enable_caching {
             return Ok(false);
         }
-        let added = self.add_key(id, CacheKey { hash, group });
+        let added = self.add_key(id, CacheKey { hash, group }, info.key_tokens(0));
         if added {
             if let Some(events) = &self.events {
                 events.push(info.stored_one(group, hash));
@@ -733,8 +757,9 @@ impl BlockPool {
     }
 
     /// Enters block `id` (in use, not null) under one more key, as its slot's key if it has
-    /// none; no event. Whether the key was added (see [`BlockPool::add_block_key`]).
-    fn add_key(&self, id: BlockId, key: CacheKey) -> bool {
+    /// none (covering `tokens`); no event. Whether the key was added (see
+    /// [`BlockPool::add_block_key`]).
+    fn add_key(&self, id: BlockId, key: CacheKey, tokens: u32) -> bool {
         let slot = &self.keys[id as usize];
         loop {
             match slot.hold() {
@@ -745,7 +770,7 @@ impl BlockPool {
                 }
                 Err(KEY_NONE) => {
                     let mut refused = false;
-                    let set = slot.set(key, self.keyed.marker(id), |key| {
+                    let set = slot.set(key, tokens, self.keyed.marker(id), |key| {
                         refused = !self.map.insert(key, id);
                         !refused
                     });
@@ -789,14 +814,17 @@ impl BlockPool {
         // go while the slot is being cleared, as an eviction removes them.
         let mut moved = Vec::new();
         let mut beside = Vec::new();
-        self.keys[src as usize].take(self.keyed.marker(src), |key| {
+        let mut covered = 0;
+        self.keys[src as usize].take(self.keyed.marker(src), |key, tokens| {
             self.map.remove(&key, src);
             moved.push(key);
+            covered = tokens;
             self.remove_secondary(src, |key| beside.push(key));
         });
         moved.append(&mut beside);
+        // The prefix length goes with the first key, which becomes `dst`'s slot key.
         for key in moved {
-            self.add_key(dst, key);
+            self.add_key(dst, key, covered);
         }
         Ok(())
     }
@@ -870,7 +898,7 @@ impl BlockPool {
                 });
             }
         };
-        self.keys[id as usize].take(self.keyed.marker(id), |key| {
+        self.keys[id as usize].take(self.keyed.marker(id), |key, _| {
             self.map.remove(&key, id);
             removed(key);
             self.remove_secondary(id, removed);
@@ -895,7 +923,7 @@ impl BlockPool {
             return false;
         }
         for (id, slot) in self.keys.iter().enumerate() {
-            slot.take(self.keyed.marker(id as BlockId), |key| {
+            slot.take(self.keyed.marker(id as BlockId), |key, _| {
                 self.map.remove(&key, id as BlockId);
                 self.remove_secondary(id as BlockId, |_| {});
             });

@@ -666,6 +666,39 @@ fn moving_keys_re_points_every_key_without_events() {
 }
 
 #[test]
+fn a_key_carries_the_prefix_length_it_was_cached_with() {
+    // vLLM's `block_hash_num_tokens`: `(first_block + i + 1) * block_size` of the call that set
+    // the slot's key; a key added beside it leaves it; it moves with the keys and goes with them.
+    let pool = BlockPool::new(8).unwrap();
+    assert_eq!(pool.get_new_blocks(4).unwrap(), vec![1, 2, 3, 4]);
+    let info = |first_block, block_size| StoreInfo {
+        first_block,
+        block_size,
+        ..StoreInfo::default()
+    };
+    pool.cache_full_blocks(&[1, NULL_BLOCK, 2], &[h(1), h(2), h(3)], 0, info(5, 16))
+        .unwrap();
+    assert_eq!(pool.block_key_tokens(1).unwrap(), Some(96));
+    assert_eq!(pool.block_key_tokens(2).unwrap(), Some(128));
+    assert_eq!(pool.block_key_tokens(3).unwrap(), None);
+    // A block that already has a key keeps it and its length.
+    pool.cache_full_blocks(&[1], &[h(9)], 0, info(0, 16))
+        .unwrap();
+    assert_eq!(pool.block_key_tokens(1).unwrap(), Some(96));
+    // A key added beside the slot's leaves the length; on a block without one it sets it.
+    assert!(pool.add_block_key(1, h(4), 0, info(2, 4)).unwrap());
+    assert_eq!(pool.block_key_tokens(1).unwrap(), Some(96));
+    assert!(pool.add_block_key(3, h(5), 0, info(2, 4)).unwrap());
+    assert_eq!(pool.block_key_tokens(3).unwrap(), Some(12));
+    pool.move_block_keys(1, 4).unwrap();
+    assert_eq!(pool.block_key_tokens(4).unwrap(), Some(96));
+    assert_eq!(pool.block_key_tokens(1).unwrap(), None);
+    pool.evict_blocks(&[4]).unwrap();
+    assert_eq!(pool.block_key_tokens(4).unwrap(), None);
+    assert!(pool.block_key_tokens(99).is_err());
+}
+
+#[test]
 fn moving_keys_needs_a_held_unkeyed_destination() {
     let pool = BlockPool::new(8).unwrap();
     assert_eq!(pool.get_new_blocks(3).unwrap(), vec![1, 2, 3]);

@@ -182,7 +182,14 @@ class Recorder:
         pass
 
 
-@pytest.mark.parametrize("seed", range(FIRST_SEED, FIRST_SEED + NUM_CASES))
+# Draws that once diverged, kept whatever the seed range: 200072 (Granite-4-like, MTP, async
+# steps: a state block re-keyed by another request while this one held it).
+REGRESSION_SEEDS = (200072,)
+
+
+@pytest.mark.parametrize(
+    "seed", sorted({*range(FIRST_SEED, FIRST_SEED + NUM_CASES), *REGRESSION_SEEDS})
+)
 def test_random_configurations_and_workloads_match_vllm(seed: int) -> None:
     rng = random.Random(seed)
     options = draw_options(rng)
