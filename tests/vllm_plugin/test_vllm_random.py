@@ -90,6 +90,9 @@ def draw_options(rng: random.Random) -> harness.Options:
         settings["max_model_len"] = rng.choice([512, 1024])
     if layout in harness.MAMBA_LAYOUTS:
         settings["mamba_shared_prefix_checkpoint"] = rng.random() < 0.3
+    if layout not in ("full", "llama4") and not settings["dense_retention"]:
+        # vLLM's other retention: a window (or Mamba state) kept every N tokens as well.
+        settings["retention_interval"] = rng.choice([0, 0, 64, 128, 512])
     return harness.Options(**settings)
 
 

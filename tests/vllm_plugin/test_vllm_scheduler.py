@@ -362,6 +362,29 @@ def test_same_outputs_as_vllm_with_default_retention(layout: str) -> None:
     assert run.preempted > 0 and run.hits > 0
 
 
+@pytest.mark.parametrize("layout,num_blocks", [("gpt-oss", 240), ("gemma3", 1400), ("jamba", 700)])
+def test_same_outputs_as_vllm_with_a_retention_interval(layout: str, num_blocks: int) -> None:
+    # prefix_cache_retention_interval=64: besides the default's checkpoints, one window (or
+    # Mamba state) every 64 tokens stays cached.
+    options = harness.Options(
+        layout=layout, num_blocks=num_blocks, dense_retention=False, retention_interval=64
+    )
+    run = run_both(options, WORKLOAD)
+    assert run.preempted > 0 and run.hits > 0
+
+
+@pytest.mark.parametrize("scheduler_cls", [None, hkv.Scheduler], ids=["vllm", "hybrid-kv"])
+@pytest.mark.parametrize("layout,interval", [("full", 64), ("llama4", 64), ("gpt-oss", 24)])
+def test_a_retention_interval_vllm_refuses_is_refused(
+    scheduler_cls: Any, layout: str, interval: int
+) -> None:
+    # vLLM refuses an interval on a model without sliding-window or Mamba groups, and one that
+    # is not a multiple of the scheduler block size; the plugin raises as it does.
+    options = harness.Options(layout=layout, dense_retention=False, retention_interval=interval)
+    with pytest.raises(ValueError, match="prefix_cache_retention_interval"):
+        harness.build_scheduler(options, scheduler_cls)
+
+
 def test_same_outputs_as_vllm_with_default_retention_async_and_room() -> None:
     options = harness.Options(
         layout="gemma3", num_blocks=20000, dense_retention=False, async_scheduling=True

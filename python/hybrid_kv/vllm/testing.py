@@ -161,6 +161,10 @@ class Options:
     num_blocks: int = 2048
     prefix_caching: bool = True
     dense_retention: bool = True
+    # vLLM's `prefix_cache_retention_interval` when retention is not dense: 0 (its default) or
+    # a token interval (a multiple of the scheduler block size; sliding-window and Mamba
+    # layouts only), which also keeps one window per interval.
+    retention_interval: int = 0
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 16384
@@ -193,6 +197,10 @@ class Options:
     watermark: float = 0.0
     reserve_full_isl: bool = True
     long_prefill_token_threshold: int = 0
+
+
+def _retention(options: Options) -> int | None:
+    return None if options.dense_retention else options.retention_interval
 
 
 def _speculative_tokens(options: Options) -> int:
@@ -230,7 +238,7 @@ def kv_cache_config(options: Options, config: VllmConfig | None = None) -> KVCac
         num_blocks=options.num_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=groups,
-        prefix_cache_retention_interval=None if options.dense_retention else 0,
+        prefix_cache_retention_interval=_retention(options),
     )
 
 
@@ -294,7 +302,7 @@ def vllm_config(options: Options) -> VllmConfig:
     cache = CacheConfig(
         block_size=options.block_size,
         enable_prefix_caching=options.prefix_caching,
-        prefix_cache_retention_interval=None if options.dense_retention else 0,
+        prefix_cache_retention_interval=_retention(options),
         enable_mamba_shared_prefix_checkpoint=options.mamba_shared_prefix_checkpoint,
         prefix_match_unit=options.prefix_match_unit,
         # vLLM derives this from the model's Mamba layers; the tiny model here has none.
