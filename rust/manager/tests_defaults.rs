@@ -553,6 +553,26 @@ fn eagle_moves_the_exported_checkpoint_back_a_block_and_the_estimate_reads_its_k
     assert_eq!(plain.estimate_cached_tokens("a").unwrap(), 16);
 }
 
+/// Multi-token prediction over one Mamba group of block 4 exporting prefill checkpoints: 2
+/// prefill lookahead tokens, hashes covering 2 more tokens.
+fn mtp_mamba_config() -> ManagerConfig {
+    let mut c = config(vec![GroupSpec::mamba_with_checkpoints(4, 1)], 64, Some(0));
+    c.num_hash_lookahead_tokens = 2;
+    c.num_prefill_lookahead = 2;
+    c
+}
+
+/// A decode step allocated while the request's `computed` tokens are still in flight
+/// (asynchronous scheduling).
+fn decode_in_flight(computed: usize) -> AllocateArgs<'static> {
+    AllocateArgs {
+        num_new_tokens: 1,
+        num_computed_tokens: computed,
+        num_in_flight_tokens: computed,
+        ..Default::default()
+    }
+}
+
 #[test]
 fn the_estimate_reads_the_prefix_a_shared_state_block_is_keyed_at_now() {
     // As above (MTP, block 4, 17-token prompt, asynchronous steps): "a"'s checkpoint after 12
@@ -561,20 +581,13 @@ fn the_estimate_reads_the_prefix_a_shared_state_block_is_keyed_at_now() {
     // sampled token proves its slot-3 prefix and re-keys the block at "a"'s 16 tokens, a
     // prefix "b" does not have. vLLM's estimate reads the block's `block_hash_num_tokens`,
     // whichever request set it: 16 for "b" too.
-    let mut c = config(vec![GroupSpec::mamba_with_checkpoints(4, 1)], 64, Some(0));
-    c.num_hash_lookahead_tokens = 2;
-    c.num_prefill_lookahead = 2;
-    let mut m = KVCacheManager::new(&c).unwrap();
+    let mut m = KVCacheManager::new(&mtp_mamba_config()).unwrap();
     m.add_request("a", &tokens(0, 17), ExtraKeys::default())
         .unwrap();
     let block = m.allocate_slots("a", &chunk(17, 0)).unwrap().unwrap()[0][3];
-    let decode = AllocateArgs {
-        num_new_tokens: 1,
-        num_computed_tokens: 17,
-        num_in_flight_tokens: 17,
-        ..Default::default()
-    };
-    m.allocate_slots("a", &decode).unwrap().unwrap();
+    m.allocate_slots("a", &decode_in_flight(17))
+        .unwrap()
+        .unwrap();
     m.new_step_starts();
     let mut prompt = tokens(0, 14);
     prompt.extend(tokens(500, 3));
@@ -603,9 +616,7 @@ fn a_checkpoint_keyed_below_its_slot_is_rekeyed_when_the_slot_prefix_is_cached()
     // Multi-token prediction (2 prefill lookahead tokens, hashes covering 2 more tokens),
     // block 4, a 17-token prompt in one chunk: the checkpoint is (17 - 2) // 4 * 4 = 12,
     // exported into slot cdiv(17, 4) - 2 = 3, whose full prefix is 16 tokens.
-    let mut c = config(vec![GroupSpec::mamba_with_checkpoints(4, 1)], 64, Some(0));
-    c.num_hash_lookahead_tokens = 2;
-    c.num_prefill_lookahead = 2;
+    let c = mtp_mamba_config();
     for caches_before_next_step in [true, false] {
         let mut m = KVCacheManager::new(&c).unwrap();
         m.add_request("a", &tokens(0, 17), ExtraKeys::default())
@@ -628,13 +639,9 @@ fn a_checkpoint_keyed_below_its_slot_is_rekeyed_when_the_slot_prefix_is_cached()
             // Async scheduling: the next step is allocated while the prefill is in flight (the
             // slot stays), then the sampled token arrives and the slot's full prefix is cached:
             // the block is re-keyed at 16 tokens, the shorter key removed.
-            let decode = AllocateArgs {
-                num_new_tokens: 1,
-                num_computed_tokens: 17,
-                num_in_flight_tokens: 17,
-                ..Default::default()
-            };
-            m.allocate_slots("a", &decode).unwrap().unwrap();
+            m.allocate_slots("a", &decode_in_flight(17))
+                .unwrap()
+                .unwrap();
             assert_eq!(m.block_ids("a", 0).unwrap()[3], block);
             m.append_token_ids("a", &[100u32]).unwrap();
             m.cache_blocks("a", 17).unwrap();
