@@ -237,7 +237,7 @@ impl KeySlot {
 
 /// One bit per block, set while its key slot is not `KEY_NONE` (written, set or being
 /// cleared): what a free reads to put a block at the back (cached) or in front. A free reads a
-/// bit among those of 63 other blocks instead of the block's 24-byte slot, so a request's free
+/// bit among those of 63 other blocks instead of the block's 32-byte slot, so a request's free
 /// touches a few cache lines of bits rather than one slot line per block.
 ///
 /// The bit changes just after a slot leaves `KEY_NONE` and just before it returns to it, by
