@@ -39,6 +39,7 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.lora.request import LoRARequest
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import (
@@ -395,6 +396,10 @@ class RequestSpec:
     # Send the prompt as embeddings (a tensor derived from `prompt`, one row per token) instead
     # of token ids; the scheduler needs `Options.prompt_embeds`.
     embeds: bool = False
+    # Multimodal inputs: (identifier, offset, length) per item, sorted by offset, each standing
+    # for `length` placeholder tokens of the prompt (vLLM keys the blocks they overlap by the
+    # identifier and the item's offset in the block).
+    mm: tuple[tuple[str, int, int], ...] = ()
 
 
 def prompt_embeddings(prompt: Sequence[int]) -> torch.Tensor:
@@ -460,6 +465,16 @@ def make_request(spec: RequestSpec, block_size: int = BLOCK_SIZE, lookahead: int
         pooling_params=None,
         cache_salt=spec.cache_salt,
         lora_request=None if spec.lora is None else LoRARequest(*spec.lora),
+        mm_features=[
+            MultiModalFeatureSpec(
+                data=None,
+                modality="image",
+                identifier=identifier,
+                mm_position=PlaceholderRange(offset=offset, length=length),
+            )
+            for identifier, offset, length in spec.mm
+        ]
+        or None,
         block_hasher=_block_hasher(block_size, lookahead),
         arrival_time=0.0,
     )

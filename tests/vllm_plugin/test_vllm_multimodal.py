@@ -1,0 +1,186 @@
+"""Requests with multimodal inputs (images in the prompt), on vLLM 0.33's `KVCacheManager` and on
+hybrid-kv's adapter, call for call.
+
+vLLM keys a block that overlaps a multimodal item by the item's identifier and its offset in the
+block (`("mm", identifier, offset)` extra keys), so the same tokens with another image, or the
+same image at another position, miss the cache from the first block it touches, and KV events
+publish those keys. A seeded driver admits requests with shared system prompts (an image in some
+of them), user images from a small set (so some repeat, at the same offset or not), with LoRA
+adapters and cache salts, prefills them in chunks, decodes a few tokens and frees them, on every
+layout. After every call the two managers must agree on the hit, the new blocks, the free-block
+count, every live request's block table and the KV events. (The scheduler differential tests
+cannot carry images: vLLM's scheduler would need an encoder budget, which the offline model has
+not.)
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (see .ci/run)")
+
+import hybrid_kv.vllm as hkv  # noqa: E402
+from hybrid_kv.vllm import testing as harness  # noqa: E402
+
+NUM_CASES = int(os.environ.get("HYBRID_KV_RANDOM_CASES", "12"))
+FIRST_SEED = int(os.environ.get("HYBRID_KV_RANDOM_SEED", "0"))
+LAYOUTS = sorted(harness.LAYOUTS)
+IMAGES = ("img-a", "img-b", "img-c")
+LORAS = (None, ("alpha", 1, "/adapters/alpha"))
+
+
+def ids(blocks: Any) -> Any:
+    return None if blocks is None else tuple(list(g) for g in blocks.get_block_ids())
+
+
+def draw_spec(
+    rng: random.Random,
+    i: int,
+    systems: list[tuple[tuple[int, ...], Any]],
+    snippet: tuple[int, ...],
+) -> Any:
+    """A prompt: a shared system prompt (with its image, if any), then user text with 0-2
+    images from `IMAGES` at drawn offsets. The text before an image is often a fixed snippet
+    (or nothing), so equal token prefixes with different images, or the same image one block
+    further on, are common: only the images' keys tell them apart."""
+    system, system_mm = rng.choice(systems)
+    prompt = list(system)
+    mm = list(system_mm)
+    for _ in range(rng.choice([0, 1, 1, 2])):
+        before = rng.choice([(), snippet, snippet + snippet, "random"])
+        if before == "random":
+            before = tuple(rng.randrange(1, 30000) for _ in range(rng.choice([3, 21])))
+        prompt += before
+        length = rng.choice([8, 16, 40])
+        mm.append((rng.choice(IMAGES), len(prompt), length))
+        prompt += [7] * length  # placeholder tokens, the same for every image
+    prompt += [rng.randrange(1, 30000) for _ in range(rng.randint(1, 40))]
+    return harness.RequestSpec(
+        request_id=f"req-{i}",
+        prompt=tuple(prompt),
+        max_tokens=rng.randint(1, 6),
+        arrival_step=0,
+        cache_salt=rng.choice([None, None, "tenant-a"]),
+        lora=rng.choice(LORAS),
+        mm=tuple(mm),
+    )
+
+
+@pytest.mark.parametrize("seed", range(FIRST_SEED, FIRST_SEED + NUM_CASES))
+def test_multimodal_requests_match_vllms_manager(seed: int) -> None:
+    rng = random.Random(seed)
+    layout = LAYOUTS[seed % len(LAYOUTS)]
+    options = harness.Options(
+        layout=layout,
+        num_blocks=rng.choice([400, 2000]),
+        dense_retention=rng.random() < 0.3,
+        kv_events=True,
+        lora=True,
+    )
+    stock = harness.build_scheduler(options)
+    ours = harness.build_scheduler(options, hkv.Scheduler)
+    assert ours.uses_hybrid_kv, f"fell back to vLLM's manager for {options}"
+    sm, om = stock.kv_cache_manager, ours.kv_cache_manager
+    hash_bs = stock.hash_block_size
+    log: list[Any] = []
+
+    def same(what: str, a: Any, b: Any) -> None:
+        assert b == a, f"seed {seed} ({options}): {what} differs after {log[-4:]}"
+
+    def check(live: dict[str, Any]) -> None:
+        same("free blocks", sm.block_pool.get_num_free_blocks(), om.core.num_free_blocks)
+        for rid in live:
+            same(f"{rid}'s blocks", ids(sm.get_blocks(rid)), ids(om.get_blocks(rid)))
+        same("KV events", sm.take_events(), om.take_events())
+
+    snippet = tuple(rng.randrange(1, 30000) for _ in range(16))
+    systems: list[tuple[tuple[int, ...], Any]] = [((), ())]
+    for _ in range(2):
+        text = [rng.randrange(1, 30000) for _ in range(rng.choice([20, 48, 100]))]
+        if rng.random() < 0.5:
+            systems.append((tuple(text), ()))
+        else:
+            # An image inside the system prompt: shared by every request that uses it.
+            at = rng.randrange(len(text))
+            prompt = tuple(text[:at] + [7] * 16 + text[at:])
+            systems.append((prompt, (("sys-img", at, 16),)))
+            # The same system text with another image at the same place.
+            systems.append((prompt, (("sys-img-2", at, 16),)))
+    live: dict[str, tuple[Any, Any]] = {}
+    hits = 0
+    for i in range(24):
+        spec = draw_spec(rng, i, systems, snippet)
+        pair = (harness.make_request(spec, hash_bs), harness.make_request(spec, hash_bs))
+        log.append(("admit", spec.request_id, spec.mm))
+        sm.new_step_starts()
+        om.new_step_starts()
+        # (blocks, hit tokens, shared-prefix boundary)
+        s_got, o_got = (m.get_computed_blocks(r) for m, r in zip((sm, om), pair, strict=True))
+        same("hit", (ids(s_got[0]), *s_got[1:]), (ids(o_got[0]), *o_got[1:]))
+        (s_hit, s_n), (o_hit, o_n) = s_got[:2], o_got[:2]
+        for r, got in zip(pair, (s_got, o_got), strict=True):
+            r.shared_prefix_boundary = got[2]
+        hits += s_n > 0
+        length = len(spec.prompt)
+        done = s_n
+        first = True
+        while done < length:
+            chunk = min(length - done, rng.choice([16, 37, 512]))
+            if layout in harness.MAMBA_LAYOUTS:
+                # vLLM's scheduler ends a Mamba `align` prefill chunk where a state must be
+                # cached (block boundaries, the prompt's checkpoint, a shared-prefix junction).
+                chunk = stock._mamba_block_aligned_split(pair[0], chunk, s_n if first else 0)
+                assert chunk > 0, "the split left nothing to schedule"
+            news = [
+                m.allocate_slots(
+                    r,
+                    chunk,
+                    num_new_computed_tokens=hit_n if first else 0,
+                    new_computed_blocks=hit if first else None,
+                )
+                for m, r, hit, hit_n in zip((sm, om), pair, (s_hit, o_hit), (s_n, o_n), strict=True)
+            ]
+            same("new blocks", ids(news[0]), ids(news[1]))
+            if news[0] is None:
+                break
+            first = False
+            done += chunk
+            for r in pair:
+                r.num_computed_tokens = done
+            live[spec.request_id] = pair
+            check(live)
+            sm.new_step_starts()
+            om.new_step_starts()
+        if done < length:
+            # Out of blocks: this request goes (vLLM's scheduler would preempt it).
+            for m, r in zip((sm, om), pair, strict=True):
+                m.free(r)
+            live.pop(spec.request_id, None)
+            check(live)
+            continue
+        for step in range(spec.max_tokens):
+            token = harness.next_token(spec.request_id, length + step)
+            for r in pair:
+                r.append_output_token_ids(token)
+            news = [m.allocate_slots(r, 1) for m, r in zip((sm, om), pair, strict=True)]
+            same("decode blocks", ids(news[0]), ids(news[1]))
+            if news[0] is None:
+                break
+            for r in pair:
+                r.num_computed_tokens += 1
+            sm.new_step_starts()
+            om.new_step_starts()
+        check(live)
+        # Some requests stay (their blocks shared with later ones), the others finish.
+        if rng.random() < 0.6 or len(live) > 6:
+            victim = rng.choice(sorted(live))
+            log.append(("free", victim))
+            for m, r in zip((sm, om), live.pop(victim), strict=True):
+                r.status = r.status.FINISHED_STOPPED
+                m.free(r)
+            check(live)
+    assert hits > 0 or layout in harness.MAMBA_LAYOUTS, "no request hit the cache"
