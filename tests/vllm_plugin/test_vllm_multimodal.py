@@ -74,12 +74,19 @@ def draw_spec(
 def test_multimodal_requests_match_vllms_manager(seed: int) -> None:
     rng = random.Random(seed)
     layout = LAYOUTS[seed % len(LAYOUTS)]
+    drafting = rng.choice(["none", "none", "eagle", "mtp"])
     options = harness.Options(
         layout=layout,
         num_blocks=rng.choice([400, 2000]),
         dense_retention=rng.random() < 0.3,
         kv_events=True,
         lora=True,
+        # EAGLE's and MTP's lookahead hashes: a block's hash (and its event's extra keys) also
+        # covers the items overlapping its next 1 or 2 tokens.
+        eagle_tokens={"none": 0, "eagle": 1, "mtp": 2}[drafting],
+        eagle_method="mtp" if drafting == "mtp" else "eagle3",
+        # Hashes finer than the blocks (partial hash hits on Mamba layouts).
+        prefix_match_unit=8 if layout != "full" and rng.random() < 0.3 else None,
     )
     stock = harness.build_scheduler(options)
     ours = harness.build_scheduler(options, hkv.Scheduler)
@@ -114,7 +121,10 @@ def test_multimodal_requests_match_vllms_manager(seed: int) -> None:
     hits = 0
     for i in range(24):
         spec = draw_spec(rng, i, systems, snippet)
-        pair = (harness.make_request(spec, hash_bs), harness.make_request(spec, hash_bs))
+        pair = (
+            harness.make_request(spec, hash_bs, stock.num_hash_lookahead_tokens),
+            harness.make_request(spec, hash_bs, stock.num_hash_lookahead_tokens),
+        )
         log.append(("admit", spec.request_id, spec.mm))
         sm.new_step_starts()
         om.new_step_starts()
@@ -184,3 +194,32 @@ def test_multimodal_requests_match_vllms_manager(seed: int) -> None:
                 m.free(r)
             check(live)
     assert hits > 0 or layout in harness.MAMBA_LAYOUTS, "no request hit the cache"
+
+
+@pytest.mark.parametrize("drafting", ["none", "eagle", "mtp"])
+def test_an_image_in_a_blocks_lookahead_tokens_keys_that_block(drafting: str) -> None:
+    # Lookahead hashes (EAGLE: 1 token, MTP: 2) make block 0's hash cover tokens 16 and 17 too,
+    # so an image starting at token 16 keys block 0 as well: the same tokens with another image
+    # there miss block 0 (without lookahead hashes they hit it).
+    options = harness.Options(
+        layout="full",
+        eagle_tokens={"none": 0, "eagle": 1, "mtp": 2}[drafting],
+        eagle_method="mtp" if drafting == "mtp" else "eagle3",
+    )
+    stock = harness.build_scheduler(options)
+    ours = harness.build_scheduler(options, hkv.Scheduler)
+    lookahead = stock.num_hash_lookahead_tokens
+    assert lookahead == {"none": 0, "eagle": 1, "mtp": 2}[drafting]
+    prompt = tuple(range(100, 116)) + (7,) * 16 + tuple(range(200, 220))
+    hits = []
+    for m in (stock.kv_cache_manager, ours.kv_cache_manager):
+        got = []
+        for i, image in enumerate(("img-a", "img-b")):
+            spec = harness.RequestSpec(f"r{i}", prompt, 1, 0, mm=((image, 16, 16),))
+            request = harness.make_request(spec, stock.hash_block_size, lookahead)
+            blocks, num_hit, _ = m.get_computed_blocks(request)
+            got.append(num_hit)
+            m.allocate_slots(request, len(prompt) - num_hit, num_hit, blocks)
+        hits.append(got)
+    assert hits[1] == hits[0]
+    assert hits[0] == [0, 0 if lookahead else 16]
