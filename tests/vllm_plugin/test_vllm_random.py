@@ -1,8 +1,9 @@
 """Randomized differential runs: stock vLLM 0.33 against `hybrid_kv.vllm.Scheduler` on
 configurations and workloads drawn from a seed.
 
-Each case draws a layout, retention, prefix caching, pool size (from roomy to under pressure),
-batch budget and concurrency, the scheduler's watermark, whole-prompt fit check and long-prefill
+Each case draws a layout, retention (dense, vLLM's default or an interval), prefix caching, pool
+size (from roomy to under pressure), batch budget and concurrency, the scheduling policy (first
+come or by request priority), the scheduler's watermark, whole-prompt fit check and long-prefill
 cap, async scheduling, speculative decoding (n-gram, EAGLE-3 with or
 without lookahead hashes, MTP), a `prefix_match_unit` below the block size, LoRA adapters,
 prompt embeddings, prompt-logprobs requests, KV events and a short `max_model_len`; then a chat
@@ -70,6 +71,7 @@ def draw_options(rng: random.Random) -> harness.Options:
         "watermark": rng.choice([0.0, 0.0, 0.01, 0.1]),
         "reserve_full_isl": rng.random() < 0.8,
         "long_prefill_token_threshold": rng.choice([0, 0, 0, 64, 200]),
+        "policy": rng.choice(["fcfs", "fcfs", "priority"]),
     }
     drafting = rng.choice(["none", "none", "ngram", "eagle", "eagle-drop", "mtp"])
     settings["async_scheduling"] = drafting != "ngram" and rng.random() < 0.3
@@ -132,6 +134,8 @@ def draw_workload(rng: random.Random, options: harness.Options) -> list[harness.
         changes: dict[str, Any] = {}
         if options.lora:
             changes["lora"] = LORAS[i % len(LORAS)]
+        if options.policy == "priority":
+            changes["priority"] = rng.choice([0, 0, 1, -1, 5])
         if rng.random() < 0.05:
             changes["prompt_logprobs"] = 1
         if options.prompt_embeds and rng.random() < 0.5:

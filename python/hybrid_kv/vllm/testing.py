@@ -198,6 +198,9 @@ class Options:
     watermark: float = 0.0
     reserve_full_isl: bool = True
     long_prefill_token_threshold: int = 0
+    # vLLM's scheduling policy: "fcfs" or "priority" (requests' `priority`, lower first;
+    # preemption takes the lowest-priority running request).
+    policy: str = "fcfs"
 
 
 def _retention(options: Options) -> int | None:
@@ -299,6 +302,7 @@ def vllm_config(options: Options) -> VllmConfig:
         watermark=options.watermark,
         scheduler_reserve_full_isl=options.reserve_full_isl,
         long_prefill_token_threshold=options.long_prefill_token_threshold,
+        policy=options.policy,
     )
     cache = CacheConfig(
         block_size=options.block_size,
@@ -400,6 +404,8 @@ class RequestSpec:
     # for `length` placeholder tokens of the prompt (vLLM keys the blocks they overlap by the
     # identifier and the item's offset in the block).
     mm: tuple[tuple[str, int, int], ...] = ()
+    # Scheduling priority (the "priority" policy; lower runs first).
+    priority: int = 0
 
 
 def prompt_embeddings(prompt: Sequence[int]) -> torch.Tensor:
@@ -477,6 +483,7 @@ def make_request(spec: RequestSpec, block_size: int = BLOCK_SIZE, lookahead: int
         or None,
         block_hasher=_block_hasher(block_size, lookahead),
         arrival_time=0.0,
+        priority=spec.priority,
     )
 
 
