@@ -577,10 +577,9 @@ fn decode_in_flight(computed: usize) -> AllocateArgs<'static> {
 fn the_estimate_reads_the_prefix_a_shared_state_block_is_keyed_at_now() {
     // As above (MTP, block 4, 17-token prompt, asynchronous steps): "a"'s checkpoint after 12
     // tokens sits in slot 3. "b" shares those 12 tokens and the 2 lookahead tokens their hash
-    // covers, and hits that state block. Then "a"'s
-    // sampled token proves its slot-3 prefix and re-keys the block at "a"'s 16 tokens, a
-    // prefix "b" does not have. vLLM's estimate reads the block's `block_hash_num_tokens`,
-    // whichever request set it: 16 for "b" too.
+    // covers, and hits that state block. Then "a"'s sampled token proves its slot-3 prefix and
+    // re-keys the block at "a"'s 16 tokens, a prefix "b" does not have. vLLM's estimate reads
+    // the block's `block_hash_num_tokens`, whichever request set it: 16 for "b" too.
     let mut m = KVCacheManager::new(&mtp_mamba_config()).unwrap();
     m.add_request("a", &tokens(0, 17), ExtraKeys::default())
         .unwrap();

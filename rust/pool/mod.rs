@@ -663,8 +663,10 @@ impl BlockPool {
         Ok(())
     }
 
-    /// Enters `blocks[i]` into the prefix cache under `(hashes[i], group)`. Null blocks and blocks
-    /// that already carry a hash are skipped. Every non-null block must be in use.
+    /// Enters `blocks[i]` into the prefix cache under `(hashes[i], group)`, covering a prefix of
+    /// `(info.first_block + i + 1) * info.block_size` tokens ([`BlockPool::block_key_tokens`]).
+    /// Null blocks and blocks that already carry a hash are skipped. Every non-null block must
+    /// be in use.
     pub fn cache_full_blocks(
         &self,
         blocks: &[BlockId],
@@ -728,8 +730,9 @@ impl BlockPool {
     /// block's key (set, eviction, another added key) is waited for: each is a bounded step of a
     /// thread that waits for nothing this call holds. Eviction removes every key of a block
     /// together, the slot's first, and waits for an add in progress.
-    /// `info` describes the one hash block the key covers; its store is published as one
-    /// `BlockStored` with that single hash.
+    /// `info` describes the one hash block the key covers (the prefix it ends,
+    /// `(info.first_block + 1) * info.block_size` tokens, is recorded when the key becomes the
+    /// block's own); its store is published as one `BlockStored` with that single hash.
     pub fn add_block_key(
         &self,
         id: BlockId,
