@@ -26,6 +26,7 @@ pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (see .ci/run)")
 
 import hybrid_kv.vllm as hkv  # noqa: E402
 from hybrid_kv.vllm import testing as harness  # noqa: E402
+from hybrid_kv.vllm.testing import block_ids as ids  # noqa: E402
 
 # Pool blocks at which each layout runs short on the workloads below.
 SHORT_BLOCKS = {
@@ -40,10 +41,6 @@ SHORT_BLOCKS = {
 }
 NUM_CASES = int(os.environ.get("HYBRID_KV_RANDOM_CASES", "12"))
 FIRST_SEED = int(os.environ.get("HYBRID_KV_RANDOM_SEED", "0"))
-
-
-def ids(blocks: Any) -> Any:
-    return None if blocks is None else tuple(list(g) for g in blocks.get_block_ids())
 
 
 class Pair:

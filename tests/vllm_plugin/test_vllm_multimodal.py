@@ -25,16 +25,13 @@ pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (see .ci/run)")
 
 import hybrid_kv.vllm as hkv  # noqa: E402
 from hybrid_kv.vllm import testing as harness  # noqa: E402
+from hybrid_kv.vllm.testing import block_ids as ids  # noqa: E402
 
 NUM_CASES = int(os.environ.get("HYBRID_KV_RANDOM_CASES", "12"))
 FIRST_SEED = int(os.environ.get("HYBRID_KV_RANDOM_SEED", "0"))
 LAYOUTS = sorted(harness.LAYOUTS)
 IMAGES = ("img-a", "img-b", "img-c")
 LORAS = (None, ("alpha", 1, "/adapters/alpha"))
-
-
-def ids(blocks: Any) -> Any:
-    return None if blocks is None else tuple(list(g) for g in blocks.get_block_ids())
 
 
 def draw_spec(

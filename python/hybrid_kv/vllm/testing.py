@@ -491,6 +491,12 @@ def _stable_hash(*parts: object) -> int:
     return zlib.crc32(repr(parts).encode())
 
 
+def block_ids(blocks: Any) -> tuple[list[int], ...] | None:
+    """A manager's `KVCacheBlocks` (vLLM's or the adapter's) as block-id lists per group, for
+    comparing; None stays None."""
+    return None if blocks is None else tuple(list(g) for g in blocks.get_block_ids())
+
+
 def next_token(request_id: str, position: int) -> int:
     """The token the fake model samples for a request at a position (any scheduler)."""
     return _stable_hash(request_id, position) % VOCAB
