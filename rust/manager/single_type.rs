@@ -1377,48 +1377,40 @@ pub(crate) fn find_longest_cache_hit(
             hit
         }
         AttentionKind::SlidingWindow { .. } | AttentionKind::SlidingWindowMla { .. } => {
-            // Right to left: the first run of enough contiguous cached blocks wins.
-            let need = spec.sliding_window_contiguous_blocks(drop_eagle);
+            // The rightmost run of enough contiguous cached blocks ending on an alignment
+            // boundary (after the EAGLE pop), else the cached run from block 0.
+            let need = spec.sliding_window_contiguous_blocks(drop_eagle).max(1);
             let max_blocks = (max_len / bs).min(view.len());
             for &g in gids {
                 out[g].resize(max_blocks, NULL_BLOCK);
             }
-            let mut run = 0;
-            let mut found = false;
-            for i in (max_blocks.saturating_sub(PREFETCH_AHEAD)..max_blocks).rev() {
-                prefetch_all(pool, view.get(i), gids);
-            }
-            for i in (0..max_blocks).rev() {
-                if i >= PREFETCH_AHEAD {
-                    prefetch_all(pool, view.get(i - PREFETCH_AHEAD), gids);
+            let aligned = |end: usize| {
+                let after_pop = if drop_eagle { end - 1 } else { end };
+                bs == alignment || (after_pop * bs) % alignment == 0
+            };
+            let mut probe = |i: usize| {
+                if !lookup_all(pool, view.get(i), gids, scratch) {
+                    return false;
                 }
-                if lookup_all(pool, view.get(i), gids, scratch) {
-                    // A run must end on an alignment boundary (after the EAGLE pop).
-                    let after_pop = if drop_eagle { i } else { i + 1 };
-                    if run == 0 && bs != alignment && (after_pop * bs) % alignment != 0 {
-                        continue;
-                    }
-                    for (&g, &b) in gids.iter().zip(scratch.iter()) {
-                        out[g][i] = b;
-                    }
-                    run += 1;
-                    if run >= need {
-                        for &g in gids {
-                            out[g].truncate(i + run);
-                        }
-                        found = true;
-                        break;
-                    }
-                } else {
-                    run = 0;
+                for (&g, &b) in gids.iter().zip(scratch.iter()) {
+                    out[g][i] = b;
                 }
-            }
-            if !found {
-                // A run reaching block 0 is a hit even if shorter than the window.
-                for &g in gids {
-                    out[g].truncate(run);
+                true
+            };
+            let prefetch = |i: usize| prefetch_all(pool, view.get(i), gids);
+            match rightmost_window(max_blocks, need, aligned, &mut probe, prefetch) {
+                Window::Found(end) => {
+                    for &g in gids {
+                        out[g].truncate(end);
+                        out[g][..end - need].fill(NULL_BLOCK);
+                    }
                 }
-                pop_to_alignment(bs, alignment, gids, out);
+                Window::FromStart(end) => {
+                    for &g in gids {
+                        out[g].truncate(end);
+                    }
+                    pop_to_alignment(bs, alignment, gids, out);
+                }
             }
             if drop_eagle && !out[gids[0]].is_empty() {
                 for &g in gids {
@@ -1488,6 +1480,73 @@ pub(crate) fn find_longest_cache_hit(
     }
 }
 
+/// Where a sliding-window hit ends (see [`rightmost_window`]).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Window {
+    /// Blocks `[end - need, end)` are cached: the hit ends at block `end`.
+    Found(usize),
+    /// No such run: blocks `[0, end)` are cached (`end < need`; 0 if block 0 is not).
+    FromStart(usize),
+}
+
+/// The largest `end <= n` with `aligned(end)` whose `need` blocks before it all `probe` as
+/// cached; failing that, the largest aligned `end` (or 0) whose blocks from 0 all are. This is
+/// what vLLM's right-to-left scan finds (a run restarts at each miss and may only start on an
+/// aligned end), without probing every block: a window is probed from its left end, and a miss
+/// at block `j` rules out every end above `j` at once, so when cached blocks are sparse (vLLM's
+/// default retention keeps a window's blocks only at checkpoints) a miss skips `need` blocks.
+/// Each block is probed at most once; `prefetch(i)` hints that block `i` is probed next.
+fn rightmost_window(
+    n: usize,
+    need: usize,
+    aligned: impl Fn(usize) -> bool,
+    probe: &mut impl FnMut(usize) -> bool,
+    prefetch: impl Fn(usize),
+) -> Window {
+    const UNKNOWN: u8 = 0;
+    const CACHED: u8 = 1;
+    const MISSING: u8 = 2;
+    let mut seen = vec![UNKNOWN; n];
+    let mut cached = |i: usize| {
+        if seen[i] == UNKNOWN {
+            seen[i] = if probe(i) { CACHED } else { MISSING };
+        }
+        seen[i] == CACHED
+    };
+    let mut end = n;
+    loop {
+        while end >= need && !aligned(end) {
+            end -= 1;
+        }
+        if end < need {
+            break;
+        }
+        let start = end - need;
+        for ahead in (start..end).take(PREFETCH_AHEAD) {
+            prefetch(ahead);
+        }
+        // The first block of the window not cached: every window ending above it holds it.
+        let miss = (start..end).find(|&i| {
+            if i + PREFETCH_AHEAD < end {
+                prefetch(i + PREFETCH_AHEAD);
+            }
+            !cached(i)
+        });
+        match miss {
+            Some(i) => end = i,
+            None => return Window::Found(end),
+        }
+    }
+    // An aligned end at `need` or above with only cached blocks below it would have been found
+    // above: the run from block 0 matters up to `need` blocks.
+    let mut run = 0;
+    while run < n.min(need) && cached(run) {
+        run += 1;
+    }
+    let end = (1..=run).rev().find(|&e| aligned(e)).unwrap_or(0);
+    Window::FromStart(end)
+}
+
 /// Drops trailing hit blocks until the hit ends on a multiple of `alignment`.
 fn pop_to_alignment(bs: usize, alignment: usize, gids: &[usize], out: &mut [Vec<BlockId>]) {
     if bs == alignment {
@@ -1527,7 +1586,88 @@ fn lookup_all(
 
 #[cfg(test)]
 mod tests {
-    use super::first_at_least;
+    use super::{first_at_least, rightmost_window, Window};
+
+    /// vLLM's scan (`SlidingWindowManager.find_longest_cache_hit`): right to left, a run
+    /// restarts at each miss and starts only on an aligned end.
+    fn scan(cached: &[bool], need: usize, aligned: impl Fn(usize) -> bool) -> Window {
+        let mut run = 0;
+        for i in (0..cached.len()).rev() {
+            if !cached[i] {
+                run = 0;
+                continue;
+            }
+            if run == 0 && !aligned(i + 1) {
+                continue;
+            }
+            run += 1;
+            if run >= need {
+                return Window::Found(i + run);
+            }
+        }
+        Window::FromStart(run)
+    }
+
+    #[test]
+    fn the_window_search_finds_what_the_right_to_left_scan_finds() {
+        let mut rng = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        let mut found = 0;
+        for case in 0..20_000 {
+            let n = (next() % 90) as usize;
+            let need = 1 + (next() % 12) as usize;
+            // Dense, sparse, and runs of cached blocks with gaps.
+            let density = [2, 10, 50, 90, 98, 100][case % 6];
+            let cached: Vec<bool> = (0..n).map(|_| next() % 100 < density).collect();
+            let step = [1, 1, 2, 4, 5][(next() % 5) as usize];
+            let shift = (next() % 2) as usize;
+            let aligned = |end: usize| (end - shift) % step == 0;
+            let mut probes = vec![0; n];
+            let mut probe = |i: usize| {
+                probes[i] += 1;
+                cached[i]
+            };
+            let got = rightmost_window(n, need, aligned, &mut probe, |i| assert!(i < n));
+            let expected = scan(&cached, need, aligned);
+            assert_eq!(
+                got, expected,
+                "case {case}: {cached:?}, need {need}, step {step}+{shift}"
+            );
+            assert!(
+                probes.iter().all(|&p| p <= 1),
+                "case {case}: a block probed twice"
+            );
+            found += matches!(got, Window::Found(_)) as usize;
+        }
+        assert!(
+            found > 5_000 && found < 15_000,
+            "{found} of 20000 found a window"
+        );
+    }
+
+    #[test]
+    fn a_miss_skips_the_windows_that_hold_it() {
+        // One cached block in 64 (checkpoints), a window of 16: far fewer probes than blocks.
+        let cached: Vec<bool> = (0..1024).map(|i| i % 64 == 63).collect();
+        let mut probes = 0;
+        let got = rightmost_window(
+            1024,
+            16,
+            |_| true,
+            &mut |i| {
+                probes += 1;
+                cached[i]
+            },
+            |_| {},
+        );
+        assert_eq!(got, Window::FromStart(0));
+        assert!(probes <= 1024 / 16 * 2 + 16, "{probes} probes");
+    }
 
     type Reach = fn(usize) -> usize;
 
