@@ -1402,7 +1402,8 @@ pub(crate) fn find_longest_cache_hit(
                 Window::Found(end) => {
                     for &g in gids {
                         out[g].truncate(end);
-                        out[g][..end - need].fill(NULL_BLOCK);
+                        // Windows are probed at falling starts: nothing below this one was.
+                        debug_assert!(out[g][..end - need].iter().all(|&b| b == NULL_BLOCK));
                     }
                 }
                 Window::FromStart(end) => {
