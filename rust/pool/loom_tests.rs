@@ -512,10 +512,11 @@ fn loom_claim_after_a_second_key_removes_both() {
 
 /// A block's two keys moved to another block while a prober looks one up: the lookup finds the
 /// source, the destination or nothing (the moment between), and afterwards both keys name the
-/// destination alone, in slot and map alike. Preemption bound 3 (147,046 interleavings): the
-/// lookup can still land between any two steps of the move; bound 4 explored 6.4 million in 17
-/// minutes of CI and caught nothing more (a lookup that skips its seqlock re-check passes here
-/// at both bounds; `loom_lookup_during_backward_shift_finds_the_moved_key` catches it).
+/// destination alone, in slot and map alike. Preemption bound 3: the lookup can still land
+/// between any two steps of the move. The interleavings depend on where the map's per-process
+/// salt puts the two keys (0.15 to 1.3 million seen at bound 3); bound 4 explored 6.4 million in
+/// 17 minutes of one CI run and caught nothing more (a lookup that skips its seqlock re-check
+/// passes here at both bounds; `loom_lookup_during_backward_shift_finds_the_moved_key` fails).
 #[test]
 fn loom_moved_keys_racing_a_lookup_end_on_the_destination() {
     model("moved_keys_racing_a_lookup", 3, || {
