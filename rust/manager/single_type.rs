@@ -38,6 +38,10 @@ pub(crate) struct GroupTable {
     /// `(block, tokens)`; the copy that preserves it, or the block itself when the request
     /// finishes there, goes to KV connectors (vLLM's `_producer_partial_tail_reqs`).
     pub(crate) producer_tail: Option<(BlockId, usize)>,
+    /// `remove_skipped_blocks` can no longer free a slot below this: its walk down from a
+    /// window's edge stops at the first null, and slot `unreachable_below - 1` is null (the
+    /// last walk ended there). 0 when nothing is known; never above `blocks.len()`.
+    pub(crate) unreachable_below: usize,
 }
 
 impl GroupTable {
@@ -367,6 +371,7 @@ impl GroupManager {
         }
         table.blocks.resize(skipped, NULL_BLOCK);
         table.blocks.extend_from_slice(kept);
+        table.unreachable_below = 0;
         table.num_cached = Some(table.blocks.len());
         if let (true, Some(&last)) = (
             self.partial_local_hit(kept, num_local_computed_tokens),
@@ -1135,8 +1140,11 @@ impl GroupManager {
         let (first, _) = self.skipped_range(0, prompt);
         // A removal up to `last` frees something only if slot `last - 1` holds a block: the
         // first live slot at or after `first` is the earliest that can go.
-        let Some(live) = (first..table.blocks.len()).find(|&i| table.blocks[i] != NULL_BLOCK)
-        else {
+        // Slots the last removal walked past cannot go any more: starting there keeps this
+        // from reading every null slot of a long sequence on each call.
+        let from = first.max(table.unreachable_below);
+        debug_assert!(from == first || table.blocks[from - 1] == NULL_BLOCK);
+        let Some(live) = (from..table.blocks.len()).find(|&i| table.blocks[i] != NULL_BLOCK) else {
             return usize::MAX;
         };
         // Slots below `live + 1` are skipped once the processed tokens cover them and the
@@ -1275,11 +1283,12 @@ fn remove_blocks_in_range(
         }
         scratch.push(b);
     }
-    if scratch.is_empty() {
-        return Ok(());
+    if !scratch.is_empty() {
+        pool.free_held(scratch, &[scratch.len()])?;
+        table.blocks[last - scratch.len()..last].fill(NULL_BLOCK);
     }
-    pool.free_held(scratch, &[scratch.len()])?;
-    table.blocks[last - scratch.len()..last].fill(NULL_BLOCK);
+    // Slot `last - 1` is null now: later walks stop at or above it.
+    table.unreachable_below = table.unreachable_below.max(last);
     Ok(())
 }
 
@@ -1587,7 +1596,84 @@ fn lookup_all(
 
 #[cfg(test)]
 mod tests {
-    use super::{first_at_least, rightmost_window, Window};
+    use super::{first_at_least, rightmost_window, GroupManager, GroupTable, Window, NULL_BLOCK};
+    use crate::manager::spec::GroupSpec;
+    use crate::pool::BlockPool;
+
+    fn window_group(block_size: usize, window: usize) -> GroupManager {
+        GroupManager {
+            spec: GroupSpec::sliding_window(block_size, window),
+            id: 0,
+            hash_ratio: 1,
+            admission_cap: None,
+            alignment: block_size,
+            use_eagle: false,
+            drop_eagle_checkpoint: false,
+            extra_retained: 0,
+            records_new_blocks: false,
+            num_gpu_blocks: 64,
+            shared_prefix_checkpoint: false,
+        }
+    }
+
+    /// The removal horizon is the first processed count at which `remove_skipped_blocks`
+    /// frees a block: checked against removals at every count, on tables whose live slots
+    /// sit below nulls too (a walk down from the window's edge stops at the first null, so
+    /// a live slot below one it already passed is never freed).
+    #[test]
+    fn the_removal_horizon_is_the_first_count_that_frees_a_block() {
+        let (bs, window) = (4, 9);
+        let m = window_group(bs, window);
+        // Live (true) or null (false) slots of a 12-slot table.
+        let patterns: [&[bool]; 5] = [
+            &[true; 12],
+            &[
+                false, false, false, true, true, true, true, true, true, true, true, true,
+            ],
+            &[
+                true, false, true, true, true, true, true, true, true, true, true, true,
+            ],
+            &[
+                true, true, false, false, true, false, true, true, true, true, true, true,
+            ],
+            &[false; 12],
+        ];
+        for pattern in patterns {
+            for processed in 0..40 {
+                let pool = BlockPool::new(64).unwrap();
+                let mut table = GroupTable::default();
+                for &live in pattern {
+                    let block = if live {
+                        pool.get_new_blocks(1).unwrap()[0]
+                    } else {
+                        NULL_BLOCK
+                    };
+                    table.blocks.push(block);
+                }
+                let mut scratch = Vec::new();
+                m.remove_skipped_blocks(&pool, &mut table, processed, None, &mut scratch)
+                    .unwrap();
+                let horizon = m.removal_horizon(&table, 0);
+                // The first later count whose removal frees something, on a copy each time.
+                let mut frees = |p: usize| {
+                    let mut t = table.clone();
+                    let pool_free = pool.num_free_blocks();
+                    m.remove_skipped_blocks(&pool, &mut t, p, None, &mut scratch)
+                        .unwrap();
+                    let freed = pool.num_free_blocks() > pool_free;
+                    // Put the blocks back in use for the next probe.
+                    for (i, &b) in table.blocks.iter().enumerate() {
+                        if b != NULL_BLOCK && t.blocks[i] == NULL_BLOCK {
+                            pool.touch(&[b]).unwrap();
+                        }
+                    }
+                    freed
+                };
+                let expected = (processed..200).find(|&p| frees(p)).unwrap_or(usize::MAX);
+                assert_eq!(horizon, expected, "{pattern:?} after {processed}");
+            }
+        }
+    }
 
     /// vLLM's scan (`SlidingWindowManager.find_longest_cache_hit`): right to left, a run
     /// restarts at each miss and starts only on an aligned end.
