@@ -85,10 +85,20 @@ impl PyVllmSlot {
         if num_tokens < from {
             return Err(lost(num_tokens, from));
         }
-        let mut tokens = Vec::with_capacity(num_tokens - from);
-        for i in from..num_tokens {
-            tokens.push(all.get_item(i)?.extract::<U32>()?.get());
+        // A running step brings a few tokens (one per step since the last core call): those
+        // are read into a buffer on the stack, more into one on the heap.
+        let mut inline = [0u32; 32];
+        let mut heap = Vec::new();
+        let tokens = if num_tokens - from <= inline.len() {
+            &mut inline[..num_tokens - from]
+        } else {
+            heap.resize(num_tokens - from, 0);
+            &mut heap[..]
+        };
+        for (token, i) in tokens.iter_mut().zip(from..) {
+            *token = all.get_item(i)?.extract::<U32>()?.get();
         }
+        let tokens = &*tokens;
         let mut state = lock(&self.state);
         if state.seen > num_tokens {
             return Err(lost(num_tokens, state.seen));
