@@ -1597,16 +1597,16 @@ fn lookup_all(
 #[cfg(test)]
 mod tests {
     use super::{first_at_least, rightmost_window, GroupManager, GroupTable, Window, NULL_BLOCK};
-    use crate::manager::spec::GroupSpec;
+    use crate::manager::spec::{AttentionKind, GroupSpec};
     use crate::pool::BlockPool;
 
-    fn window_group(block_size: usize, window: usize) -> GroupManager {
+    fn group(spec: GroupSpec) -> GroupManager {
         GroupManager {
-            spec: GroupSpec::sliding_window(block_size, window),
+            spec,
             id: 0,
             hash_ratio: 1,
             admission_cap: None,
-            alignment: block_size,
+            alignment: spec.block_size,
             use_eagle: false,
             drop_eagle_checkpoint: false,
             extra_retained: 0,
@@ -1617,60 +1617,80 @@ mod tests {
     }
 
     /// The removal horizon is the first processed count at which `remove_skipped_blocks`
-    /// frees a block: checked against removals at every count, on tables whose live slots
-    /// sit below nulls too (a walk down from the window's edge stops at the first null, so
-    /// a live slot below one it already passed is never freed).
+    /// frees a block (for chunked-local groups, a count past the current one and at or before
+    /// that): checked against removals at every count, for sliding-window, RSWA (its prompt's
+    /// blocks are never freed) and chunked-local groups, on tables whose live slots sit below
+    /// nulls too (a walk down from a window's edge stops at the first null, so a live slot
+    /// below one it already passed is never freed).
     #[test]
     fn the_removal_horizon_is_the_first_count_that_frees_a_block() {
-        let (bs, window) = (4, 9);
-        let m = window_group(bs, window);
-        // Live (true) or null (false) slots of a 12-slot table.
-        let patterns: [&[bool]; 5] = [
-            &[true; 12],
-            &[
-                false, false, false, true, true, true, true, true, true, true, true, true,
-            ],
-            &[
-                true, false, true, true, true, true, true, true, true, true, true, true,
-            ],
-            &[
-                true, true, false, false, true, false, true, true, true, true, true, true,
-            ],
-            &[false; 12],
+        let bs = 4;
+        // (spec, prompt tokens, exact): a window's edge moves a slot at a time, so its
+        // horizon is exact; a chunk's edge moves a chunk at a time and may land on a null
+        // slot past the first live one (the walk then stops at once), so its horizon may come
+        // earlier than the first count that frees anything.
+        let chunked = GroupSpec::new(AttentionKind::ChunkedLocal { chunk: 8 }, bs);
+        let groups = [
+            (GroupSpec::sliding_window(bs, 9), 0, true),
+            (
+                GroupSpec::new(AttentionKind::Rswa { window: 6 }, bs),
+                10,
+                true,
+            ),
+            (chunked, 0, false),
         ];
-        for pattern in patterns {
-            for processed in 0..40 {
-                let pool = BlockPool::new(64).unwrap();
-                let mut table = GroupTable::default();
-                for &live in pattern {
-                    let block = if live {
-                        pool.get_new_blocks(1).unwrap()[0]
-                    } else {
-                        NULL_BLOCK
-                    };
-                    table.blocks.push(block);
-                }
-                let mut scratch = Vec::new();
-                m.remove_skipped_blocks(&pool, &mut table, processed, None, &mut scratch)
-                    .unwrap();
-                let horizon = m.removal_horizon(&table, 0);
-                // The first later count whose removal frees something, on a copy each time.
-                let mut frees = |p: usize| {
-                    let mut t = table.clone();
-                    let pool_free = pool.num_free_blocks();
-                    m.remove_skipped_blocks(&pool, &mut t, p, None, &mut scratch)
-                        .unwrap();
-                    let freed = pool.num_free_blocks() > pool_free;
-                    // Put the blocks back in use for the next probe.
-                    for (i, &b) in table.blocks.iter().enumerate() {
-                        if b != NULL_BLOCK && t.blocks[i] == NULL_BLOCK {
-                            pool.touch(&[b]).unwrap();
-                        }
+        // Live slots of a 12-slot table (the others null).
+        let patterns: [&[usize]; 5] = [
+            &[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
+            &[3, 4, 5, 6, 7, 8, 9, 10, 11],
+            &[0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
+            &[0, 1, 4, 6, 7, 8, 9, 10, 11],
+            &[],
+        ];
+        for (spec, prompt, exact) in groups {
+            let m = group(spec);
+            for live in patterns {
+                for processed in 0..60 {
+                    let pool = BlockPool::new(64).unwrap();
+                    let mut table = GroupTable::default();
+                    for i in 0..12 {
+                        table.blocks.push(if live.contains(&i) {
+                            pool.get_new_blocks(1).unwrap()[0]
+                        } else {
+                            NULL_BLOCK
+                        });
                     }
-                    freed
-                };
-                let expected = (processed..200).find(|&p| frees(p)).unwrap_or(usize::MAX);
-                assert_eq!(horizon, expected, "{pattern:?} after {processed}");
+                    let mut scratch = Vec::new();
+                    let horizon = {
+                        let at = Some(prompt);
+                        m.remove_skipped_blocks(&pool, &mut table, processed, at, &mut scratch)
+                            .unwrap();
+                        m.removal_horizon(&table, prompt)
+                    };
+                    // Whether a removal at `p` frees something, on a copy each time.
+                    let mut frees = |p: usize| {
+                        let mut t = table.clone();
+                        let free = pool.num_free_blocks();
+                        m.remove_skipped_blocks(&pool, &mut t, p, Some(prompt), &mut scratch)
+                            .unwrap();
+                        let freed = pool.num_free_blocks() > free;
+                        // Put the blocks back in use for the next probe.
+                        for (&b, &now) in table.blocks.iter().zip(&t.blocks) {
+                            if b != NULL_BLOCK && now == NULL_BLOCK {
+                                pool.touch(&[b]).unwrap();
+                            }
+                        }
+                        freed
+                    };
+                    let expected = (processed..300).find(|&p| frees(p)).unwrap_or(usize::MAX);
+                    let case = format!("{spec:?}, live {live:?}, after {processed}");
+                    assert!(horizon <= expected, "{case}: {horizon} passes {expected}");
+                    // Slots the last walk passed are not counted: never behind.
+                    assert!(horizon > processed, "{case}: {horizon} is behind");
+                    if exact {
+                        assert_eq!(horizon, expected, "{case}");
+                    }
+                }
             }
         }
     }
