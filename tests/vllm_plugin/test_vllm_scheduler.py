@@ -8,6 +8,7 @@ prefix-cache stats, KV cache usage)."""
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -353,10 +354,10 @@ def test_a_window_not_widened_for_the_drafter_falls_back() -> None:
     assert isinstance(scheduler.kv_cache_manager, VllmKVCacheManager)
 
 
-@pytest.mark.parametrize("layout", ["gpt-oss", "gemma3"])
+@pytest.mark.parametrize("layout", ["gpt-oss", "gemma3", "odd-window"])
 def test_same_outputs_as_vllm_with_default_retention(layout: str) -> None:
     # vLLM's default: prefix_cache_retention_interval=0 (sparse checkpoints).
-    num_blocks = {"gpt-oss": 240, "gemma3": 1400}[layout]
+    num_blocks = {"gpt-oss": 240, "gemma3": 1400, "odd-window": 240}[layout]
     options = harness.Options(layout=layout, num_blocks=num_blocks, dense_retention=False)
     run = run_both(options, WORKLOAD)
     assert run.preempted > 0 and run.hits > 0
@@ -403,6 +404,55 @@ def test_same_outputs_as_vllm_on_jamba_with_prefix_caching() -> None:
 def test_same_outputs_as_vllm_on_jamba_without_prefix_caching() -> None:
     run = run_both(harness.Options(layout="jamba", num_blocks=700, prefix_caching=False), WORKLOAD)
     assert run.preempted > 0
+
+
+def long_context_workload(seed: int) -> list[harness.RequestSpec]:
+    """Ten prompts of 2k-26k tokens, four of them opening with the same 12k tokens, decoding
+    300-1200 tokens each: window and chunk groups free most of each table as they go."""
+    rng = random.Random(seed)
+
+    def tokens(n: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(1, 30000) for _ in range(n))
+
+    shared = tokens(12000)
+    return [
+        harness.RequestSpec(
+            f"long-{i}",
+            (shared if i % 3 == 0 else ()) + tokens(rng.randrange(2000, 14000)),
+            rng.randrange(300, 1200),
+            arrival_step=25 * i,
+        )
+        for i in range(10)
+    ]
+
+
+# Long sequences under vLLM's default retention, with room (requests run side by side and hit
+# the shared prefix) and with a pool that holds about one of them at a time.
+@pytest.mark.parametrize(
+    "layout,num_blocks",
+    [
+        ("gpt-oss", 20000),
+        ("gpt-oss", 3000),
+        ("odd-window", 20000),
+        ("odd-window", 3000),
+        ("gemma3", 30000),
+        ("gemma3", 9000),
+        ("llama4", 20000),
+        ("llama4", 4000),
+    ],
+)
+def test_same_outputs_as_vllm_on_long_contexts(layout: str, num_blocks: int) -> None:
+    options = harness.Options(
+        layout=layout,
+        num_blocks=num_blocks,
+        dense_retention=False,
+        max_model_len=32768,
+        max_num_batched_tokens=4096,
+        max_num_seqs=8,
+    )
+    run = run_both(options, long_context_workload(5))
+    if num_blocks >= 20000:
+        assert run.hits > 0
 
 
 # Mamba-2 layers export the prompt's checkpoint from inside the final chunk into one more block:

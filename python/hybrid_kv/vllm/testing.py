@@ -127,6 +127,12 @@ LAYOUTS: dict[str, Callable[[int], list[KVCacheSpec]]] = {
         [FullAttentionSpec(**_attention(bs))]
         + [SlidingWindowSpec(**_attention(bs), sliding_window=1024) for _ in range(6)]
     ),
+    # A window that is not a multiple of the block size (as Phi-3's 2047): blocks leave it on
+    # steps that fill none.
+    "odd-window": lambda bs: [
+        FullAttentionSpec(**_attention(bs)),
+        SlidingWindowSpec(**_attention(bs), sliding_window=100),
+    ],
     # Llama-4: chunked local attention (8192) 3 : 1 full.
     "llama4": lambda bs: (
         [FullAttentionSpec(**_attention(bs))]
