@@ -954,7 +954,21 @@ impl GroupManager {
         effects: &mut Effects,
     ) -> Result<()> {
         let hash_bs = ctx.hash_block_size;
-        let hash = request.block_hashes()[num_tokens / hash_bs - 1];
+        let hashes = request.block_hashes();
+        let Some(&hash) = (num_tokens / hash_bs)
+            .checked_sub(1)
+            .and_then(|i| hashes.get(i))
+        else {
+            // Not hashed that far yet: with lookahead hashes a block is hashed once the tokens
+            // after it exist, and a chunk scheduling draft tokens past the request's tokens
+            // exports the state after all of them (vLLM 0.33 fails an assertion in
+            // `_get_partial_block_hash` here). No key can name this state yet; a key the block
+            // may still have names another state and goes.
+            if pool.block_key(block)?.is_some() {
+                pool.evict_blocks(&[block])?;
+            }
+            return Ok(());
+        };
         let key = CacheKey {
             hash,
             group: self.id,
@@ -966,8 +980,7 @@ impl GroupManager {
         let extra = request.extra_keys();
         let keys_of = |_| extra.event_keys(num_tokens - hash_bs, num_tokens);
         let info = StoreInfo {
-            parent_block_hash: (num_tokens > hash_bs)
-                .then(|| request.block_hashes()[num_tokens / hash_bs - 2]),
+            parent_block_hash: (num_tokens > hash_bs).then(|| hashes[num_tokens / hash_bs - 2]),
             token_ids: request.token_range(num_tokens - hash_bs, num_tokens),
             block_size: hash_bs as u32,
             lora: extra.lora_name.as_deref().map(|n| (n, extra.lora_id)),

@@ -611,6 +611,66 @@ fn the_estimate_reads_the_prefix_a_shared_state_block_is_keyed_at_now() {
 }
 
 #[test]
+fn a_checkpoint_exported_past_the_last_hash_is_left_unkeyed() {
+    // Dense retention: every chunk long enough exports a Mamba checkpoint. With lookahead
+    // hashes (multi-token prediction) a block is hashed once the tokens after it exist; a
+    // chunk that schedules draft tokens past the request's tokens can export the state after
+    // every token it has, whose last block has no hash until the next token is sampled (vLLM
+    // 0.33 fails an assertion in `_get_partial_block_hash` there). No key can name that state:
+    // the block is left unkeyed, and every key the request's blocks carry is one of its
+    // hashes.
+    for (block, hash) in [(4, 4), (8, 4)] {
+        for lookahead in [1, 2] {
+            for prompt in 5..40 {
+                for (step, drafts) in [(3, 1), (4, 1), (8, 2), (prompt, 1), (prompt, 3)] {
+                    // Granite-4.0-H-like: full attention and Mamba-2, as vLLM groups them.
+                    let groups = vec![
+                        GroupSpec::full(block),
+                        GroupSpec::mamba_with_checkpoints(block, 1),
+                    ];
+                    let mut c = config(groups, 64, None);
+                    c.num_hash_lookahead_tokens = lookahead;
+                    c.hash_block_size = Some(hash);
+                    let mut m = KVCacheManager::new(&c).unwrap();
+                    m.add_request("a", &tokens(0, prompt), ExtraKeys::default())
+                        .unwrap();
+                    let mut computed = 0;
+                    let mut sampled = 0u32;
+                    while computed < prompt + 6 {
+                        let num_tokens = m.request("a").unwrap().num_tokens();
+                        let n = step.min(num_tokens - computed);
+                        // Drafts scheduled with the chunk that reaches the last token.
+                        let drafted = if computed + n == num_tokens {
+                            drafts
+                        } else {
+                            0
+                        };
+                        let case = format!(
+                            "block {block}, hash {hash}, lookahead {lookahead}, prompt \
+                             {prompt}, chunks of {step}, at {computed}"
+                        );
+                        let args = chunk(n + drafted, computed);
+                        assert!(m.allocate_slots("a", &args).unwrap().is_some(), "{case}");
+                        m.new_step_starts();
+                        computed += n;
+                        let hashes = m.request("a").unwrap().block_hashes().to_vec();
+                        for b in non_null(m.block_ids("a", 1).unwrap()) {
+                            if let Some(key) = key_of(&m, b) {
+                                assert!(hashes.contains(&key.hash), "{case}: block {b}");
+                            }
+                        }
+                        if computed == num_tokens {
+                            m.append_token_ids("a", &[900 + sampled]).unwrap();
+                            sampled += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn a_checkpoint_keyed_below_its_slot_is_rekeyed_when_the_slot_prefix_is_cached() {
     // Multi-token prediction (2 prefill lookahead tokens, hashes covering 2 more tokens),
     // block 4, a 17-token prompt in one chunk: the checkpoint is (17 - 2) // 4 * 4 = 12,
