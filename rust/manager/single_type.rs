@@ -1152,8 +1152,8 @@ impl GroupManager {
         let prompt = Some(num_prompt_tokens);
         let (first, _) = self.skipped_range(0, prompt);
         // A removal up to `last` frees something only if slot `last - 1` holds a block: the
-        // first live slot at or after `first` is the earliest that can go.
-        // Slots the last removal walked past cannot go any more: starting there keeps this
+        // first live slot the walk can still reach is the earliest that can go. Slots below
+        // where the last walk stopped are out of its reach; starting there also keeps this
         // from reading every null slot of a long sequence on each call.
         let from = first.max(table.unreachable_below);
         debug_assert!(from == first || table.blocks[from - 1] == NULL_BLOCK);
