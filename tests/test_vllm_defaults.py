@@ -169,6 +169,28 @@ def test_eagle_groups_must_exist() -> None:
 # ----- connectors and the rest of the API ---------------------------------------------------------
 
 
+@pytest.mark.parametrize("spare", range(-3, 3))
+def test_a_mamba_admission_with_external_tokens_fits_whole_or_changes_nothing(spare: int) -> None:
+    # Full + Mamba align, blocks of 4: 11 external tokens and 20 new ones take 8 attention
+    # blocks, one Mamba block for the external state and one for the running state: 10.
+    # vLLM's count (9) leaves out the external state's block, and vLLM 0.33 fails its pool
+    # allocation halfway when exactly 9 are free; hybrid-kv refuses the call untouched.
+    num_blocks = 11 + spare  # one of them is the null block
+    m = hk.KVCacheManager([FULL, MAMBA], num_blocks, 1024)
+    req = hk.Request("a", list(range(40)), block_size=4)
+    free = m.num_free_blocks
+    new = m.allocate_slots(req, 20, num_external_computed_tokens=11)
+    if free < 10:
+        assert new is None
+        assert m.num_free_blocks == free
+        assert [len(g) for g in m.get_block_ids("a")] == [0, 0]
+    else:
+        assert new is not None and len(ids(new)[0]) == 5
+        assert m.num_free_blocks == free - 10
+        full, mamba = m.get_block_ids("a")
+        assert len(full) == 8 and [i for i, b in enumerate(mamba) if b] == [2, 7]
+
+
 def test_external_tokens_delayed_caching_and_the_connector_lookups() -> None:
     m = hk.KVCacheManager([FULL], 64, 1024)
     m.allocate_slots(hk.Request("a", list(range(16)), block_size=4), 16)

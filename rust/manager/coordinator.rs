@@ -10,7 +10,7 @@ use super::request::Request;
 use super::single_type::{
     find_longest_cache_hit, first_at_least, CacheCtx, ChunkCtx, Effects, GroupManager, GroupTable,
 };
-use super::spec::{AttentionKind, GroupSpec, ManagerConfig};
+use super::spec::{AttentionKind, GroupSpec, MambaMode, ManagerConfig};
 use super::RunningHorizon;
 use crate::error::{bad_config, Result};
 use crate::pool::BlockPool;
@@ -436,6 +436,55 @@ impl Coordinator {
                 )
             })
             .sum()
+    }
+
+    /// Exactly how far the allocation after a passed admission check takes the pool's free
+    /// count down, over every group (`GroupManager::blocks_taken`; `adopts`: the request
+    /// adopts its hit or external tokens now).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn blocks_taken(
+        &self,
+        pool: &BlockPool,
+        tables: &[GroupTable],
+        hits: &[Vec<BlockId>],
+        num_local_computed_tokens: usize,
+        num_external_computed_tokens: usize,
+        adopts: bool,
+        num_tokens: usize,
+        num_tokens_main_model: usize,
+    ) -> usize {
+        self.groups
+            .iter()
+            .zip(tables)
+            .enumerate()
+            .map(|(g, (m, t))| {
+                let hit = hits.get(g).map_or(&[][..], Vec::as_slice);
+                m.blocks_taken(
+                    pool,
+                    t,
+                    hit,
+                    num_local_computed_tokens,
+                    num_external_computed_tokens,
+                    adopts,
+                    num_tokens,
+                    num_tokens_main_model,
+                )
+            })
+            .sum()
+    }
+
+    /// Whether vLLM's count (`num_blocks_to_allocate`) can fall short of what an allocation
+    /// takes: a Mamba align group's count leaves out the block for external tokens.
+    pub(crate) fn count_may_fall_short(&self) -> bool {
+        self.groups.iter().any(|g| {
+            matches!(
+                g.spec.kind,
+                AttentionKind::Mamba {
+                    mode: MambaMode::Align,
+                    ..
+                }
+            )
+        })
     }
 
     /// What the prefill checkpoint rule needs of a chunk of a request whose prefill ends at

@@ -727,11 +727,38 @@ impl KVCacheManager {
             prefill_end,
             &self.effects,
         );
-        let available = pool.num_free_blocks() as i64 - args.reserved_blocks as i64;
+        let free = pool.num_free_blocks();
+        let available = free as i64 - args.reserved_blocks as i64;
         if need + watermark > available {
             return Ok(false);
         }
-        if (!hits.is_empty() || n_external > 0) && !state.is_tracked() {
+        let adopts = (!hits.is_empty() || n_external > 0) && !state.is_tracked();
+        // vLLM's count can fall short of what the allocation takes (Mamba align's block for
+        // external tokens): vLLM 0.33 then fails its pool allocation halfway through the call,
+        // leaving the request holding part of its blocks. hybrid-kv refuses the call instead,
+        // before anything changes, as it refuses one the count rejects.
+        let exact = (cfg!(test) || coordinator.count_may_fall_short()).then(|| {
+            coordinator.blocks_taken(
+                pool,
+                &state.tables,
+                hits,
+                n_local,
+                n_external,
+                adopts,
+                need_slot,
+                main,
+            )
+        });
+        // Elsewhere the count covers what the allocation takes (checked by the tests).
+        #[cfg(test)]
+        assert!(
+            coordinator.count_may_fall_short() || exact.is_some_and(|t| t as i64 <= need),
+            "vLLM's count falls short of what the allocation takes"
+        );
+        if exact.is_some_and(|taken| taken > free) {
+            return Ok(false);
+        }
+        if adopts {
             coordinator.allocate_new_computed_blocks(
                 pool,
                 &mut state.tables,
@@ -752,6 +779,14 @@ impl KVCacheManager {
             new_blocks,
             &mut self.effects,
         )?;
+        // The tests check the exact count against every allocation they make (one thread
+        // per pool there).
+        #[cfg(test)]
+        assert_eq!(
+            exact,
+            Some(free - pool.num_free_blocks()),
+            "blocks_taken differs from what the allocation took"
+        );
         if let Some(n) = cache_tokens {
             coordinator.cache_blocks(
                 pool,

@@ -258,6 +258,84 @@ impl GroupManager {
         ) + partial_local_hit as i64 // the copy of a partially hit block
     }
 
+    /// Exactly how far the allocation after an admission check takes the pool's free count
+    /// down for this group: the hit blocks touching takes out of the free order (when the
+    /// request `adopts` its hit or external tokens now), the blocks for external tokens, the
+    /// copy of a partially hit block and the new blocks for `num_tokens` slots
+    /// (`num_tokens_main_model` for Mamba align). The same decisions as
+    /// `add_local_computed_blocks`, `allocate_external_computed_blocks` and `allocate_new_blocks`
+    /// on the table as it stands (after `remove_skipped_blocks` and `record_checkpoint`),
+    /// without changing it. vLLM's count (`num_blocks_to_allocate`) leaves out Mamba align's
+    /// block for external tokens.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn blocks_taken(
+        &self,
+        pool: &BlockPool,
+        table: &GroupTable,
+        hits: &[BlockId],
+        num_local_computed_tokens: usize,
+        num_external_computed_tokens: usize,
+        adopts: bool,
+        num_tokens: usize,
+        num_tokens_main_model: usize,
+    ) -> usize {
+        let bs = self.bs();
+        let mut len = table.blocks.len();
+        if matches!(self.spec.kind, AttentionKind::CircularBuffer) {
+            return (len == 0) as usize;
+        }
+        let mut partial = table.partial_hit.is_some();
+        let mut taken = 0;
+        if adopts {
+            let total = num_local_computed_tokens + num_external_computed_tokens;
+            let skipped = self.skipped_tokens(total);
+            let kept = &hits[(skipped / bs).min(hits.len())..];
+            taken += evictable(pool, kept);
+            len = skipped / bs + kept.len();
+            partial |= self.partial_local_hit(kept, num_local_computed_tokens);
+            let external = if skipped > 0 {
+                (total - skipped).min(num_external_computed_tokens)
+            } else {
+                num_external_computed_tokens
+            };
+            if num_external_computed_tokens > 0 && external > 0 {
+                let new = total.div_ceil(bs).saturating_sub(len);
+                taken += new;
+                len += new;
+            }
+        }
+        let num_tokens = match self.spec.kind {
+            AttentionKind::Mamba {
+                mode: MambaMode::Align,
+                speculative_blocks,
+                ..
+            } => {
+                let required = num_tokens_main_model.div_ceil(bs) + speculative_blocks;
+                let checkpoint = table.checkpoint.is_some() as usize;
+                if required <= len && checkpoint == 0 && !partial {
+                    return taken;
+                }
+                let null_end = (required - speculative_blocks - 1).saturating_sub(checkpoint);
+                let prev = len;
+                len = len.max(null_end);
+                if table.allocated {
+                    // Relocated speculative blocks.
+                    len += (prev.saturating_sub(speculative_blocks)..prev)
+                        .take_while(|&idx| idx < null_end)
+                        .count();
+                }
+                return taken + required.saturating_sub(len) + partial as usize;
+            }
+            AttentionKind::Mamba {
+                mode: MambaMode::None,
+                speculative_blocks,
+                ..
+            } => num_tokens + bs * speculative_blocks,
+            _ => num_tokens,
+        };
+        taken + partial as usize + num_tokens.div_ceil(bs).saturating_sub(len)
+    }
+
     /// The hit ends inside one of this group's blocks: the shared block needs a private copy
     /// (vLLM's `_has_partial_local_hit`).
     fn partial_local_hit(&self, hits: &[BlockId], num_local_computed_tokens: usize) -> bool {

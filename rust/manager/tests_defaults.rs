@@ -839,6 +839,105 @@ fn external_tokens_get_blocks_after_the_local_hit_and_delayed_caching_waits() {
 }
 
 #[test]
+fn a_mamba_admission_with_external_tokens_is_refused_when_its_external_block_does_not_fit() {
+    // Full + Mamba align, blocks of 4. A new request with 11 tokens from a connector and 20
+    // to compute needs slots for 31 tokens: 8 full-attention blocks, and in the Mamba group
+    // one block for the external state (slot 2, after 2 nulls) plus the running state (slot
+    // 7). vLLM's count says 9 (its Mamba count leaves out the external state's block); with 9
+    // free, vLLM 0.33 fails its pool allocation halfway through the call. hybrid-kv refuses
+    // the call, nothing changed, and takes exactly 10 when they are free.
+    for num_blocks in 6..16 {
+        let mut m = full_mamba(num_blocks);
+        m.add_request("a", &tokens(0, 40), ExtraKeys::default())
+            .unwrap();
+        let free = m.num_free_blocks();
+        let args = AllocateArgs {
+            num_new_tokens: 20,
+            num_external_computed_tokens: 11,
+            ..Default::default()
+        };
+        let new = m.allocate_slots("a", &args).unwrap();
+        if free < 10 {
+            assert!(new.is_none(), "{free} free");
+            assert_eq!(m.num_free_blocks(), free);
+            assert!(m.block_ids("a", 0).unwrap().is_empty());
+            assert!(m.block_ids("a", 1).unwrap().is_empty());
+            assert!(m.take_new_block_ids().is_empty());
+        } else {
+            let new = new.unwrap();
+            assert_eq!(m.num_free_blocks(), free - 10);
+            assert_eq!(m.block_ids("a", 0).unwrap().len(), 8);
+            let mamba = m.block_ids("a", 1).unwrap();
+            assert_eq!(non_null(mamba).len(), 2);
+            assert_eq!(
+                (mamba[2] != NULL_BLOCK, mamba[7] != NULL_BLOCK),
+                (true, true)
+            );
+            assert_eq!(
+                new[0].len(),
+                5,
+                "the external blocks are not among the new ones"
+            );
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Admissions with a local hit and external tokens on layouts with Mamba align (with
+    /// speculative blocks, with prefill checkpoints, beside a window), in pools from nearly
+    /// full to roomy: each call returns (None leaves everything as it was), none fails, and
+    /// what a call takes equals `blocks_taken` (checked inside every allocation of a test
+    /// build).
+    #[test]
+    fn mamba_admissions_with_external_tokens_fit_or_change_nothing(
+        layout in 0usize..4,
+        first_len in 1usize..60,
+        shared in 0usize..60,
+        second_len in 1usize..60,
+        use_hit in any::<bool>(),
+        external in 0usize..40,
+        num_new in 1usize..60,
+        num_blocks in 8usize..48,
+    ) {
+        let groups = match layout {
+            0 => vec![GroupSpec::full(4), GroupSpec::mamba(4)],
+            1 => vec![GroupSpec::full(4), GroupSpec::mamba_with(4, MambaMode::Align, 2)],
+            2 => vec![GroupSpec::full(4), GroupSpec::mamba_with_checkpoints(4, 1)],
+            _ => vec![GroupSpec::sliding_window(4, 8), GroupSpec::mamba(4)],
+        };
+        let mut m = manager(groups, num_blocks, Some(0));
+        let first = tokens(0, first_len);
+        m.add_request("a", &first, ExtraKeys::default()).unwrap();
+        // The first request holds its blocks (or none if they do not fit).
+        let _ = m.allocate_slots("a", &chunk(first_len, 0)).unwrap();
+        m.new_step_starts();
+        let mut second = first[..shared.min(first_len)].to_vec();
+        second.extend(tokens(1000, second_len));
+        m.add_request("b", &second, ExtraKeys::default()).unwrap();
+        let hit = m.get_computed_blocks("b").unwrap();
+        let local = if use_hit { hit.num_computed_tokens } else { 0 };
+        let external = external.min(second.len() - local);
+        let num_new = num_new.min(second.len() - local - external).max(1);
+        let free = m.num_free_blocks();
+        let args = AllocateArgs {
+            num_new_tokens: num_new,
+            num_new_computed_tokens: local,
+            new_computed_blocks: use_hit.then_some(&hit),
+            num_external_computed_tokens: external,
+            ..Default::default()
+        };
+        let new = m.allocate_slots("b", &args).unwrap();
+        if new.is_none() {
+            prop_assert_eq!(m.num_free_blocks(), free);
+            prop_assert!(m.block_ids("b", 0).unwrap().is_empty());
+            prop_assert!(m.block_ids("b", 1).unwrap().is_empty());
+        }
+    }
+}
+
+#[test]
 fn pop_blocks_for_free_hands_the_blocks_over_without_freeing() {
     let groups = vec![GroupSpec::full(4), GroupSpec::sliding_window(4, 8)];
     let mut m = manager(groups, 64, None);
