@@ -8,7 +8,8 @@
 
 use super::request::Request;
 use super::single_type::{
-    find_longest_cache_hit, first_at_least, CacheCtx, ChunkCtx, Effects, GroupManager, GroupTable,
+    find_longest_cache_hit, first_at_least, Allocation, CacheCtx, ChunkCtx, Effects, GroupManager,
+    GroupTable,
 };
 use super::spec::{AttentionKind, GroupSpec, MambaMode, ManagerConfig};
 use super::RunningHorizon;
@@ -416,12 +417,8 @@ impl Coordinator {
         effects: &Effects,
     ) -> i64 {
         let chunk = self.chunk_ctx(prefill_end);
-        self.groups
-            .iter()
-            .zip(tables)
-            .enumerate()
-            .map(|(g, (m, t))| {
-                let hit = hits.get(g).map_or(&[][..], Vec::as_slice);
+        self.with_hits(tables, hits)
+            .map(|(m, t, hit)| {
                 m.num_blocks_to_allocate(
                     pool,
                     t,
@@ -438,39 +435,31 @@ impl Coordinator {
             .sum()
     }
 
-    /// Exactly how far the allocation after a passed admission check takes the pool's free
-    /// count down, over every group (`GroupManager::blocks_taken`; `adopts`: the request
-    /// adopts its hit or external tokens now).
-    #[allow(clippy::too_many_arguments)]
+    /// Exactly how far the allocation `a` after a passed admission check takes the pool's free
+    /// count down, over every group (`GroupManager::blocks_taken`).
     pub(crate) fn blocks_taken(
         &self,
         pool: &BlockPool,
         tables: &[GroupTable],
         hits: &[Vec<BlockId>],
-        num_local_computed_tokens: usize,
-        num_external_computed_tokens: usize,
-        adopts: bool,
-        num_tokens: usize,
-        num_tokens_main_model: usize,
+        a: &Allocation,
     ) -> usize {
+        self.with_hits(tables, hits)
+            .map(|(m, t, hit)| m.blocks_taken(pool, t, hit, a))
+            .sum()
+    }
+
+    /// Each group with its table and its part of `hits` (empty past the hit's groups).
+    fn with_hits<'a>(
+        &'a self,
+        tables: &'a [GroupTable],
+        hits: &'a [Vec<BlockId>],
+    ) -> impl Iterator<Item = (&'a GroupManager, &'a GroupTable, &'a [BlockId])> + 'a {
         self.groups
             .iter()
             .zip(tables)
             .enumerate()
-            .map(|(g, (m, t))| {
-                let hit = hits.get(g).map_or(&[][..], Vec::as_slice);
-                m.blocks_taken(
-                    pool,
-                    t,
-                    hit,
-                    num_local_computed_tokens,
-                    num_external_computed_tokens,
-                    adopts,
-                    num_tokens,
-                    num_tokens_main_model,
-                )
-            })
-            .sum()
+            .map(|(g, (m, t))| (m, t, hits.get(g).map_or(&[][..], Vec::as_slice)))
     }
 
     /// Whether vLLM's count (`num_blocks_to_allocate`) can fall short of what an allocation

@@ -37,7 +37,7 @@ use crate::hashing::{BlockHasher, ExtraKeys, TokenId};
 use crate::pool::BlockPool;
 use crate::types::{BlockHash, BlockId, GroupId, KvEvent, NULL_BLOCK};
 use coordinator::RunningStep;
-use single_type::{Effects, GroupTable};
+use single_type::{Allocation, Effects, GroupTable};
 use slots::Slots;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -738,16 +738,14 @@ impl KVCacheManager {
         // leaving the request holding part of its blocks. hybrid-kv refuses the call instead,
         // before anything changes, as it refuses one the count rejects.
         let exact = (cfg!(test) || coordinator.count_may_fall_short()).then(|| {
-            coordinator.blocks_taken(
-                pool,
-                &state.tables,
-                hits,
-                n_local,
-                n_external,
+            let allocation = Allocation {
+                num_local_computed_tokens: n_local,
+                num_external_computed_tokens: n_external,
                 adopts,
-                need_slot,
-                main,
-            )
+                num_tokens: need_slot,
+                num_tokens_main_model: main,
+            };
+            coordinator.blocks_taken(pool, &state.tables, hits, &allocation)
         });
         // Elsewhere the count covers what the allocation takes (checked by the tests).
         #[cfg(test)]

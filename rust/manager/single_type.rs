@@ -164,6 +164,18 @@ fn waits_a_step(pool: &BlockPool, hits: &[BlockId], effects: &Effects) -> bool {
     })
 }
 
+/// An allocation after a passed admission check, as `blocks_taken` reads it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Allocation {
+    pub(crate) num_local_computed_tokens: usize,
+    pub(crate) num_external_computed_tokens: usize,
+    /// The request adopts its hit or external tokens now (it holds no blocks yet).
+    pub(crate) adopts: bool,
+    /// Slots the request needs (lookahead tokens included).
+    pub(crate) num_tokens: usize,
+    pub(crate) num_tokens_main_model: usize,
+}
+
 fn evictable(pool: &BlockPool, hits: &[BlockId]) -> usize {
     hits.iter()
         .filter(|&&b| b != NULL_BLOCK && pool.ref_count(b).unwrap_or(1) == 0)
@@ -258,27 +270,29 @@ impl GroupManager {
         ) + partial_local_hit as i64 // the copy of a partially hit block
     }
 
-    /// Exactly how far the allocation after an admission check takes the pool's free count
+    /// Exactly how far the allocation `a` after an admission check takes the pool's free count
     /// down for this group: the hit blocks touching takes out of the free order (when the
-    /// request `adopts` its hit or external tokens now), the blocks for external tokens, the
+    /// request adopts its hit or external tokens now), the blocks for external tokens, the
     /// copy of a partially hit block and the new blocks for `num_tokens` slots
     /// (`num_tokens_main_model` for Mamba align). The same decisions as
     /// `add_local_computed_blocks`, `allocate_external_computed_blocks` and `allocate_new_blocks`
     /// on the table as it stands (after `remove_skipped_blocks` and `record_checkpoint`),
     /// without changing it. vLLM's count (`num_blocks_to_allocate`) leaves out Mamba align's
     /// block for external tokens.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn blocks_taken(
         &self,
         pool: &BlockPool,
         table: &GroupTable,
         hits: &[BlockId],
-        num_local_computed_tokens: usize,
-        num_external_computed_tokens: usize,
-        adopts: bool,
-        num_tokens: usize,
-        num_tokens_main_model: usize,
+        a: &Allocation,
     ) -> usize {
+        let Allocation {
+            num_local_computed_tokens,
+            num_external_computed_tokens,
+            adopts,
+            num_tokens,
+            num_tokens_main_model,
+        } = *a;
         let bs = self.bs();
         let mut len = table.blocks.len();
         if matches!(self.spec.kind, AttentionKind::CircularBuffer) {
