@@ -85,8 +85,13 @@ class ManagerMachine(RuleBasedStateMachine):
         self.live[rid] = Req(req, max_outputs)
         return rid
 
-    @rule(rid=reqs, budget=st.integers(1, 40))
-    def schedule(self, rid: str, budget: int) -> None:
+    @rule(
+        rid=reqs,
+        budget=st.integers(1, 40),
+        external=st.integers(0, 12) | st.just(0),
+        must_fit=st.booleans(),
+    )
+    def schedule(self, rid: str, budget: int, external: int, must_fit: bool) -> None:
         r = self.live.get(rid)
         if r is None or r.done:
             return
@@ -95,20 +100,27 @@ class ManagerMachine(RuleBasedStateMachine):
             blocks, hit = self.m.get_computed_blocks(req)
             assert hit <= req.num_tokens - 1
             assert hit % self.m.scheduler_block_size == 0
-            n = min(req.num_tokens - hit, budget, MAX_LEN - 1 - hit)
+            # Tokens a KV connector supplies after the local hit (never the last one).
+            external = max(0, min(external, req.num_tokens - 1 - hit, MAX_LEN - 2 - hit))
+            n = min(req.num_tokens - hit - external, budget, MAX_LEN - 1 - hit - external)
             if n <= 0:
                 return
+            free = self.m.num_free_blocks
             new = self.m.allocate_slots(
                 req,
                 n,
                 num_new_computed_tokens=hit,
                 new_computed_blocks=blocks,
-                full_sequence_must_fit=True,
+                num_external_computed_tokens=external,
+                full_sequence_must_fit=must_fit,
             )
             if new is None:
+                # Refused: nothing changed (the request holds no blocks yet).
+                assert self.m.num_free_blocks == free
+                assert all(len(g) == 0 for g in self.m.get_block_ids(rid))
                 return
             r.running = True
-            req.num_computed_tokens = hit + n
+            req.num_computed_tokens = hit + external + n
         else:
             computed = req.num_computed_tokens
             n = min(req.num_tokens - computed, budget, MAX_LEN - 1 - computed)
