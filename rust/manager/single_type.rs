@@ -329,7 +329,9 @@ impl GroupManager {
                 if required <= len && checkpoint == 0 && !partial {
                     return taken;
                 }
-                let null_end = (required - speculative_blocks - 1).saturating_sub(checkpoint);
+                let null_end = required
+                    .saturating_sub(speculative_blocks + 1)
+                    .saturating_sub(checkpoint);
                 let prev = len;
                 len = len.max(null_end);
                 if table.allocated {
