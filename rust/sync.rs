@@ -43,8 +43,15 @@ pub(crate) fn prefetch<T>(value: &T) {
 pub(crate) struct Fifo(Mutex<std::collections::VecDeque<u64>>);
 
 impl Fifo {
-    pub(crate) fn new() -> Self {
-        Fifo(Mutex::new(std::collections::VecDeque::new()))
+    /// An empty FIFO with room for `capacity` entries (`None` if that cannot be allocated). Its
+    /// memory is written once here, so that pushes do not fault pages in on the calls that
+    /// first reach them.
+    pub(crate) fn with_capacity(capacity: usize) -> Option<Self> {
+        let mut q = std::collections::VecDeque::new();
+        q.try_reserve_exact(capacity).ok()?;
+        q.resize(capacity, 0);
+        q.clear();
+        Some(Fifo(Mutex::new(q)))
     }
 
     /// Runs `f` on the deque under the mutex. Nothing run under it panics (short of running out

@@ -294,9 +294,15 @@ impl FreeOrder {
         // is the stack top to bottom, then the FIFO, and frees go on top or at the tail.
         let free = num_blocks.saturating_sub(1);
         debug_assert!(free <= lifo_capacity);
+        // The FIFO's longest: past its limit by at most one call's frees before a compaction.
+        let fifo_capacity = fifo_limit.saturating_add(free);
+        let fifo = Fifo::with_capacity(fifo_capacity).ok_or(AllocFailed {
+            what: "free order's FIFO",
+            bytes: fifo_capacity.saturating_mul(std::mem::size_of::<u64>()),
+        })?;
         Ok(FreeOrder {
             lifo: Lifo::new(lifo_capacity, free, |i| pack_entry(i as u32 + 1, 0))?,
-            fifo: Fifo::new(),
+            fifo,
             fifo_len: AtomicUsize::new(0),
             fifo_limit,
             gate: Gate(AtomicUsize::new(0)),
