@@ -454,7 +454,17 @@ impl BlockPool {
         let start = out.len();
         self.states.claim_reserved(n, out);
         if self.enable_caching {
-            for &id in &out[start..] {
+            // Reused cached blocks lose their keys: each a key slot and a map slot, both cold
+            // in a large pool. The key slots load `2 * PREFETCH_AHEAD` blocks ahead, the map
+            // slots (whose place needs the key) `PREFETCH_AHEAD` ahead.
+            let claimed = &out[start..];
+            for (k, &id) in claimed.iter().enumerate() {
+                if let Some(&far) = claimed.get(k + 2 * PREFETCH_AHEAD) {
+                    self.prefetch_key_slot(far);
+                }
+                if let Some(&ahead) = claimed.get(k + PREFETCH_AHEAD) {
+                    self.prefetch_key_home(ahead);
+                }
                 self.evict_key(id, true);
             }
         }
@@ -875,6 +885,34 @@ impl BlockPool {
     #[inline]
     pub fn prefetch_lookup(&self, hash: BlockHash, group: GroupId) {
         self.map.prefetch(&CacheKey { hash, group })
+    }
+
+    /// Starts loading block `id`'s key slot (if it is keyed). Nothing under loom, as below.
+    #[inline]
+    fn prefetch_key_slot(&self, id: BlockId) {
+        #[cfg(loom)]
+        let _ = id;
+        #[cfg(not(loom))]
+        if self.keyed.get(id) {
+            if let Some(slot) = self.keys.get(id as usize) {
+                crate::sync::prefetch(slot);
+            }
+        }
+    }
+
+    /// Starts loading the map slot where block `id`'s key lives (if it is keyed). The key is
+    /// read without claiming it: a key changing meanwhile only makes the hint miss. Nothing
+    /// under loom (the reads would add interleavings for a hint).
+    #[inline]
+    fn prefetch_key_home(&self, id: BlockId) {
+        #[cfg(loom)]
+        let _ = id;
+        #[cfg(not(loom))]
+        if self.keyed.get(id) {
+            if let Some(slot) = self.keys.get(id as usize) {
+                self.map.prefetch(&slot.read());
+            }
+        }
     }
 
     /// Starts loading the state word a free of block `id` reads and updates (its cached bit
