@@ -887,31 +887,30 @@ impl BlockPool {
         self.map.prefetch(&CacheKey { hash, group })
     }
 
-    /// Starts loading block `id`'s key slot (if it is keyed). Nothing under loom, as below.
+    /// Block `id`'s key slot if it is keyed, for the prefetch hints below. None under loom
+    /// (the reads would add interleavings for a hint).
+    #[inline]
+    fn keyed_slot(&self, id: BlockId) -> Option<&KeySlot> {
+        if cfg!(loom) || !self.keyed.get(id) {
+            return None;
+        }
+        self.keys.get(id as usize)
+    }
+
+    /// Starts loading block `id`'s key slot (if it is keyed).
     #[inline]
     fn prefetch_key_slot(&self, id: BlockId) {
-        #[cfg(loom)]
-        let _ = id;
-        #[cfg(not(loom))]
-        if self.keyed.get(id) {
-            if let Some(slot) = self.keys.get(id as usize) {
-                crate::sync::prefetch(slot);
-            }
+        if let Some(slot) = self.keyed_slot(id) {
+            crate::sync::prefetch(slot);
         }
     }
 
     /// Starts loading the map slot where block `id`'s key lives (if it is keyed). The key is
-    /// read without claiming it: a key changing meanwhile only makes the hint miss. Nothing
-    /// under loom (the reads would add interleavings for a hint).
+    /// read without claiming it: a key changing meanwhile only makes the hint miss.
     #[inline]
     fn prefetch_key_home(&self, id: BlockId) {
-        #[cfg(loom)]
-        let _ = id;
-        #[cfg(not(loom))]
-        if self.keyed.get(id) {
-            if let Some(slot) = self.keys.get(id as usize) {
-                self.map.prefetch(&slot.read());
-            }
+        if let Some(slot) = self.keyed_slot(id) {
+            self.map.prefetch(&slot.read());
         }
     }
 
