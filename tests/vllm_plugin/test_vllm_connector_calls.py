@@ -175,40 +175,33 @@ def admit(pair: Pair, req: Live, rng: random.Random) -> bool:
     computed = local + external
     num_new = 0 if load_async else min(rng.choice([64, 256, 4096]), req.num_tokens - computed)
     pair.log.append(("admit", req.spec.request_id, num_new, local, external, load_async))
-    results = []
-    for m, r, hit in zip((pair.stock, pair.ours), req.sides, hits, strict=True):
-        free = pair.ours.core.num_free_blocks
-        try:
-            results.append(
-                m.allocate_slots(
-                    r,
-                    num_new,
-                    num_new_computed_tokens=local,
-                    new_computed_blocks=hit,
-                    num_external_computed_tokens=external,
-                    delay_cache_blocks=load_async,
-                )
-            )
-        except ValueError as error:
-            # vLLM 0.33's count leaves out Mamba align's block for external tokens: with
-            # exactly its count free, its pool allocation fails halfway through the call.
-            # hybrid-kv refuses that admission instead, before anything changes.
-            assert m is pair.stock and "free blocks from the pool" in str(error), error
-            assert layout_has_mamba(pair), pair.options
-            ours = pair.ours.allocate_slots(
-                req.sides[1],
-                num_new,
-                num_new_computed_tokens=local,
-                new_computed_blocks=hits[1],
-                num_external_computed_tokens=external,
-                delay_cache_blocks=load_async,
-            )
-            assert ours is None
-            assert pair.ours.core.num_free_blocks == free
-            assert ids(pair.ours.get_blocks(req.spec.request_id)) == ids(
-                pair.ours.empty_kv_cache_blocks
-            )
-            raise StockFailed from error
+
+    def allocate(side: int) -> Any:
+        return (pair.stock, pair.ours)[side].allocate_slots(
+            req.sides[side],
+            num_new,
+            num_new_computed_tokens=local,
+            new_computed_blocks=hits[side],
+            num_external_computed_tokens=external,
+            delay_cache_blocks=load_async,
+        )
+
+    free = pair.ours.core.num_free_blocks
+    try:
+        stock = allocate(0)
+    except ValueError as error:
+        # vLLM 0.33's count leaves out Mamba align's block for external tokens: with exactly
+        # its count free, its pool allocation fails halfway through the call. hybrid-kv
+        # refuses that admission instead, before anything changes.
+        assert "free blocks from the pool" in str(error), error
+        assert layout_has_mamba(pair), pair.options
+        assert allocate(1) is None
+        assert pair.ours.core.num_free_blocks == free
+        assert ids(pair.ours.get_blocks(req.spec.request_id)) == ids(
+            pair.ours.empty_kv_cache_blocks
+        )
+        raise StockFailed from error
+    results = [stock, allocate(1)]
     pair.same("admission", ids(results[0]), ids(results[1]))
     if results[0] is None:
         return False
