@@ -714,15 +714,13 @@ impl Coordinator {
         scratch: &mut Vec<BlockId>,
         effects: &mut Effects,
     ) -> Result<bool> {
+        let prompt = Some(request.num_prompt_tokens());
+        for (m, t) in self.groups.iter().zip(tables.iter()) {
+            m.prefetch_window_edge(t, step.processed, prompt);
+        }
         let mut need = 0;
         for (m, t) in self.groups.iter().zip(tables.iter_mut()) {
-            m.remove_skipped_blocks(
-                pool,
-                t,
-                step.processed,
-                Some(request.num_prompt_tokens()),
-                scratch,
-            )?;
+            m.remove_skipped_blocks(pool, t, step.processed, prompt, scratch)?;
             need += step
                 .need_slot
                 .div_ceil(m.spec.block_size)

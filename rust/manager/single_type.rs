@@ -1239,10 +1239,46 @@ impl GroupManager {
         (0, self.skipped_tokens(num_computed_tokens) / bs)
     }
 
+    /// Starts loading the table slots that `remove_skipped_blocks` after
+    /// `num_computed_tokens` and then `removal_horizon` read first: the window's edge, far
+    /// below a long table's tail and cold. A running step issues this for every group before
+    /// the first walk, so the groups' loads overlap instead of following one another.
+    pub(crate) fn prefetch_window_edge(
+        &self,
+        table: &GroupTable,
+        num_computed_tokens: usize,
+        num_prompt_tokens: Option<usize>,
+    ) {
+        if cfg!(loom) || !self.frees_behind() {
+            return;
+        }
+        let (first, last) = self.skipped_range(num_computed_tokens, num_prompt_tokens);
+        let edge = last.max(first).max(table.unreachable_below);
+        for slot in [edge.wrapping_sub(1), edge] {
+            if let Some(block) = table.blocks.get(slot) {
+                crate::sync::prefetch(block);
+            }
+        }
+    }
+
+    /// Whether `remove_skipped_blocks` ever frees a block of this group through the window
+    /// walk (sliding windows, chunks, RSWA past its sink, Mamba `none`); full attention and
+    /// MLA keep every block, circular buffers and Mamba `align` groups keep other state.
+    fn frees_behind(&self) -> bool {
+        !matches!(
+            self.spec.kind,
+            AttentionKind::Full | AttentionKind::Mla | AttentionKind::CircularBuffer
+        ) && !self.spec.is_mamba_align()
+    }
+
     /// The fewest processed tokens at which `remove_skipped_blocks` would free one of the
     /// table's blocks (`usize::MAX`: at no count), for a table that takes no new block
     /// meanwhile. Not for circular buffers or Mamba `align` groups (they keep other state).
     pub(crate) fn removal_horizon(&self, table: &GroupTable, num_prompt_tokens: usize) -> usize {
+        if matches!(self.spec.kind, AttentionKind::Full | AttentionKind::Mla) {
+            // Nothing ever leaves a window: no slot to look at.
+            return usize::MAX;
+        }
         let prompt = Some(num_prompt_tokens);
         let (first, _) = self.skipped_range(0, prompt);
         // A removal up to `last` frees something only if slot `last - 1` holds a block: the
@@ -1380,6 +1416,13 @@ fn remove_blocks_in_range(
 ) -> Result<()> {
     let last = last.min(table.blocks.len());
     if first >= last {
+        return Ok(());
+    }
+    if last <= table.unreachable_below {
+        // A walk from this edge or above already ran, and the live slots form one run above
+        // the nulls: slot `last - 1` is null, and the walk would free nothing. Its slot, far
+        // below the tail, is not read.
+        debug_assert_eq!(table.blocks[last - 1], NULL_BLOCK);
         return Ok(());
     }
     scratch.clear();
