@@ -68,13 +68,24 @@ impl Fifo {
         self.with(|q| q.extend(entries.iter().copied()))
     }
 
-    /// Moves up to `max` entries from the front to `out`; returns how many.
+    /// Moves up to `max` entries from the front to `out`, and copies the entries then at the
+    /// front to `ahead`, as many as fit; returns how many moved and how many were copied.
     #[inline]
-    pub(crate) fn pop_many(&self, max: usize, out: &mut Vec<u64>) -> usize {
+    pub(crate) fn pop_many(
+        &self,
+        max: usize,
+        out: &mut Vec<u64>,
+        ahead: &mut [u64],
+    ) -> (usize, usize) {
         self.with(|q| {
             let n = max.min(q.len());
             out.extend(q.drain(..n));
-            n
+            let mut peeked = 0;
+            for (slot, &entry) in ahead.iter_mut().zip(q.iter()) {
+                *slot = entry;
+                peeked += 1;
+            }
+            (n, peeked)
         })
     }
 

@@ -360,19 +360,28 @@ impl FreeOrder {
     }
 
     /// Up to `max` entries from the front (some may be stale: the caller checks and claims).
-    pub(crate) fn pop_many(&self, max: usize, out: &mut Vec<u64>, slots: &mut Vec<u32>) {
+    /// When the pop reaches the FIFO, the entries then at its front are copied to `ahead`, as
+    /// many as fit (a hint of what later pops may take); returns how many were copied.
+    pub(crate) fn pop_many(
+        &self,
+        max: usize,
+        out: &mut Vec<u64>,
+        slots: &mut Vec<u32>,
+        ahead: &mut [u64],
+    ) -> usize {
         let _inside = self.gate.enter();
         let start = out.len();
         self.lifo.pop_many(max, out, slots);
         let want = max - (out.len() - start);
-        let popped = if want > 0 {
-            self.fifo.pop_many(want, out)
+        let (popped, peeked) = if want > 0 {
+            self.fifo.pop_many(want, out, ahead)
         } else {
-            0
+            (0, 0)
         };
         if popped > 0 {
             self.fifo_len.fetch_sub(popped, Ordering::Relaxed);
         }
+        peeked
     }
 
     /// Drops stale entries, keeping the order of the valid ones, while holding the gate alone.

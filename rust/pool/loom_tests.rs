@@ -98,7 +98,10 @@ fn check_keys(pool: &BlockPool) {
 fn allocate(states: &BlockStates, n: usize) -> Option<Vec<BlockId>> {
     states.reserve(n).ok()?;
     let mut out = Vec::new();
-    states.claim_reserved(n, &mut out);
+    // Read ahead as a claim in the pool does outside loom (a copy under the FIFO's lock).
+    let mut ahead = [0u64; 2];
+    let peeked = states.claim_reserved(n, &mut out, &mut ahead);
+    assert!(peeked <= ahead.len());
     Some(out)
 }
 

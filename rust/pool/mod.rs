@@ -93,6 +93,7 @@ use crate::sync::{spin_wait, AtomicU32, AtomicU64, Mutex, Ordering};
 use crate::types::{BlockHash, BlockId, CacheKey, GroupId, KvEvent, StoreInfo, NULL_BLOCK};
 use alloc::AllocFailed;
 use crossbeam_queue::SegQueue;
+use free_order::entry_id;
 use map::CacheMap;
 use states::BlockStates;
 use std::collections::HashMap;
@@ -103,6 +104,10 @@ pub use crate::types::MAX_BLOCKS;
 /// its accesses are prefetched: the map and the per-block arrays of a large pool are larger than
 /// the CPU caches, and prefetches let the accesses overlap.
 pub const PREFETCH_AHEAD: usize = 8;
+
+/// FIFO entries a claim that reaches the FIFO reads ahead of what it takes, for the
+/// prefetch hints of the claims after it.
+const PEEK_AHEAD: usize = 4;
 
 /// Buckets of the bitmap `free_blocks` validates with (ids 4096 apart share one).
 const BUCKETS: usize = 4096;
@@ -452,7 +457,10 @@ impl BlockPool {
             .reserve(n)
             .map_err(|free| CoreError::NotEnoughFreeBlocks { requested: n, free })?;
         let start = out.len();
-        self.states.claim_reserved(n, out);
+        // No hint under loom: the reads would add interleavings for nothing.
+        let mut ahead = [0u64; PEEK_AHEAD];
+        let peek = if cfg!(loom) { 0 } else { PEEK_AHEAD };
+        let peeked = self.states.claim_reserved(n, out, &mut ahead[..peek]);
         if self.enable_caching {
             // Reused cached blocks lose their keys: each a key slot and a map slot, both cold
             // in a large pool. The key slots load `2 * PREFETCH_AHEAD` blocks ahead, the map
@@ -466,6 +474,20 @@ impl BlockPool {
                     self.prefetch_key_home(ahead);
                 }
                 self.evict_key(id, true);
+            }
+        }
+        // The next claims (often the next request's, one block each) take the entries now at
+        // the FIFO's front: start loading their state words and key slots, and the map slot of
+        // the first, whose key slot the previous claim's hint has usually loaded.
+        for (k, &entry) in ahead[..peeked].iter().enumerate() {
+            let id = entry_id(entry);
+            self.prefetch_block(id);
+            if self.enable_caching {
+                if k == 0 {
+                    self.prefetch_key_home(id);
+                } else {
+                    self.prefetch_key_slot(id);
+                }
             }
         }
         Ok(())

@@ -111,15 +111,25 @@ impl BlockStates {
     }
 
     /// Claims `n` previously reserved blocks from the front of the free order (ref 0 → 1).
-    pub(crate) fn claim_reserved(&self, n: usize, out: &mut Vec<BlockId>) {
+    /// Returns the entries of `ahead` filled: when the claim took FIFO entries, those then
+    /// next in it (a hint for prefetching; some may be stale or taken meanwhile).
+    pub(crate) fn claim_reserved(
+        &self,
+        n: usize,
+        out: &mut Vec<BlockId>,
+        ahead: &mut [u64],
+    ) -> usize {
         // `n` was reserved, so it is at most the pool's size.
         let mut claimed = 0;
+        let mut peeked = 0;
         out.reserve(n);
         let mut entries = Vec::with_capacity(n);
         let mut slots = Vec::with_capacity(n);
         while claimed < n {
             entries.clear();
-            self.order.pop_many(n - claimed, &mut entries, &mut slots);
+            peeked = self
+                .order
+                .pop_many(n - claimed, &mut entries, &mut slots, ahead);
             if entries.is_empty() {
                 // Not reached: while this claimer holds a reservation the order holds a valid
                 // entry (module comment). Yield rather than fail if it ever were.
@@ -142,6 +152,7 @@ impl BlockStates {
                 }
             }
         }
+        peeked
     }
 
     /// Takes one more reference to `id`, reviving it from the free order if it was free.
