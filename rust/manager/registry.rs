@@ -58,6 +58,64 @@ struct Registration {
     removals: u64,
 }
 
+impl Registration {
+    fn of(&self, drops: *const DropQueue) -> bool {
+        std::ptr::eq(self.drops.as_ptr(), drops)
+    }
+}
+
+/// A record's registrations, the first held inline: a record is almost always registered
+/// with one manager, and each call on it reads that registration (a separate allocation would
+/// be one more cold line per call).
+#[derive(Debug, Default)]
+struct Registrations {
+    first: Option<Registration>,
+    more: Vec<Registration>,
+}
+
+impl Registrations {
+    fn iter(&self) -> impl Iterator<Item = &Registration> {
+        self.first.iter().chain(&self.more)
+    }
+
+    /// The registration with the manager owning `drops`.
+    fn get(&self, drops: *const DropQueue) -> Option<&Registration> {
+        self.iter().find(|r| r.of(drops))
+    }
+
+    fn get_mut(&mut self, drops: *const DropQueue) -> Option<&mut Registration> {
+        self.first
+            .iter_mut()
+            .chain(&mut self.more)
+            .find(|r| r.of(drops))
+    }
+
+    /// Drops the registration with the manager owning `drops`, if any.
+    fn remove(&mut self, drops: *const DropQueue) {
+        self.more.retain(|r| !r.of(drops));
+        if self.first.as_ref().is_some_and(|r| r.of(drops)) {
+            self.first = self.more.pop();
+        }
+    }
+
+    /// Adds one (the caller removed any earlier one with the same manager).
+    fn push(&mut self, registration: Registration) {
+        if self.first.is_none() {
+            self.first = Some(registration);
+        } else {
+            self.more.push(registration);
+        }
+    }
+
+    /// Takes them all.
+    fn take_all(&mut self) -> impl Iterator<Item = Registration> {
+        self.first
+            .take()
+            .into_iter()
+            .chain(std::mem::take(&mut self.more))
+    }
+}
+
 /// The caller side of one request object.
 #[derive(Debug)]
 pub struct RequestRecord {
@@ -74,7 +132,7 @@ pub struct RequestRecord {
     /// The request reads no prefix-cache hit (prompt logprobs).
     pub skip_reading_prefix_cache: bool,
     prehashed: Option<Prehashed>,
-    registrations: Vec<Registration>,
+    registrations: Registrations,
 }
 
 impl RequestRecord {
@@ -100,7 +158,7 @@ impl RequestRecord {
             num_in_flight_tokens: 0,
             skip_reading_prefix_cache: false,
             prehashed,
-            registrations: Vec::new(),
+            registrations: Registrations::default(),
         })
     }
 
@@ -155,21 +213,13 @@ impl RequestRecord {
         self.num_in_flight_tokens = f;
         Ok(())
     }
-
-    /// The index of the registration with the manager owning `drops`.
-    fn registration(&self, drops: &Arc<DropQueue>) -> Option<usize> {
-        let me = Arc::as_ptr(drops);
-        self.registrations
-            .iter()
-            .position(|r| std::ptr::eq(r.drops.as_ptr(), me))
-    }
 }
 
 impl Drop for RequestRecord {
     fn drop(&mut self) {
         for drops in self
             .registrations
-            .drain(..)
+            .take_all()
             .filter_map(|r| r.drops.upgrade())
         {
             drops.0.push((self.id.clone(), self.serial));
@@ -234,8 +284,8 @@ impl Registry {
         let me = Arc::as_ptr(&self.drops);
         record
             .registrations
-            .iter()
-            .find(|r| r.removals == self.removals && std::ptr::eq(r.drops.as_ptr(), me))
+            .get(me)
+            .filter(|r| r.removals == self.removals)
             .map(|r| r.handle)
     }
 
@@ -265,14 +315,14 @@ impl Registry {
         let total = record.num_tokens();
         let num_prompt = record.num_prompt_tokens;
         let drops = Arc::clone(&self.drops);
-        if let Some(k) = record.registration(&drops) {
-            let reg = &record.registrations[k];
+        let me = Arc::as_ptr(&drops);
+        if let Some(reg) = record.registrations.get_mut(me) {
             if reg.removals == removals {
                 let handle = reg.handle;
                 if reg.synced < total {
                     let start = reg.synced - num_prompt;
                     manager.append_token_ids(handle, &record.output[start..])?;
-                    record.registrations[k].synced = total;
+                    reg.synced = total;
                 }
                 return Ok(Synced::Ready {
                     handle,
@@ -326,10 +376,7 @@ impl Registry {
                 (handle, true)
             }
         };
-        let me = Arc::as_ptr(&drops);
-        record
-            .registrations
-            .retain(|r| !std::ptr::eq(r.drops.as_ptr(), me));
+        record.registrations.remove(me);
         record.registrations.push(Registration {
             drops: Arc::downgrade(&drops),
             handle,
@@ -349,10 +396,7 @@ impl Registry {
         handle: RequestHandle,
     ) {
         self.serials.remove(&record.id);
-        let me = Arc::as_ptr(&self.drops);
-        record
-            .registrations
-            .retain(|r| !std::ptr::eq(r.drops.as_ptr(), me));
+        record.registrations.remove(Arc::as_ptr(&self.drops));
         self.unregister_new(manager, record, handle);
     }
 
