@@ -1265,18 +1265,22 @@ impl GroupManager {
     /// walk (sliding windows, chunks, RSWA past its sink, Mamba `none`); full attention and
     /// MLA keep every block, circular buffers and Mamba `align` groups keep other state.
     fn frees_behind(&self) -> bool {
-        !matches!(
-            self.spec.kind,
-            AttentionKind::Full | AttentionKind::Mla | AttentionKind::CircularBuffer
-        ) && !self.spec.is_mamba_align()
+        !self.keeps_every_block()
+            && !matches!(self.spec.kind, AttentionKind::CircularBuffer)
+            && !self.spec.is_mamba_align()
+    }
+
+    /// Full attention and MLA: no block ever leaves a window.
+    fn keeps_every_block(&self) -> bool {
+        matches!(self.spec.kind, AttentionKind::Full | AttentionKind::Mla)
     }
 
     /// The fewest processed tokens at which `remove_skipped_blocks` would free one of the
     /// table's blocks (`usize::MAX`: at no count), for a table that takes no new block
     /// meanwhile. Not for circular buffers or Mamba `align` groups (they keep other state).
     pub(crate) fn removal_horizon(&self, table: &GroupTable, num_prompt_tokens: usize) -> usize {
-        if matches!(self.spec.kind, AttentionKind::Full | AttentionKind::Mla) {
-            // Nothing ever leaves a window: no slot to look at.
+        if self.keeps_every_block() {
+            // No slot to look at.
             return usize::MAX;
         }
         let prompt = Some(num_prompt_tokens);
