@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import traceback
 from typing import Any
 
 import pytest
@@ -189,9 +190,26 @@ class Recorder:
         pass
 
 
-# Draws that once diverged, kept whatever the seed range: 200072 (Granite-4-like, MTP, async
-# steps: a state block re-keyed by another request while this one held it).
-REGRESSION_SEEDS = (200072,)
+# Draws kept whatever the seed range: 200072 once diverged (Granite-4-like, MTP, async steps: a
+# state block re-keyed by another request while this one held it); 81001222 makes stock vLLM
+# fail the assertion `vllm_failed_known` names (Granite-4-like, EAGLE-3 with lookahead hashes,
+# dense retention, a preempted request resumed with drafts past its tokens).
+REGRESSION_SEEDS = (200072, 81001222)
+
+
+def vllm_failed_known(error: BaseException) -> bool:
+    """Whether stock vLLM's step failed where vLLM 0.33 is known to (README, "Deliberate
+    differences"): a Mamba `align` chunk that schedules draft tokens past the request's tokens
+    exports a checkpoint whose hash needs tokens the request does not have yet, and vLLM's
+    `BlockPool._get_partial_block_hash` fails its assertion keying it (hybrid-kv leaves that
+    state unkeyed)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return (
+        isinstance(error, AssertionError)
+        and bool(frames)
+        and frames[-1].name == "_get_partial_block_hash"
+        and frames[-1].filename.endswith(os.path.join("vllm", "v1", "core", "block_pool.py"))
+    )
 
 
 @pytest.mark.parametrize(
@@ -211,19 +229,34 @@ def test_random_configurations_and_workloads_match_vllm(seed: int) -> None:
     our_driver = ChaosDriver(ours, workload, seed=seed, chaos=chaos)
     steps = 0
     stalled = False
-    pairs = zip(stock_driver.run(MAX_STEPS), our_driver.run(MAX_STEPS), strict=True)
+    stock_steps, our_steps = stock_driver.run(MAX_STEPS), our_driver.run(MAX_STEPS)
     while True:
         try:
-            (stock_out, stock_results), (our_out, our_results) = next(pairs)
+            stock_out, stock_results = next(stock_steps)
         except StopIteration:
+            # Both finished together (a step more on hybrid-kv's side is a divergence).
+            assert next(our_steps, None) is None, f"seed {seed}: hybrid-kv ran a step more"
             break
         except RuntimeError as error:
             # vLLM's scheduler can stall on a draw (a request that never gets scheduled):
             # hybrid-kv's must have stalled with it, having matched it step for step so far.
             assert "not finished" in str(error), error
+            with pytest.raises(RuntimeError, match="not finished"):
+                next(our_steps)
             assert (our_driver.step, our_driver.done) == (stock_driver.step, False)
             stalled = True
             break
+        except AssertionError as error:
+            if not vllm_failed_known(error):
+                raise
+            # Where stock vLLM fails, hybrid-kv takes the same step and serves the rest of the
+            # workload (no later step can be compared).
+            remaining = list(our_steps)
+            assert our_driver.done, f"seed {seed}: hybrid-kv stopped after vLLM failed"
+            assert remaining, f"seed {seed}: hybrid-kv did not take the step vLLM failed"
+            assert ours.kv_cache_manager.core.num_retained_blocks == 0
+            return
+        our_out, our_results = next(our_steps)
         where = f"seed {seed}, step {steps}, {options}"
         assert our_driver.log == stock_driver.log, f"{where}: aborts or resets differ"
         assert harness.summarize(our_out) == harness.summarize(stock_out), (
