@@ -628,3 +628,29 @@ def test_hash_chain_bad_extend_changes_nothing() -> None:
             chain.extend(bad)
     assert chain.num_tokens == twin.num_tokens == 3
     assert chain.extend([4, 5]).tolist() == twin.extend([4, 5]).tolist()
+
+
+def _available_memory() -> int | None:
+    """`MemAvailable + SwapFree` from /proc/meminfo in bytes, as the core reads it (None off
+    Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return None
+    kib = int(fields["MemAvailable"].split()[0]) + int(fields.get("SwapFree", "0 kB").split()[0])
+    return kib * 1024
+
+
+def test_a_pool_beyond_the_memory_available_is_a_memory_error_before_any_is_taken() -> None:
+    # ~140 bytes a block with caching, ~96 without: 2**31 - 1 blocks need 200-300 GB. Refused
+    # before any array is written (otherwise the kernel's overcommit lets the arrays be
+    # allocated and the OOM killer ends the process while they are written).
+    available = _available_memory()
+    if available is None or available > 150 * 2**30:
+        pytest.skip("needs Linux with under 150 GiB available")
+    for caching in (True, False):
+        with pytest.raises(MemoryError, match=r"bytes for the per-block arrays of a pool of 2147"):
+            hk.KVCacheManager(
+                [{"kind": "full", "block_size": 16}], 2**31 - 1, 64, enable_caching=caching
+            )

@@ -230,3 +230,22 @@ def test_progress_goes_quiet_when_nothing_ran() -> None:
     stream = io.StringIO()
     ProgressBar(3, stream).close()
     assert stream.getvalue() == ""
+
+
+def test_a_budget_whose_blocks_do_not_fit_in_host_memory_is_an_error_not_a_crash(capsys) -> None:
+    # 200 TB of KV cache for gpt-oss-20b: ~500 million blocks, whose bookkeeping (~140 bytes
+    # a block, ~70 GB) is more host memory than the machine has.
+    argv = ["simulate", "gpt-oss-20b", "--requests", "5", "--memory", "200TB", "--no-progress"]
+    try:
+        with open("/proc/meminfo") as f:
+            meminfo = dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        pytest.skip("needs Linux (/proc/meminfo)")
+    available = int(meminfo["MemAvailable"].split()[0]) * 1024
+    if available > 60 * GIB:
+        pytest.skip("the pool might fit this machine")
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("hybrid-kv simulate: error: out of memory: cannot allocate"), err
+    assert "per-block arrays" in err and "smaller KV cache budget" in err, err
+    assert "Traceback" not in err

@@ -88,6 +88,15 @@ def _run(argv: list[str]) -> int:
     except (CommandError, ValueError) as error:
         print(f"hybrid-kv {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except MemoryError as error:
+        # A pool whose bookkeeping does not fit this machine's memory (the core refuses it
+        # before taking any).
+        print(
+            f"hybrid-kv {args.command}: error: {error or 'out of memory'} "
+            "(a smaller KV cache budget makes fewer blocks)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 def _join_negative_values(argv: Sequence[str]) -> list[str]:

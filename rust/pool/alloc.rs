@@ -1,5 +1,12 @@
 //! Fallible allocation of the pool's per-block arrays: a pool too large for the memory available
 //! is an error naming the array and its size, never an abort.
+//!
+//! Every array is written as soon as it is allocated, so its pages are taken at once. With
+//! Linux's default overcommit an allocation larger than the memory left can still succeed, and
+//! writing it then wakes the OOM killer. An array of [`CHECKED_BYTES`] or more is therefore
+//! allocated only when it fits in the memory the kernel reports available (`MemAvailable` plus
+//! free swap in `/proc/meminfo`), read just before: each array is checked against what the
+//! arrays before it left.
 
 use std::fmt;
 
@@ -35,11 +42,56 @@ pub(crate) fn boxed_slice<T>(
     if inject::should_fail() {
         return Err(failed);
     }
+    if !fits(failed.bytes) {
+        return Err(failed);
+    }
     let mut v: Vec<T> = Vec::new();
     v.try_reserve_exact(len).map_err(|_| failed)?;
     // Within the reserved capacity: no reallocation.
     v.extend((0..len).map(&mut init));
     Ok(v.into_boxed_slice())
+}
+
+/// Arrays from this size on are checked against the memory available (smaller ones are not: a
+/// pool of them all takes under a few hundred MiB, and the check reads a file).
+pub(crate) const CHECKED_BYTES: usize = 64 << 20;
+
+/// Whether `bytes` more may be allocated and written: always under [`CHECKED_BYTES`], else
+/// when they fit in the memory available (or that is not known).
+pub(crate) fn fits(bytes: usize) -> bool {
+    bytes < CHECKED_BYTES || available_memory().is_none_or(|available| bytes <= available)
+}
+
+/// Bytes the kernel can hand out without killing anyone: `MemAvailable` plus `SwapFree` from
+/// `/proc/meminfo` (Linux); None where that is not known (the allocation then decides alone).
+fn available_memory() -> Option<usize> {
+    #[cfg(test)]
+    if let Some(bytes) = inject::available() {
+        return Some(bytes);
+    }
+    if !cfg!(target_os = "linux") {
+        return None;
+    }
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    parse_meminfo(&info)
+}
+
+/// `MemAvailable + SwapFree` in bytes from the text of `/proc/meminfo` (swap counts as 0 when
+/// the line is missing); None without `MemAvailable`.
+pub(crate) fn parse_meminfo(info: &str) -> Option<usize> {
+    let field = |name: &str| {
+        info.lines().find_map(|line| {
+            let value = line.strip_prefix(name)?.strip_prefix(':')?;
+            let kib = value
+                .trim()
+                .strip_suffix("kB")?
+                .trim()
+                .parse::<usize>()
+                .ok()?;
+            Some(kib.saturating_mul(1024))
+        })
+    };
+    Some(field("MemAvailable")?.saturating_add(field("SwapFree").unwrap_or(0)))
 }
 
 /// Tests: make the `n`-th next allocation (0-based) of this thread fail.
@@ -49,6 +101,17 @@ pub(crate) mod inject {
 
     thread_local! {
         static FAIL_AFTER: Cell<Option<usize>> = const { Cell::new(None) };
+        static AVAILABLE: Cell<Option<usize>> = const { Cell::new(None) };
+    }
+
+    /// Reports `bytes` as the memory available to this thread's allocations (None: the real
+    /// figure).
+    pub(crate) fn set_available(bytes: Option<usize>) {
+        AVAILABLE.with(|c| c.set(bytes));
+    }
+
+    pub(crate) fn available() -> Option<usize> {
+        AVAILABLE.with(Cell::get)
     }
 
     pub(crate) fn fail_after(n: Option<usize>) {

@@ -283,6 +283,17 @@ impl FreeOrder {
         Self::with_capacity(num_blocks, limit, limit)
     }
 
+    /// Bytes [`FreeOrder::new`] allocates for `num_blocks`: its stack (two link arrays and the
+    /// slots) and its FIFO.
+    pub(crate) fn heap_bytes(num_blocks: usize) -> usize {
+        let limit = num_blocks.saturating_mul(2).saturating_add(8);
+        let stack = 2 * std::mem::size_of::<AtomicU32>() + std::mem::size_of::<AtomicU64>();
+        let fifo = limit.saturating_add(num_blocks.saturating_sub(1));
+        limit
+            .saturating_mul(stack)
+            .saturating_add(fifo.saturating_mul(std::mem::size_of::<u64>()))
+    }
+
     /// [`FreeOrder::new`] with other limits; `lifo_capacity` must be at least
     /// `2 * (num_blocks - 1)` (see [`FreeOrder::push_front`]).
     pub(crate) fn with_capacity(
@@ -296,10 +307,14 @@ impl FreeOrder {
         debug_assert!(free <= lifo_capacity);
         // The FIFO's longest: past its limit by at most one call's frees before a compaction.
         let fifo_capacity = fifo_limit.saturating_add(free);
-        let fifo = Fifo::with_capacity(fifo_capacity).ok_or(AllocFailed {
+        let failed = AllocFailed {
             what: "free order's FIFO",
             bytes: fifo_capacity.saturating_mul(std::mem::size_of::<u64>()),
-        })?;
+        };
+        if !super::alloc::fits(failed.bytes) {
+            return Err(failed);
+        }
+        let fifo = Fifo::with_capacity(fifo_capacity).ok_or(failed)?;
         Ok(FreeOrder {
             lifo: Lifo::new(lifo_capacity, free, |i| pack_entry(i as u32 + 1, 0))?,
             fifo,

@@ -333,6 +333,15 @@ impl BlockPool {
             bytes: e.bytes,
             num_blocks,
         };
+        // All arrays at once first: a pool far beyond the memory available is refused before
+        // any of them is written (each is checked again as it is allocated).
+        let arrays = Self::heap_bytes(num_blocks, enable_caching);
+        if !alloc::fits(arrays) {
+            return Err(oom(AllocFailed {
+                what: "per-block arrays",
+                bytes: arrays,
+            }));
+        }
         Ok(BlockPool {
             num_blocks,
             enable_caching,
@@ -350,6 +359,21 @@ impl BlockPool {
 
     pub fn num_blocks(&self) -> usize {
         self.num_blocks
+    }
+
+    /// Bytes of the per-block arrays a pool of `num_blocks` allocates (at least: what does not
+    /// grow with the pool is left out).
+    pub(crate) fn heap_bytes(num_blocks: usize, enable_caching: bool) -> usize {
+        let keys = num_blocks.saturating_mul(std::mem::size_of::<KeySlot>());
+        let map = if enable_caching {
+            CacheMap::heap_bytes(num_blocks)
+        } else {
+            0
+        };
+        BlockStates::heap_bytes(num_blocks)
+            .saturating_add(keys)
+            .saturating_add(map)
+            .saturating_add(2 * num_blocks.div_ceil(8))
     }
 
     pub fn enable_caching(&self) -> bool {

@@ -43,6 +43,13 @@ pub(crate) struct BlockStates {
 
 impl BlockStates {
     /// Block 0 is the null block (never free); blocks `1..num_blocks` start free in id order.
+    /// Bytes [`BlockStates::new`] allocates for `num_blocks`.
+    pub(crate) fn heap_bytes(num_blocks: usize) -> usize {
+        num_blocks
+            .saturating_mul(std::mem::size_of::<AtomicU64>())
+            .saturating_add(FreeOrder::heap_bytes(num_blocks))
+    }
+
     pub(crate) fn new(num_blocks: usize) -> Result<Self, AllocFailed> {
         Ok(BlockStates {
             state: boxed_slice("reference counts", num_blocks, |_| AtomicU64::new(0))?,

@@ -345,6 +345,69 @@ fn blocks_that_share_a_validation_bucket_are_not_taken_for_duplicates() {
 }
 
 #[test]
+fn a_pool_larger_than_the_memory_available_is_refused_before_its_pages_are_taken() {
+    // A pool whose reference counts alone take `CHECKED_BYTES`: all its arrays are checked
+    // together before any is allocated (the test would take ~1 GiB otherwise).
+    let n = alloc::CHECKED_BYTES / 8;
+    let arrays = BlockPool::heap_bytes(n, true);
+    assert!(arrays > 100 * n, "{arrays}");
+    assert!(BlockPool::heap_bytes(n, false) < arrays);
+    alloc::inject::set_available(Some(arrays - 1));
+    let result = BlockPool::new(n);
+    alloc::inject::set_available(None);
+    let Err(
+        err @ CoreError::OutOfMemory {
+            what,
+            bytes,
+            num_blocks,
+        },
+    ) = result
+    else {
+        panic!("{:?}", result.map(|p| p.num_blocks()));
+    };
+    assert_eq!(
+        (what, bytes, num_blocks),
+        ("per-block arrays", arrays, n),
+        "{err}"
+    );
+    // Each large array is checked again as it is allocated (the memory available shrinks as
+    // the ones before it are written): the free order's FIFO, which is not a boxed slice.
+    alloc::inject::set_available(Some(alloc::CHECKED_BYTES));
+    let order = super::free_order::FreeOrder::new(n);
+    alloc::inject::set_available(None);
+    let Err(failed) = order else {
+        panic!("the FIFO was allocated");
+    };
+    assert_eq!(failed.what, "free order's FIFO");
+    assert!(failed.bytes > alloc::CHECKED_BYTES, "{failed}");
+    // Under the threshold nothing is checked: a small pool builds whatever is reported.
+    alloc::inject::set_available(Some(0));
+    let small = BlockPool::new(1000);
+    alloc::inject::set_available(None);
+    assert_eq!(small.unwrap().get_new_blocks(999).unwrap().len(), 999);
+    assert!(alloc::fits(alloc::CHECKED_BYTES - 1));
+}
+
+#[test]
+fn the_memory_available_is_read_from_meminfo() {
+    let info = "MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   20000000 kB\n\
+                SwapTotal: 4 kB\nSwapFree:        2048 kB\n";
+    assert_eq!(alloc::parse_meminfo(info), Some((20_000_000 + 2048) * 1024));
+    // No swap line: swap counts as none; no MemAvailable (kernels before 3.14): unknown.
+    assert_eq!(alloc::parse_meminfo("MemAvailable: 1 kB\n"), Some(1024));
+    assert_eq!(
+        alloc::parse_meminfo("MemFree: 1 kB\nSwapFree: 1 kB\n"),
+        None
+    );
+    // A prefix of another field's name is not the field.
+    assert_eq!(
+        alloc::parse_meminfo("MemAvailableX: 5 kB\nMemAvailable: 2 kB\n"),
+        Some(2048)
+    );
+    assert_eq!(alloc::parse_meminfo("MemAvailable: lots kB\n"), None);
+}
+
+#[test]
 fn a_pool_whose_arrays_cannot_be_allocated_is_an_error_naming_the_size() {
     // Fail each allocation of the constructor in turn: every one is an error, none aborts.
     let mut failures = Vec::new();
