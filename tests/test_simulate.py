@@ -249,3 +249,20 @@ def test_a_budget_whose_blocks_do_not_fit_in_host_memory_is_an_error_not_a_crash
     assert err.startswith("hybrid-kv simulate: error: out of memory: cannot allocate"), err
     assert "per-block arrays" in err and "smaller KV cache budget" in err, err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("kind", ["chat", "long-context", "eviction"])
+@pytest.mark.parametrize("max_model_len", [2, 3, 100, 2048])
+def test_workloads_fit_max_model_len(kind: str, max_model_len: int) -> None:
+    # Every prompt is one vLLM accepts (1 to max_model_len - 1 tokens): the eviction workload's
+    # prompts of up to 6,000 tokens once made `--max-model-len 2048` run forever.
+    wl = make_workload(kind, 12, max_model_len, seed=3)
+    assert all(1 <= len(r["prompt"]) < max_model_len for r in wl["requests"])
+    report = simulate("gpt-oss-20b", kind, 2 * GIB, 12, max_model_len, seed=3)
+    assert report.result.num_finished == 12
+
+
+def test_a_max_model_len_without_room_for_an_output_token_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_model_len must be at least 2"):
+        make_workload("chat", 3, 1)
+    assert main(["simulate", "--max-model-len", "1", "--requests", "3", "--no-progress"]) == 2

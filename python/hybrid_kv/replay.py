@@ -35,6 +35,8 @@ __all__ = [
     "HybridKvEngine",
     "ReplayResult",
     "ReplayStalledError",
+    "ReplayStuckError",
+    "check_workload",
     "load_json",
     "add_arguments",
     "main",
@@ -212,6 +214,56 @@ class ReplayStalledError(RuntimeError):
         )
 
 
+class ReplayStuckError(ReplayStalledError):
+    """The scheduler loop can make no more progress with requests running: a step scheduled no
+    token and preempted nobody, so every later step would do the same."""
+
+    def __init__(self, step: int, request_id: str, num_running: int) -> None:
+        RuntimeError.__init__(
+            self,
+            f"no progress at step {step}: {num_running} requests running (first {request_id!r}) "
+            "but none could be scheduled a token",
+        )
+        self.step = step
+        self.request_id = request_id
+        self.blocks_needed = 0
+        self.free_blocks = 0
+        self.num_blocks = 0
+
+
+def check_workload(workload: dict[str, Any]) -> None:
+    """Raises `ValueError` naming the first request vLLM would not accept: a prompt of 1 to
+    `max_model_len - 1` tokens (vLLM's input processor refuses an empty prompt, and a prompt of
+    `max_model_len` tokens or more leaves no room for an output token) and at least one output
+    token; request ids unique, arrival steps non-negative integers."""
+    try:
+        sched = workload["sched"]
+        requests = workload["requests"]
+        max_model_len = sched["max_model_len"]
+    except (KeyError, TypeError) as error:
+        raise ValueError(f"not a workload: missing {error}") from None
+    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 2:
+        raise ValueError(f"max_model_len must be an integer of at least 2, got {max_model_len!r}")
+    seen: set[Any] = set()
+    for index, r in enumerate(requests):
+        try:
+            rid, prompt, output, arrival = r["rid"], r["prompt"], r["output"], r["arrival_step"]
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"request {index}: missing {error}") from None
+        if rid in seen:
+            raise ValueError(f"request {index}: id {rid!r} is used twice")
+        seen.add(rid)
+        if not 1 <= len(prompt) < max_model_len:
+            raise ValueError(
+                f"request {rid!r}: a prompt of {len(prompt)} tokens; vLLM accepts prompts of 1 "
+                f"to max_model_len - 1 = {max_model_len - 1} tokens"
+            )
+        if len(output) < 1:
+            raise ValueError(f"request {rid!r}: no output token (vLLM samples at least one)")
+        if isinstance(arrival, bool) or not isinstance(arrival, int) or arrival < 0:
+            raise ValueError(f"request {rid!r}: arrival_step must be a non-negative integer")
+
+
 class HybridKvEngine:
     """hybrid-kv's `KVCacheManager` as a replay [`Engine`]."""
 
@@ -346,6 +398,7 @@ def replay(
     tokenizer or input thread has just produced. Otherwise it reads the lists as the workload
     was loaded, which by then have mostly left the caches: that measures memory reads of the
     cold int objects more than request creation."""
+    check_workload(workload)
     engine = HybridKvEngine(manager) if isinstance(manager, KVCacheManager) else manager
     mgr = engine.manager
     sched = workload["sched"]
@@ -563,6 +616,10 @@ def replay(
                 engine.num_blocks(),
             )
 
+        if not scheduled and not preempted:
+            # Requests run but none got a token: every later step would be this one.
+            raise ReplayStuckError(step, running[0].rid, len(running))
+
         # C) execute, D) sample and finish
         for req, n in scheduled:
             req.request.num_computed_tokens += n
@@ -637,6 +694,7 @@ def run(args: argparse.Namespace) -> int:
     """Replays `args.workload` with the groups of `args.groups_from`, writing `args.out`."""
     try:
         workload = load_json(args.workload)
+        check_workload(workload)
         vllm_header = read_header(args.groups_from)
         sched = workload["sched"]
         manager = manager_from_header(

@@ -74,6 +74,13 @@ def make_workload(
             raise ValueError(f"{name} must be an int, got {value!r}")
         if value is not None and value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
+    if max_model_len < 2:
+        raise ValueError(
+            f"max_model_len must be at least 2 (a prompt token and an output token), "
+            f"got {max_model_len}"
+        )
+    # vLLM accepts prompts shorter than max_model_len (an output token must fit).
+    longest_prompt = max_model_len - 1
     rng = np.random.default_rng(seed)
 
     def tokens(n: int) -> list[int]:
@@ -93,18 +100,18 @@ def make_workload(
                     int(rng.integers(20, 400))
                 )
             output = tokens(int(rng.integers(20, 250)))
-            prompt = prompt[: max_model_len // 2]
+            prompt = prompt[: max(1, max_model_len // 2)]
             conversations.append(prompt + output)
             requests.append((i, prompt, output))
     elif kind == "long-context":
         docs = [tokens(min(max_model_len // 2, 24_000)) for _ in range(3)]
         for i in range(num_requests):
             prompt = docs[int(rng.integers(len(docs)))] + tokens(int(rng.integers(50, 500)))
-            requests.append((i, prompt, tokens(int(rng.integers(20, 120)))))
+            requests.append((i, prompt[:longest_prompt], tokens(int(rng.integers(20, 120)))))
     else:
         for i in range(num_requests):
             prompt = tokens(int(rng.integers(1000, 6000)))
-            requests.append((i, prompt, tokens(int(rng.integers(50, 300)))))
+            requests.append((i, prompt[:longest_prompt], tokens(int(rng.integers(50, 300)))))
     sched: dict[str, int] = dict(SCHEDULER_DEFAULTS[kind])
     if max_num_seqs is not None:
         sched["max_num_seqs"] = max_num_seqs
