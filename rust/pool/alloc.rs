@@ -5,8 +5,9 @@
 //! Linux's default overcommit an allocation larger than the memory left can still succeed, and
 //! writing it then wakes the OOM killer. An array of [`CHECKED_BYTES`] or more is therefore
 //! allocated only when it fits in the memory the kernel reports available (`MemAvailable` plus
-//! free swap in `/proc/meminfo`), read just before: each array is checked against what the
-//! arrays before it left.
+//! free swap in `/proc/meminfo`, and no more than the room under the memory limit of the
+//! process's cgroup, as a container has), read just before: each array is checked against what
+//! the arrays before it left.
 
 use std::fmt;
 
@@ -63,7 +64,8 @@ pub(crate) fn fits(bytes: usize) -> bool {
 }
 
 /// Bytes the kernel can hand out without killing anyone: `MemAvailable` plus `SwapFree` from
-/// `/proc/meminfo` (Linux); None where that is not known (the allocation then decides alone).
+/// `/proc/meminfo`, at most the room under each memory limit of the process's cgroups that can
+/// be read (Linux); None where that is not known (the allocation then decides alone).
 fn available_memory() -> Option<usize> {
     #[cfg(test)]
     if let Some(bytes) = inject::available() {
@@ -72,8 +74,54 @@ fn available_memory() -> Option<usize> {
     if !cfg!(target_os = "linux") {
         return None;
     }
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    parse_meminfo(&info)
+    let read = |path: &str| std::fs::read_to_string(path).ok();
+    let mut available = parse_meminfo(&read("/proc/meminfo")?)?;
+    let groups = read("/proc/self/cgroup").unwrap_or_default();
+    for (limit, usage) in cgroup_memory_files(&groups) {
+        if let (Some(limit), Some(usage)) = (read(&limit), read(&usage)) {
+            if let Some(room) = cgroup_room(&limit, &usage) {
+                available = available.min(room);
+            }
+        }
+    }
+    Some(available)
+}
+
+/// The memory limit and usage files of the cgroups listed in the text of `/proc/self/cgroup`:
+/// the unified (v2) group's `memory.max` and `memory.current`, a v1 memory controller's
+/// `memory.limit_in_bytes` and `memory.usage_in_bytes`.
+pub(crate) fn cgroup_memory_files(groups: &str) -> Vec<(String, String)> {
+    groups
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.splitn(3, ':');
+            let (_, controllers, path) = (fields.next()?, fields.next()?, fields.next()?);
+            let path = path.trim_end_matches('/');
+            if controllers.is_empty() {
+                let dir = format!("/sys/fs/cgroup{path}");
+                Some((format!("{dir}/memory.max"), format!("{dir}/memory.current")))
+            } else if controllers.split(',').any(|c| c == "memory") {
+                let dir = format!("/sys/fs/cgroup/memory{path}");
+                Some((
+                    format!("{dir}/memory.limit_in_bytes"),
+                    format!("{dir}/memory.usage_in_bytes"),
+                ))
+            } else {
+                None
+            }
+        })
+        .collect()
+}
+
+/// Bytes left under a cgroup's memory limit from the text of its limit and usage files; None
+/// without a limit (`max`, or v1's page-rounded `i64::MAX`) or for text that is not a number.
+pub(crate) fn cgroup_room(limit: &str, usage: &str) -> Option<usize> {
+    let limit = limit.trim().parse::<u64>().ok()?;
+    let usage = usage.trim().parse::<u64>().ok()?;
+    if limit >= 1 << 62 {
+        return None;
+    }
+    usize::try_from(limit.saturating_sub(usage)).ok()
 }
 
 /// `MemAvailable + SwapFree` in bytes from the text of `/proc/meminfo` (swap counts as 0 when

@@ -408,6 +408,43 @@ fn the_memory_available_is_read_from_meminfo() {
 }
 
 #[test]
+fn the_memory_limit_of_the_process_cgroup_bounds_the_memory_available() {
+    // cgroup v1 (this list's memory line) and v2 (the unified `0::` line), as in a container.
+    let groups = "9:name=systemd:/\n4:memory:/pods/a/\n2:cpu,cpuacct:/x\n0::/kubepods/b\n";
+    assert_eq!(
+        alloc::cgroup_memory_files(groups),
+        vec![
+            (
+                "/sys/fs/cgroup/memory/pods/a/memory.limit_in_bytes".to_string(),
+                "/sys/fs/cgroup/memory/pods/a/memory.usage_in_bytes".to_string()
+            ),
+            (
+                "/sys/fs/cgroup/kubepods/b/memory.max".to_string(),
+                "/sys/fs/cgroup/kubepods/b/memory.current".to_string()
+            ),
+        ]
+    );
+    // A group at the root of its mount (a container with its own cgroup namespace).
+    assert_eq!(
+        alloc::cgroup_memory_files("0::/\n")[0].0,
+        "/sys/fs/cgroup/memory.max"
+    );
+    assert_eq!(alloc::cgroup_memory_files("garbage\n1:cpu:/\n"), vec![]);
+    // Room under the limit; none without one (v2's `max`, v1's unlimited value) or on junk.
+    assert_eq!(
+        alloc::cgroup_room("4294967296\n", "1073741824\n"),
+        Some(3 << 30)
+    );
+    assert_eq!(alloc::cgroup_room("100", "150"), Some(0));
+    assert_eq!(alloc::cgroup_room("max\n", "5"), None);
+    assert_eq!(
+        alloc::cgroup_room("9223372036854771712", "3591593984"),
+        None
+    );
+    assert_eq!(alloc::cgroup_room("12", "lots"), None);
+}
+
+#[test]
 fn a_pool_whose_arrays_cannot_be_allocated_is_an_error_naming_the_size() {
     // Fail each allocation of the constructor in turn: every one is an error, none aborts.
     let mut failures = Vec::new();
