@@ -248,9 +248,16 @@ def test_pool_reserves_the_null_block() -> None:
 
 
 def test_not_even_one_token_fits_says_so() -> None:
+    # One block is 64 KiB: a budget past the null block but short of one more.
     with pytest.raises(InsufficientMemoryError, match="not even a 1-token request fits") as caught:
-        plan_kv_cache({"l0": full()}, 65536, 512)
+        plan_kv_cache({"l0": full()}, 100_000, 512)
     assert caught.value.fitting_max_model_len == 0
+    # Not even the null block (vLLM: "No available memory for the cache blocks").
+    for budget in (65536, 1):
+        with pytest.raises(InsufficientMemoryError, match="does not hold even the null block") as c:
+            plan_kv_cache({"l0": full()}, budget, 512)
+        assert c.value.fitting_max_model_len == 0
+        assert c.value.needed_bytes - c.value.reserved_bytes == 65536
 
 
 def test_more_tokens_in_flight_reserve_more_sliding_window_blocks() -> None:

@@ -37,10 +37,15 @@ def ours(model: str, memory: int, max_model_len: int) -> dict[str, Any]:
             layers, memory, max_model_len, strategy="vllm", max_in_flight_tokens=ref.IN_FLIGHT
         )
     except InsufficientMemoryError as error:
+        # A budget that does not hold the null block: vLLM's refusal names no figure ("No
+        # available memory for the cache blocks").
+        null_block = error.needed_bytes - error.reserved_bytes
         return {
             "refused": True,
             "fitting_max_model_len": error.fitting_max_model_len,
-            "needed_gib": f"{round(error.reserved_bytes / 2**30, 2)}",
+            "needed_gib": None
+            if memory <= null_block
+            else f"{round(error.reserved_bytes / 2**30, 2)}",
         }
     return {
         "refused": False,

@@ -480,11 +480,14 @@ def _insufficient(
 ) -> InsufficientMemoryError:
     needed = (candidate.admission + 1) * candidate.block_bytes
     fitting = fitting_max_model_len(candidate, buckets, settings)
-    hint = (
-        f"a max_model_len of {fitting} fits in this budget"
-        if fitting
-        else "not even a 1-token request fits"
-    )
+    if fitting:
+        hint = f"a max_model_len of {fitting} fits in this budget"
+    elif settings.memory_bytes <= candidate.block_bytes:
+        # vLLM refuses this budget before any reservation: "No available memory for the
+        # cache blocks".
+        hint = "the budget does not hold even the null block"
+    else:
+        hint = "not even a 1-token request fits"
     return InsufficientMemoryError(
         f"one request of max_model_len={settings.max_model_len} tokens needs "
         f"{candidate.admission} blocks of {format_bytes(candidate.block_bytes)} (vLLM's "

@@ -1,0 +1,111 @@
+"""The planner's `--strategy vllm` against vLLM 0.33 itself, on layer mixes drawn from a seed.
+
+`test_planner_vllm.py` checks every preset and a few synthetic mixes; this draws others:
+full-attention, sliding-window (windows from 32 to 32k tokens), chunked-local, MLA and Mamba
+layers in random numbers and orders, with random head counts, head sizes and dtypes, layers
+sharing another's KV cache, budgets from 64 MiB to 64 GiB and `max_model_len` from 256 to 256k.
+vLLM's plan (groups and their layers, block sizes, bytes per block, `num_blocks`, the
+per-request reservation, concurrency, tensors) or its refusal with the fitting `max_model_len`
+must be ours. CI runs `HYBRID_KV_RANDOM_CASES` cases (default 12) from `HYBRID_KV_RANDOM_SEED`
+(default 0); vLLM must be installed.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+if os.environ.get("HYBRID_KV_REQUIRE_VLLM") == "1":
+    import vllm  # noqa: F401  (CI's vLLM step: a missing vLLM fails here instead of skipping)
+pytest.importorskip("vllm", reason="vLLM 0.33 is not installed")
+
+import vllm_reference as ref  # noqa: E402
+from hybrid_kv.specs import (  # noqa: E402
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVSharingSpec,
+    LayerSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+from test_planner_vllm import ours  # noqa: E402
+
+NUM_CASES = int(os.environ.get("HYBRID_KV_RANDOM_CASES", "12"))
+FIRST_SEED = int(os.environ.get("HYBRID_KV_RANDOM_SEED", "0"))
+DTYPES = ("bf16", "bf16", "fp16", "fp32", "fp8_e4m3")
+
+
+def draw_layers(rng: random.Random) -> dict[str, LayerSpec]:
+    """A decoder's layers: attention kinds vLLM groups together, in a random order."""
+    heads = rng.choice([1, 2, 4, 8, 16])
+    head = rng.choice([64, 80, 96, 128, 256])
+    dtype = rng.choice(DTYPES)
+
+    def attention_shape() -> dict[str, object]:
+        # Mostly one shape per model; sometimes a kind of its own (vLLM pads or regroups).
+        if rng.random() < 0.7:
+            return {"num_kv_heads": heads, "head_size": head, "dtype": dtype}
+        return {
+            "num_kv_heads": rng.choice([1, 2, 4, 8]),
+            "head_size": rng.choice([32, 64, 96, 128]),
+            "dtype": dtype,
+        }
+
+    kinds: list[LayerSpec] = []
+    mla = rng.random() < 0.12
+    if mla:
+        spec = MLAAttentionSpec(head_size=rng.choice([576, 512, 320]), dtype=dtype)
+        kinds += [spec] * rng.randint(2, 40)
+    else:
+        full = FullAttentionSpec(**attention_shape())
+        kinds += [full] * rng.randint(0 if rng.random() < 0.15 else 1, 40)
+        if rng.random() < 0.5:
+            window = rng.choice([32, 128, 512, 1024, 4096, 32768])
+            kinds += [SlidingWindowSpec(**attention_shape(), sliding_window=window)] * rng.randint(
+                1, 50
+            )
+        if rng.random() < 0.2:
+            chunk = rng.choice([1024, 8192])
+            kinds += [
+                ChunkedLocalAttentionSpec(**attention_shape(), attention_chunk_size=chunk)
+            ] * rng.randint(1, 36)
+        if kinds and rng.random() < 0.25:
+            nheads = rng.choice([8, 32, 64, 128])
+            conv = (rng.choice([3, 4]), rng.choice([1024, 2048, 4096, 8192]))
+            ssm = (nheads, rng.choice([32, 64]), rng.choice([64, 128]))
+            mamba_dtype = rng.choice(["bf16", "fp32"])
+            mamba = MambaSpec(shapes=(conv, ssm), dtypes=(mamba_dtype, mamba_dtype))
+            kinds += [mamba] * rng.randint(1, 40)
+    if not kinds:
+        kinds = [FullAttentionSpec(num_kv_heads=heads, head_size=head, dtype=dtype)]
+    rng.shuffle(kinds)
+    layers: dict[str, LayerSpec] = {f"layers.{i}": spec for i, spec in enumerate(kinds)}
+    attention = [n for n, s in layers.items() if not isinstance(s, MambaSpec)]
+    if not mla and len(attention) > 4 and rng.random() < 0.2:
+        # The last layers reuse an earlier layer's KV cache (Gemma-3n-style).
+        for name in attention[-rng.randint(1, len(attention) // 3) :]:
+            source = rng.choice(attention[: len(attention) // 2])
+            layers[name] = KVSharingSpec(target=source)
+    return layers
+
+
+def draw_budget(rng: random.Random) -> tuple[int, int]:
+    memory = int(2 ** rng.uniform(26, 36))
+    max_model_len = rng.choice([256, 1000, 4096, 8192, 32768, 131072, 262144])
+    return memory, max_model_len
+
+
+@pytest.mark.parametrize("seed", range(FIRST_SEED, FIRST_SEED + NUM_CASES))
+def test_vllm_strategy_matches_live_vllm_on_random_mixes(seed: int, monkeypatch) -> None:
+    rng = random.Random(seed)
+    layers = draw_layers(rng)
+    memory, max_model_len = draw_budget(rng)
+    # `ours` reads the layers by model name.
+    monkeypatch.setattr(ref, "model_layers", lambda name: dict(layers))
+    theirs = ref.summarise(layers, memory, max_model_len)
+    mine = ours("random", memory, max_model_len)
+    kinds = sorted({type(s).__name__ for s in layers.values()})
+    assert mine == theirs, f"seed {seed}: {len(layers)} layers {kinds}, {memory} B, {max_model_len}"
