@@ -566,6 +566,36 @@ def test_lhbnc_refuses_layers_of_different_shapes() -> None:
         with pytest.raises(PlanError, match="overlap each other's blocks"):
             plan_kv_cache(bamba(), HUGE, 4096, strategy=strategy, kv_cache_layout="LHBNC")
     plan_kv_cache(gemma3_27b(), HUGE, 4096, strategy="vllm", kv_cache_layout="LHBNC")
+    # Other head counts: refused.
+    with pytest.raises(PlanError, match="other head counts or page sizes"):
+        plan_kv_cache(
+            {"a": full(4, 128), "b": sw(128, 2, 256)}, HUGE, 4096, kv_cache_layout="LHBNC"
+        )
+
+
+def test_lhbnc_holds_layers_tiled_alike_whatever_their_block_and_head_sizes() -> None:
+    # 4 heads of 256 at 16 tokens a block and 4 heads of 128 at 32: one page size, so vLLM
+    # gives both the same head and block strides and no block overlaps another (a mix found
+    # by tests/test_planner_vllm_random.py, which vLLM lays out).
+    pytest.importorskip("torch")
+    from hybrid_kv.buffers import allocate_kv_cache
+
+    layers = {
+        **{f"full.{i}": full(4, 256) for i in range(2)},
+        **{
+            f"chunk.{i}": ChunkedLocalAttentionSpec(
+                num_kv_heads=4, head_size=128, attention_chunk_size=1024
+            )
+            for i in range(2)
+        },
+    }
+    plan = plan_kv_cache(layers, HUGE, 4096, strategy="vllm", kv_cache_layout="LHBNC")
+    assert {plan.placement(n).page_bytes for n in layers} == {16 * full(4, 256).bytes_per_token}
+    views = allocate_kv_cache(plan, "meta").views
+    wide, narrow = views["full.0"], views["chunk.0"]
+    assert wide.shape[1:] == (4, 16, 2 * 256) and narrow.shape[1:] == (4, 32, 2 * 128)
+    # Same bytes per head-block, same head stride: tiled alike.
+    assert wide.stride()[:2] == narrow.stride()[:2]
 
 
 def test_strategy_vllm_refuses_layouts_where_vllm_packs_pages() -> None:

@@ -114,7 +114,15 @@ def _views(plan: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     return views, states
 
 
-_ELEMENT_SIZES = {"torch.int8": 1, "torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4}
+_ELEMENT_SIZES = {
+    "torch.int8": 1,
+    "torch.uint8": 1,
+    "torch.float8_e4m3fn": 1,
+    "torch.float8_e5m2": 1,
+    "torch.bfloat16": 2,
+    "torch.float16": 2,
+    "torch.float32": 4,
+}
 
 
 def _intervals(view: list[Any], block: int) -> list[tuple[int, int]]:

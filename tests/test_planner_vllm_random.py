@@ -6,8 +6,10 @@ layers in random numbers and orders, with random head counts, head sizes and dty
 sharing another's KV cache, budgets from 64 MiB to 64 GiB and `max_model_len` from 256 to 256k.
 vLLM's plan (groups and their layers, block sizes, bytes per block, `num_blocks`, the
 per-request reservation, concurrency, tensors) or its refusal with the fitting `max_model_len`
-must be ours. CI runs `HYBRID_KV_RANDOM_CASES` cases (default 12) from `HYBRID_KV_RANDOM_SEED`
-(default 0); vLLM must be installed.
+must be ours; and in a layout drawn from vLLM's six, every layer's view (shape, strides, offset,
+dtype) must be what vLLM's `allocate_kv_cache` gives, for vLLM's plan and for our min-waste
+plan laid out by vLLM's code. CI runs `HYBRID_KV_RANDOM_CASES` cases (default 12) from
+`HYBRID_KV_RANDOM_SEED` (default 0); vLLM must be installed.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ if os.environ.get("HYBRID_KV_REQUIRE_VLLM") == "1":
 pytest.importorskip("vllm", reason="vLLM 0.33 is not installed")
 
 import vllm_reference as ref  # noqa: E402
+from hybrid_kv.planner import PlanError, plan_kv_cache  # noqa: E402
 from hybrid_kv.specs import (  # noqa: E402
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -31,7 +34,7 @@ from hybrid_kv.specs import (  # noqa: E402
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
-from test_planner_vllm import ours  # noqa: E402
+from test_planner_vllm import _blocks_alias, _views, ours  # noqa: E402
 
 NUM_CASES = int(os.environ.get("HYBRID_KV_RANDOM_CASES", "12"))
 FIRST_SEED = int(os.environ.get("HYBRID_KV_RANDOM_SEED", "0"))
@@ -109,3 +112,60 @@ def test_vllm_strategy_matches_live_vllm_on_random_mixes(seed: int, monkeypatch)
     mine = ours("random", memory, max_model_len)
     kinds = sorted({type(s).__name__ for s in layers.values()})
     assert mine == theirs, f"seed {seed}: {len(layers)} layers {kinds}, {memory} B, {max_model_len}"
+
+
+@pytest.mark.parametrize("seed", range(FIRST_SEED, FIRST_SEED + NUM_CASES))
+def test_views_match_live_vllm_on_random_mixes(seed: int) -> None:
+    rng = random.Random(seed)
+    layers = draw_layers(rng)
+    memory, max_model_len = draw_budget(rng)
+    layout = random.Random(-seed).choice(ref.LAYOUTS)
+    where = f"seed {seed}: {layout}, {memory} B, {max_model_len}"
+    theirs = ref.layer_views(layers, memory, max_model_len, layout)
+    try:
+        plan = plan_kv_cache(
+            layers,
+            memory,
+            max_model_len,
+            strategy="vllm",
+            kv_cache_layout=layout,
+            max_in_flight_tokens=ref.IN_FLIGHT,
+        )
+    except PlanError as error:
+        if "error" in theirs:
+            return  # both refuse (for a layout or memory: either reason refuses)
+        if "overlap each other's blocks" in str(error):
+            # The deliberate refusal (README): vLLM's layout aliases blocks here.
+            assert "views" in theirs and _blocks_alias(theirs["views"]), where
+        elif "which hybrid-kv does not reproduce" in str(error):
+            # The documented limitation (README): vLLM's block-outermost packing of attention
+            # pages of different sizes.
+            assert "views" in theirs, where
+            pages = {s.bytes_per_token for s in layers.values() if hasattr(s, "bytes_per_token")}
+            assert len(pages) > 1 and layout in ("BLNHC", "BLHNC", "BHLNC"), where
+        else:
+            raise AssertionError(f"{where}: we refused ({error}), vLLM planned") from error
+        return
+    assert "views" in theirs, f"{where}: vLLM refused ({theirs.get('error')}), we planned"
+    views, _ = _views(plan)
+    # vLLM lists only layers that own memory; KV-sharing layers alias their target.
+    assert {k: views[k] for k in theirs["views"]} == theirs["views"], where
+    for name, target in plan.kv_sharing.items():
+        assert views[name] == views[target], where
+    # Our min-waste plan of the same layers, laid out by vLLM's code.
+    try:
+        mine = plan_kv_cache(
+            layers, memory, max_model_len, kv_cache_layout=layout, max_in_flight_tokens=2048
+        )
+    except PlanError:
+        return
+    laid_out = ref.plan_views(mine, layout)
+    views, states = _views(mine)
+    owners = {k: v for k, v in views.items() if k not in mine.kv_sharing}
+    assert (owners, states, mine.num_blocks) == (
+        laid_out["views"],
+        laid_out["states"],
+        laid_out["num_blocks"],
+    ), where
+    for name, target in mine.kv_sharing.items():
+        assert views[name] == views[target], where

@@ -239,18 +239,15 @@ def _layout_problem(buckets: Sequence[Bucket], candidate: Candidate, layout: str
         heads = 1 if sizing.mamba[index] else getattr(bucket.spec, "num_kv_heads", 1)
         if padded and heads > 1 and layout in ("LHBNC", "BHLNC"):
             return f"layout {layout} cannot pad attention pages (heads sit outside the page)"
-        shapes.add(
-            (
-                heads,
-                sizing.page_bytes[index]
-                if sizing.mamba[index]
-                else (sizing.block_sizes[index], bucket.spec.bytes_per_token),
-            )
-        )
+        # With heads outside the blocks a layer's view is tiled by its head count and page
+        # size alone: layers that agree on both (whatever their block sizes and head sizes,
+        # e.g. 16 tokens of head size 256 and 32 of 128) cover the same bytes per block.
+        shapes.add((heads, sizing.page_bytes[index]))
     if layout == "LHBNC" and len(shapes) > 1 and any(s[0] > 1 for s in shapes):
         return (
-            "layout LHBNC puts heads outside the blocks, so layers of different shapes would "
-            "overlap each other's blocks (use LBNHC, LBHNC or a block-outermost layout)"
+            "layout LHBNC puts heads outside the blocks, so layers with other head counts or "
+            "page sizes would overlap each other's blocks (use LBNHC, LBHNC or a "
+            "block-outermost layout)"
         )
     return None
 

@@ -125,18 +125,15 @@ def check_expressible(
     """Refuse what vLLM's layout validation refuses: several page sizes need a block-compact
     layout, and with more than one group a block-outermost one. Refuse too what vLLM 0.33
     accepts but cannot hold: in `LHBNC` a page with several heads is spread over the layer's
-    region head by head, so layers shaped differently (a Mamba state beside attention, other
-    head counts) would place block `b` over other layers' blocks."""
-    shapes = {
-        (shape.heads, shape.tokens, shape.content_bytes)
-        for members in groups
-        for _, _, shape in members
-    }
-    if layout == "LHBNC" and len(shapes) > 1 and any(heads > 1 for heads, _, _ in shapes):
+    region head by head, so layers tiled differently (a Mamba state beside attention, other
+    head counts or page sizes) would place block `b` over other layers' blocks. Layers with
+    the same head count and page size are tiled alike whatever their block and head sizes."""
+    shapes = {(shape.heads, shape.page_bytes) for members in groups for _, _, shape in members}
+    if layout == "LHBNC" and len(shapes) > 1 and any(heads > 1 for heads, _ in shapes):
         raise PlanError(
-            "KV cache layout LHBNC puts heads outside the blocks, so layers of different "
-            "shapes would overlap each other's blocks; use LBNHC, LBHNC or a block-outermost "
-            "layout"
+            "KV cache layout LHBNC puts heads outside the blocks, so layers with other head "
+            "counts or page sizes would overlap each other's blocks; use LBNHC, LBHNC or a "
+            "block-outermost layout"
         )
     pages = {shape.page_bytes for members in groups for _, _, shape in members}
     if len(pages) <= 1:
