@@ -24,16 +24,8 @@ if os.environ.get("HYBRID_KV_REQUIRE_VLLM") == "1":
 pytest.importorskip("vllm", reason="vLLM 0.33 is not installed")
 
 import vllm_reference as ref  # noqa: E402
+from hybrid_kv import specs  # noqa: E402
 from hybrid_kv.planner import PlanError, plan_kv_cache  # noqa: E402
-from hybrid_kv.specs import (  # noqa: E402
-    ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
-    KVSharingSpec,
-    LayerSpec,
-    MambaSpec,
-    MLAAttentionSpec,
-    SlidingWindowSpec,
-)
 from test_planner_vllm import _blocks_alias, _views, ours  # noqa: E402
 
 NUM_CASES = int(os.environ.get("HYBRID_KV_RANDOM_CASES", "12"))
@@ -41,7 +33,7 @@ FIRST_SEED = int(os.environ.get("HYBRID_KV_RANDOM_SEED", "0"))
 DTYPES = ("bf16", "bf16", "fp16", "fp32", "fp8_e4m3")
 
 
-def draw_layers(rng: random.Random) -> dict[str, LayerSpec]:
+def draw_layers(rng: random.Random) -> dict[str, specs.LayerSpec]:
     """A decoder's layers: attention kinds vLLM groups together, in a random order."""
     heads = rng.choice([1, 2, 4, 8, 16])
     head = rng.choice([64, 80, 96, 128, 256])
@@ -57,41 +49,41 @@ def draw_layers(rng: random.Random) -> dict[str, LayerSpec]:
             "dtype": dtype,
         }
 
-    kinds: list[LayerSpec] = []
+    kinds: list[specs.LayerSpec] = []
     mla = rng.random() < 0.12
     if mla:
-        spec = MLAAttentionSpec(head_size=rng.choice([576, 512, 320]), dtype=dtype)
+        spec = specs.MLAAttentionSpec(head_size=rng.choice([576, 512, 320]), dtype=dtype)
         kinds += [spec] * rng.randint(2, 40)
     else:
-        full = FullAttentionSpec(**attention_shape())
+        full = specs.FullAttentionSpec(**attention_shape())
         kinds += [full] * rng.randint(0 if rng.random() < 0.15 else 1, 40)
         if rng.random() < 0.5:
             window = rng.choice([32, 128, 512, 1024, 4096, 32768])
-            kinds += [SlidingWindowSpec(**attention_shape(), sliding_window=window)] * rng.randint(
-                1, 50
-            )
+            kinds += [
+                specs.SlidingWindowSpec(**attention_shape(), sliding_window=window)
+            ] * rng.randint(1, 50)
         if rng.random() < 0.2:
             chunk = rng.choice([1024, 8192])
             kinds += [
-                ChunkedLocalAttentionSpec(**attention_shape(), attention_chunk_size=chunk)
+                specs.ChunkedLocalAttentionSpec(**attention_shape(), attention_chunk_size=chunk)
             ] * rng.randint(1, 36)
         if kinds and rng.random() < 0.25:
             nheads = rng.choice([8, 32, 64, 128])
             conv = (rng.choice([3, 4]), rng.choice([1024, 2048, 4096, 8192]))
             ssm = (nheads, rng.choice([32, 64]), rng.choice([64, 128]))
             mamba_dtype = rng.choice(["bf16", "fp32"])
-            mamba = MambaSpec(shapes=(conv, ssm), dtypes=(mamba_dtype, mamba_dtype))
+            mamba = specs.MambaSpec(shapes=(conv, ssm), dtypes=(mamba_dtype, mamba_dtype))
             kinds += [mamba] * rng.randint(1, 40)
     if not kinds:
-        kinds = [FullAttentionSpec(num_kv_heads=heads, head_size=head, dtype=dtype)]
+        kinds = [specs.FullAttentionSpec(num_kv_heads=heads, head_size=head, dtype=dtype)]
     rng.shuffle(kinds)
-    layers: dict[str, LayerSpec] = {f"layers.{i}": spec for i, spec in enumerate(kinds)}
-    attention = [n for n, s in layers.items() if not isinstance(s, MambaSpec)]
+    layers: dict[str, specs.LayerSpec] = {f"layers.{i}": spec for i, spec in enumerate(kinds)}
+    attention = [n for n, s in layers.items() if not isinstance(s, specs.MambaSpec)]
     if not mla and len(attention) > 4 and rng.random() < 0.2:
         # The last layers reuse an earlier layer's KV cache (Gemma-3n-style).
         for name in attention[-rng.randint(1, len(attention) // 3) :]:
             source = rng.choice(attention[: len(attention) // 2])
-            layers[name] = KVSharingSpec(target=source)
+            layers[name] = specs.KVSharingSpec(target=source)
     return layers
 
 
