@@ -188,7 +188,6 @@ pub(crate) struct CacheMap {
 }
 
 impl CacheMap {
-    /// A map for a pool of `num_blocks` blocks (each block holds at most one entry).
     /// Bytes of the tables [`CacheMap::with_capacity`] allocates for `num_blocks` (at least).
     pub(crate) fn heap_bytes(num_blocks: usize) -> usize {
         (2 * num_blocks.max(1))
@@ -196,6 +195,7 @@ impl CacheMap {
             .saturating_mul(std::mem::size_of::<Slot>())
     }
 
+    /// A map for a pool of `num_blocks` blocks (each block holds at most one entry).
     pub(crate) fn with_capacity(num_blocks: usize) -> Result<Self, AllocFailed> {
         let shards = (num_blocks / MIN_PER_SHARD).clamp(1, MAX_SHARDS);
         let shards = if shards.is_power_of_two() {
