@@ -279,14 +279,19 @@ impl FreeOrder {
     /// stack of `2 * num_blocks + 8` slots, compacted when full or when the FIFO passes as many
     /// entries.
     pub(crate) fn new(num_blocks: usize) -> Result<Self, AllocFailed> {
-        let limit = 2 * num_blocks + 8;
+        let limit = Self::limit(num_blocks);
         Self::with_capacity(num_blocks, limit, limit)
+    }
+
+    /// The stack's slots and the FIFO's compaction limit of [`FreeOrder::new`].
+    fn limit(num_blocks: usize) -> usize {
+        num_blocks.saturating_mul(2).saturating_add(8)
     }
 
     /// Bytes [`FreeOrder::new`] allocates for `num_blocks`: its stack (two link arrays and the
     /// slots) and its FIFO.
     pub(crate) fn heap_bytes(num_blocks: usize) -> usize {
-        let limit = num_blocks.saturating_mul(2).saturating_add(8);
+        let limit = Self::limit(num_blocks);
         let stack = 2 * std::mem::size_of::<AtomicU32>() + std::mem::size_of::<AtomicU64>();
         let fifo = limit.saturating_add(num_blocks.saturating_sub(1));
         limit
