@@ -1703,8 +1703,19 @@ fn rightmost_window(
     }
     // An aligned end at `need` or above with only cached blocks below it would have been found
     // above: the run from block 0 matters up to `need` blocks.
+    // Prompts shorter than the window end here without probing any window: their blocks are
+    // walked from 0 with the same prefetching as a window's.
+    let limit = n.min(need);
+    for ahead in (0..limit).take(PREFETCH_AHEAD) {
+        prefetch(ahead);
+    }
     let mut run = 0;
-    while run < n.min(need) && cached(run) {
+    while run < limit && {
+        if run + PREFETCH_AHEAD < limit {
+            prefetch(run + PREFETCH_AHEAD);
+        }
+        cached(run)
+    } {
         run += 1;
     }
     let end = (1..=run).rev().find(|&e| aligned(e)).unwrap_or(0);
