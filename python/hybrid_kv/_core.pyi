@@ -368,6 +368,10 @@ class Request:
     @skip_reading_prefix_cache.setter
     def skip_reading_prefix_cache(self, value: bool) -> None: ...
     @property
+    def _held_horizon(self) -> tuple[int, int, int] | None:
+        """`(slots, cache, removal)` of the running horizon the request's last allocation left
+        (see `KVCacheManager.allocate_slots`), or None once a call ended it."""
+    @property
     def prompt_token_ids(self) -> npt.NDArray[np.uint32]:
         """The prompt, read again from the caller's object."""
     @property
@@ -616,6 +620,13 @@ class KVCacheManager:
             changes nothing else. A refusal by the `full_sequence_must_fit` check changes
             nothing at all. A Mamba hit on a state cached in this same step waits a step
             (None), as in vLLM.
+
+        A running step (no argument besides the counts and `num_lookahead_tokens`) inside the
+        request's running horizon (`running_horizon`, which every successful allocation leaves
+        with the request) changes nothing and is answered from the request alone, without the
+        manager's lock; the tokens appended since reach the manager at the request's next call.
+        Any other call naming the request, and `remove_request`, `remove_skipped_blocks`,
+        `evict_blocks` and `reset_prefix_cache`, end the horizon.
 
         Raises:
             InvalidArgumentError: no tokens and nothing to adopt; a hit that does not match

@@ -16,7 +16,7 @@
 //! manager (they are checked again by id on their next call).
 
 use super::request::Request;
-use super::{KVCacheManager, RequestHandle};
+use super::{KVCacheManager, RequestHandle, RunningHorizon};
 use crate::error::{CoreError, Result};
 use crate::hashing::{BlockHasher, ExtraKeys};
 use crate::types::{BlockHash, RequestMap};
@@ -133,6 +133,22 @@ pub struct RequestRecord {
     pub skip_reading_prefix_cache: bool,
     prehashed: Option<Prehashed>,
     registrations: Registrations,
+    /// The running horizon a manager's last call on this request left, if any (the binding
+    /// answers a running step inside it without that manager's lock; see [`HeldHorizon`]).
+    pub horizon: Option<HeldHorizon>,
+}
+
+/// A [`RunningHorizon`] a manager read for a record, and what it holds for: the manager that
+/// read it (`owner`, the binding's id of that manager) and that manager's count of changes
+/// made by request id (`epoch`) when it was read. The binding drops it on every other call
+/// that names the record, and moves the manager's epoch on with every call that may change a
+/// request's blocks by id, so a horizon is only ever used while no call changed the
+/// request's blocks since it was read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeldHorizon {
+    pub owner: u64,
+    pub epoch: u64,
+    pub horizon: RunningHorizon,
 }
 
 impl RequestRecord {
@@ -159,7 +175,38 @@ impl RequestRecord {
             skip_reading_prefix_cache: false,
             prehashed,
             registrations: Registrations::default(),
+            horizon: None,
         })
+    }
+
+    /// Whether `allocate_slots` of `num_new_tokens` new and `num_lookahead_tokens` lookahead
+    /// tokens, with the record's counts and nothing else given, lies inside the horizon that
+    /// manager `owner` left at `epoch` (so it would take, free and cache nothing, return no
+    /// new blocks, and pass its argument checks).
+    pub fn inside_horizon(
+        &self,
+        owner: u64,
+        epoch: u64,
+        num_new_tokens: usize,
+        num_lookahead_tokens: usize,
+    ) -> bool {
+        let Some(held) = self.horizon else {
+            return false;
+        };
+        if held.owner != owner || held.epoch != epoch || num_new_tokens == 0 {
+            return false;
+        }
+        let h = held.horizon;
+        let (c, f) = (self.num_computed_tokens, self.num_in_flight_tokens);
+        let Some(end) = c.checked_add(num_new_tokens) else {
+            return false;
+        };
+        end.checked_add(num_lookahead_tokens)
+            .is_some_and(|slots| slots <= h.slots)
+            && end < h.cache
+            && f <= c
+            && c - f < h.removal
+            && c - f <= self.num_tokens()
     }
 
     pub fn id(&self) -> &str {
@@ -457,6 +504,55 @@ mod tests {
             tail: prompt[full..].to_vec(),
         };
         RequestRecord::new(id.into(), prompt.len(), ExtraKeys::default(), Some(pre)).unwrap()
+    }
+
+    #[test]
+    fn a_held_horizon_answers_only_its_own_manager_and_epoch_within_its_bounds() {
+        let m = manager();
+        let mut r = record("h", &[1, 2, 3, 4, 5, 6], &m);
+        r.output.extend([7, 8]);
+        r.set_progress(Some(8), Some(0)).unwrap();
+        assert!(!r.inside_horizon(1, 0, 1, 0), "no horizon held");
+        r.horizon = Some(HeldHorizon {
+            owner: 1,
+            epoch: 5,
+            horizon: RunningHorizon {
+                slots: 12,
+                cache: 12,
+                removal: 10,
+            },
+        });
+        assert!(r.inside_horizon(1, 5, 1, 0));
+        assert!(
+            r.inside_horizon(1, 5, 3, 1),
+            "8 + 3 + 1 slots, 11 < 12 cached"
+        );
+        assert!(!r.inside_horizon(2, 5, 1, 0), "another manager");
+        assert!(!r.inside_horizon(1, 6, 1, 0), "a change by id since");
+        assert!(!r.inside_horizon(1, 5, 0, 0), "no new tokens");
+        assert!(
+            !r.inside_horizon(1, 5, 4, 0),
+            "fills the block to cache at 12"
+        );
+        assert!(!r.inside_horizon(1, 5, 3, 2), "one slot too many");
+        assert!(
+            !r.inside_horizon(1, 5, usize::MAX, 0),
+            "overflow is outside"
+        );
+        assert!(
+            !r.inside_horizon(1, 5, 1, usize::MAX),
+            "overflow is outside"
+        );
+        // 10 processed tokens reach the removal bound; in-flight tokens are not processed.
+        r.output.extend([9, 10]);
+        r.set_progress(Some(10), Some(0)).unwrap();
+        assert!(!r.inside_horizon(1, 5, 1, 0));
+        r.set_progress(Some(10), Some(1)).unwrap();
+        assert!(r.inside_horizon(1, 5, 1, 0));
+        // More computed than known tokens plus those in flight cannot be answered here.
+        r.output.truncate(2);
+        r.set_progress(None, Some(0)).unwrap();
+        assert!(!r.inside_horizon(1, 5, 1, 0));
     }
 
     fn ready(s: Synced) -> (RequestHandle, bool) {

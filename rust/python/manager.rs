@@ -14,7 +14,7 @@ use super::request::{lock, PyRequest};
 use super::running::PyVllmSlot;
 use crate::error::Result as CoreResult;
 use crate::hashing::{ExtraKeys, HashAlgo, TokenId};
-use crate::manager::registry::{DropQueue, Lookup, Registry, Synced};
+use crate::manager::registry::{DropQueue, HeldHorizon, Lookup, Registry, Synced};
 use crate::manager::{
     AllocateArgs, AttentionKind, ComputedBlocks, GroupSpec, KVCacheManager, KindParams,
     ManagerConfig, PrefixCacheStats, Prober, RequestHandle, RunningHorizon,
@@ -24,6 +24,7 @@ use numpy::{PyArray2, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Scheduler calls that handle at least this many tokens release the GIL.
@@ -175,6 +176,9 @@ struct Shared {
     /// The registry's queue of garbage-collected requests, checked without the lock.
     drops: Arc<DropQueue>,
     id: u64,
+    /// Calls so far that may have changed a request's blocks by its id (not through its
+    /// `Request`): a running horizon a record holds is used only while this is unchanged.
+    epoch: AtomicU64,
 }
 
 /// The KV cache manager a scheduler drives (vLLM 0.33's `KVCacheManager` methods). Thread-safe:
@@ -307,22 +311,21 @@ impl PyKVCacheManager {
         request: &PyRequest,
         args: &AllocateArgs<'_>,
     ) -> PyResult<Option<Py<PyKVCacheBlocks>>> {
-        Ok(self.allocate_reading_horizon(py, request, args, false)?.0)
+        Ok(self.allocate_reading_horizon(py, request, args)?.0)
     }
 
-    /// `allocate_with`, also reading the request's [`RunningHorizon`] after the call when
-    /// `horizon` (and the pool supplied the blocks).
+    /// `allocate_with`, also returning the request's [`RunningHorizon`] after the call (none
+    /// when the pool could not supply the blocks), which the request's record keeps too.
     fn allocate_reading_horizon(
         &self,
         py: Python<'_>,
         request: &PyRequest,
         args: &AllocateArgs<'_>,
-        horizon: bool,
     ) -> PyResult<(Option<Py<PyKVCacheBlocks>>, Option<RunningHorizon>)> {
         let args = *args;
         let long = args.num_new_tokens >= DETACH_SCHEDULE_TOKENS;
         // None: out of blocks; Some(None): nothing new (the shared empty result).
-        let (new, reach) = self.with_request(py, request, long, |inner, r| {
+        let (new, reach) = self.with_request_holding(py, request, long, |inner, r| {
             let args = AllocateArgs {
                 num_computed_tokens: r.num_computed_tokens,
                 num_in_flight_tokens: r.num_in_flight_tokens,
@@ -334,15 +337,11 @@ impl PyKVCacheManager {
                 ..
             } = inner;
             if !manager.allocate_slots_into(r.handle, &args, new_blocks)? {
-                return Ok((None, None));
+                return Ok(((None, None), None));
             }
             let new = (!new_blocks.iter().all(Vec::is_empty)).then(|| new_blocks.clone());
-            let reach = if horizon {
-                manager.running_horizon(r.handle)?
-            } else {
-                None
-            };
-            Ok((Some(new), reach))
+            let reach = manager.running_horizon(r.handle)?;
+            Ok(((Some(new), reach), reach))
         })?;
         let new = match new {
             None => None,
@@ -350,6 +349,12 @@ impl PyKVCacheManager {
             Some(Some(blocks)) => Some(self.blocks(py, ComputedBlocks::new(blocks, 0))?),
         };
         Ok((new, reach))
+    }
+
+    /// Moves the epoch of by-id changes on: a call that may change a request's blocks without
+    /// naming its `Request` (its record's horizon is then unusable).
+    fn changed_by_id(&self) {
+        self.shared.epoch.fetch_add(1, Ordering::AcqRel);
     }
 
     /// Locks the manager and removes the requests whose `Request` was garbage collected.
@@ -377,6 +382,19 @@ impl PyKVCacheManager {
         long: bool,
         f: impl Fn(&mut Inner, Current) -> PyResult<R> + Send + Sync,
     ) -> PyResult<R> {
+        self.with_request_holding(py, request, long, |inner, r| Ok((f(inner, r)?, None)))
+    }
+
+    /// [`Self::with_request`] whose `f` also returns the running horizon the call leaves
+    /// (kept in the request's record, under the same locks, for `allocate_slots`' running
+    /// steps); any horizon the record held is dropped first.
+    fn with_request_holding<R: Send>(
+        &self,
+        py: Python<'_>,
+        request: &PyRequest,
+        long: bool,
+        f: impl Fn(&mut Inner, Current) -> PyResult<(R, Option<RunningHorizon>)> + Send + Sync,
+    ) -> PyResult<R> {
         let mut prompt: Option<Vec<u32>> = None;
         loop {
             let given = prompt.as_deref();
@@ -384,6 +402,7 @@ impl PyKVCacheManager {
                 let mut guard = self.inner();
                 let inner = &mut *guard;
                 let mut record = lock(&request.record);
+                record.horizon = None;
                 let (handle, registered) =
                     match inner
                         .registry
@@ -403,7 +422,14 @@ impl PyKVCacheManager {
                     inner.manager.set_skip_reading_prefix_cache(handle, false)?;
                 }
                 match f(inner, current) {
-                    Ok(r) => Ok(Some(r)),
+                    Ok((r, horizon)) => {
+                        record.horizon = horizon.map(|horizon| HeldHorizon {
+                            owner: self.shared.id,
+                            epoch: self.shared.epoch.load(Ordering::Acquire),
+                            horizon,
+                        });
+                        Ok(Some(r))
+                    }
                     Err(err) => {
                         if registered {
                             inner
@@ -527,6 +553,7 @@ impl PyKVCacheManager {
                     new_blocks: Vec::new(),
                 }),
                 id,
+                epoch: AtomicU64::new(0),
             }),
             empty,
             num_groups,
@@ -691,6 +718,7 @@ impl PyKVCacheManager {
     /// Frees the request's blocks and forgets its hashes.
     fn remove_request(&self, request_id: Text) -> PyResult<()> {
         let mut guard = self.inner();
+        self.changed_by_id();
         let inner = &mut *guard;
         Ok(inner.registry.remove(&mut inner.manager, &request_id)?)
     }
@@ -765,6 +793,27 @@ impl PyKVCacheManager {
                 num_in_flight_tokens.map(Count::get),
             )?;
         }
+        let running = new_computed_blocks.is_none()
+            && num_new_computed_tokens.get() == 0
+            && num_external_computed_tokens.get() == 0
+            && !delay_cache_blocks
+            && num_encoder_tokens.get() == 0
+            && !full_sequence_must_fit
+            && reserved_blocks.get() == 0
+            && has_scheduled_reqs
+            && skip_zeroing_group_ids.is_empty();
+        if running
+            && lock(&request.record).inside_horizon(
+                self.shared.id,
+                self.shared.epoch.load(Ordering::Acquire),
+                num_new_tokens.get(),
+                num_lookahead_tokens.get(),
+            )
+        {
+            // A running step inside the horizon the request's last call left: it would take,
+            // free and cache nothing. Its tokens reach the manager at its next call.
+            return Ok(Some(self.empty.clone_ref(py)));
+        }
         if let Some(b) = new_computed_blocks {
             if b.manager_id != self.shared.id {
                 return Err(InvalidArgumentError::new_err(
@@ -822,7 +871,7 @@ impl PyKVCacheManager {
             has_scheduled_reqs: true,
             ..Default::default()
         };
-        let (new, horizon) = self.allocate_reading_horizon(py, companion.get(), &args, true)?;
+        let (new, horizon) = self.allocate_reading_horizon(py, companion.get(), &args)?;
         slot.ran(horizon);
         Ok(new)
     }
@@ -861,7 +910,8 @@ impl PyKVCacheManager {
     ) -> PyResult<Bound<'py, numpy::PyArray1<i32>>> {
         let mut guard = self.inner();
         let inner = &mut *guard;
-        let record = lock(&request.record);
+        let mut record = lock(&request.record);
+        record.horizon = None;
         let ids = match inner.registry.lookup(&inner.manager, &record)? {
             Lookup::Registered(handle) => inner.manager.pop_blocks_for_free(handle)?,
             Lookup::NotRegistered => Vec::new(),
@@ -878,7 +928,9 @@ impl PyKVCacheManager {
     /// Removes the cache entries of the given blocks (reference counts untouched).
     fn evict_blocks(&self, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = super::convert::extract_ids(block_ids)?;
-        Ok(self.inner().manager.evict_blocks(&ids)?)
+        let mut inner = self.inner();
+        self.changed_by_id();
+        Ok(inner.manager.evict_blocks(&ids)?)
     }
 
     /// Drains the ids of new attention blocks the worker must zero (layouts with Mamba
@@ -957,7 +1009,8 @@ impl PyKVCacheManager {
     ) -> PyResult<Vec<(u32, i32, usize)>> {
         let mut guard = self.inner();
         let inner = &mut *guard;
-        let record = lock(&request.record);
+        let mut record = lock(&request.record);
+        record.horizon = None;
         let computed = num_computed_tokens.map_or(record.num_computed_tokens, Count::get);
         let in_flight = num_in_flight_tokens.map_or(record.num_in_flight_tokens, Count::get);
         match inner.registry.lookup(&inner.manager, &record)? {
@@ -1042,7 +1095,9 @@ impl PyKVCacheManager {
         processed_computed_tokens: Count,
         num_prompt_tokens: Option<Count>,
     ) -> PyResult<()> {
-        Ok(self.inner().manager.remove_skipped_blocks(
+        let mut inner = self.inner();
+        self.changed_by_id();
+        Ok(inner.manager.remove_skipped_blocks(
             &*request_id,
             processed_computed_tokens.get(),
             num_prompt_tokens.map(Count::get),
@@ -1069,7 +1124,8 @@ impl PyKVCacheManager {
     fn free(&self, request: &PyRequest) -> PyResult<()> {
         let mut guard = self.inner();
         let inner = &mut *guard;
-        let record = lock(&request.record);
+        let mut record = lock(&request.record);
+        record.horizon = None;
         match inner.registry.lookup(&inner.manager, &record)? {
             Lookup::Registered(handle) => Ok(inner.manager.free(handle)?),
             Lookup::NotRegistered => Ok(()),
@@ -1196,7 +1252,9 @@ impl PyKVCacheManager {
 
     /// Clears the prefix cache; refused (False) while any block is in use.
     fn reset_prefix_cache(&self) -> bool {
-        self.inner().manager.reset_prefix_cache()
+        let mut inner = self.inner();
+        self.changed_by_id();
+        inner.manager.reset_prefix_cache()
     }
 
     fn take_events(&self, py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {

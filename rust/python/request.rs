@@ -148,6 +148,16 @@ impl PyRequest {
         lock(&self.record).skip_reading_prefix_cache = value;
     }
 
+    /// `(slots, cache, removal)` of the running horizon the request's last manager call left
+    /// (see `KVCacheManager.running_horizon`), or None: while a call of `allocate_slots` for a
+    /// running step lies inside it, that manager answers it without taking its lock.
+    #[getter]
+    fn _held_horizon(&self) -> Option<(usize, usize, usize)> {
+        lock(&self.record)
+            .horizon
+            .map(|h| (h.horizon.slots, h.horizon.cache, h.horizon.removal))
+    }
+
     #[getter]
     fn prompt_token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<u32>>> {
         Ok(PyArray1::from_vec(py, self.read_prompt(py)?))
