@@ -370,7 +370,9 @@ class Request:
     @property
     def _held_horizon(self) -> tuple[int, int, int] | None:
         """`(slots, cache, removal)` of the running horizon the request's last allocation left
-        (see `KVCacheManager.allocate_slots`), or None once a call ended it."""
+        (see `KVCacheManager.allocate_slots`), or None once another call naming the request
+        ended it. A manager uses it only while none of its calls changed a request's blocks by
+        id (`remove_request`, ...) since it was left."""
     @property
     def prompt_token_ids(self) -> npt.NDArray[np.uint32]:
         """The prompt, read again from the caller's object."""

@@ -1702,9 +1702,8 @@ fn rightmost_window(
         }
     }
     // An aligned end at `need` or above with only cached blocks below it would have been found
-    // above: the run from block 0 matters up to `need` blocks.
-    // Prompts shorter than the window end here without probing any window: their blocks are
-    // walked from 0 with the same prefetching as a window's.
+    // above: the run from block 0 matters up to `need` blocks. (Prompts shorter than the window
+    // come here without probing any window: the run is prefetched as a window's probes are.)
     let limit = n.min(need);
     for ahead in (0..limit).take(PREFETCH_AHEAD) {
         prefetch(ahead);

@@ -148,9 +148,10 @@ impl PyRequest {
         lock(&self.record).skip_reading_prefix_cache = value;
     }
 
-    /// `(slots, cache, removal)` of the running horizon the request's last manager call left
-    /// (see `KVCacheManager.running_horizon`), or None: while a call of `allocate_slots` for a
-    /// running step lies inside it, that manager answers it without taking its lock.
+    /// `(slots, cache, removal)` of the running horizon the request's last allocation left
+    /// (see `KVCacheManager.running_horizon`), or None once another call naming the request
+    /// ended it. A running step inside it is answered by that manager without its lock, while
+    /// none of the manager's calls changed a request's blocks by id since it was left.
     #[getter]
     fn _held_horizon(&self) -> Option<(usize, usize, usize)> {
         lock(&self.record)
