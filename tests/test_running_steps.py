@@ -202,11 +202,22 @@ def _differential(layout: str, seed: int, steps: int) -> int:
             a.append_output_token_ids(7)
             b.append_output_token_ids(7)
             lookahead = rng.choice([0, 0, 0, 1, 2])
+            # Under async scheduling the newest computed token may not be processed yet: its
+            # window blocks stay until it is (the counts are passed with the call).
+            in_flight = rng.choice([0, 0, 1])
             held = a._held_horizon
             b_counts = (b.num_computed_tokens, b.num_in_flight_tokens)
             twin.running_horizon(b)
             results = [
-                ids(m.allocate_slots(r, 1, num_lookahead_tokens=lookahead))
+                ids(
+                    m.allocate_slots(
+                        r,
+                        1,
+                        num_lookahead_tokens=lookahead,
+                        num_computed_tokens=b_counts[0],
+                        num_in_flight_tokens=in_flight,
+                    )
+                )
                 for m, r in ((fast, a), (twin, b))
             ]
             assert results[0] == results[1], f"step {step}: decode {rid}"
@@ -220,6 +231,7 @@ def _differential(layout: str, seed: int, steps: int) -> int:
                     and a._held_horizon == held
                     and results[0] == [[] for _ in groups]
                 )
+                a.num_in_flight_tokens = b.num_in_flight_tokens = 0
                 a.num_computed_tokens = b.num_computed_tokens = b_counts[0] + 1
         elif op < 0.86:
             fast.free(a)
