@@ -138,6 +138,33 @@ pub struct RunningHorizon {
     pub removal: usize,
 }
 
+impl RunningHorizon {
+    /// Whether a running step of `num_new_tokens` (at least 1) and `num_lookahead_tokens`, with
+    /// `computed` tokens computed and `in_flight` of them not yet processed, of a request that
+    /// holds `num_tokens` known tokens, lies inside the horizon and passes the call's argument
+    /// checks (see the type's docs).
+    pub fn admits(
+        &self,
+        computed: usize,
+        in_flight: usize,
+        num_tokens: usize,
+        num_new_tokens: usize,
+        num_lookahead_tokens: usize,
+    ) -> bool {
+        let Some(end) = computed.checked_add(num_new_tokens) else {
+            return false;
+        };
+        num_new_tokens > 0
+            && end
+                .checked_add(num_lookahead_tokens)
+                .is_some_and(|slots| slots <= self.slots)
+            && end < self.cache
+            && in_flight <= computed
+            && computed - in_flight < self.removal
+            && computed - in_flight <= num_tokens
+    }
+}
+
 /// Prefix-cache hit statistics (vLLM's `PrefixCacheStats`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PrefixCacheStats {

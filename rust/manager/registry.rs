@@ -193,20 +193,15 @@ impl RequestRecord {
         let Some(held) = self.horizon else {
             return false;
         };
-        if held.owner != owner || held.epoch != epoch || num_new_tokens == 0 {
-            return false;
-        }
-        let h = held.horizon;
-        let (c, f) = (self.num_computed_tokens, self.num_in_flight_tokens);
-        let Some(end) = c.checked_add(num_new_tokens) else {
-            return false;
-        };
-        end.checked_add(num_lookahead_tokens)
-            .is_some_and(|slots| slots <= h.slots)
-            && end < h.cache
-            && f <= c
-            && c - f < h.removal
-            && c - f <= self.num_tokens()
+        held.owner == owner
+            && held.epoch == epoch
+            && held.horizon.admits(
+                self.num_computed_tokens,
+                self.num_in_flight_tokens,
+                self.num_tokens(),
+                num_new_tokens,
+                num_lookahead_tokens,
+            )
     }
 
     pub fn id(&self) -> &str {

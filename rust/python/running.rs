@@ -139,13 +139,17 @@ impl PyVllmSlot {
         let Some(h) = lock(&self.state).horizon else {
             return false;
         };
-        let (slots, cache, removal) = (h.slots as i128, h.cache as i128, h.removal as i128);
-        computed + n + k <= slots
-            && computed + n < cache
-            && 0 <= in_flight
-            && in_flight <= computed
-            && computed - in_flight < removal
-            && computed <= num_tokens + in_flight
+        let count = |v: i128| usize::try_from(v).ok();
+        let (Some(computed), Some(in_flight), Some(num_tokens), Some(n), Some(k)) = (
+            count(computed),
+            count(in_flight),
+            count(num_tokens),
+            count(n),
+            count(k),
+        ) else {
+            return false;
+        };
+        h.admits(computed, in_flight, num_tokens, n, k)
     }
 }
 
