@@ -821,6 +821,59 @@ def test_block_ids_cross_as_lists_of_ints() -> None:
             assert type(group) is list and all(type(b) is int for b in group)
 
 
+@pytest.mark.parametrize("kv_events", [False, True])
+def test_the_shared_empty_result_reads_as_an_empty_kv_cache_blocks(kv_events: bool) -> None:
+    # The manager's `empty_kv_cache_blocks` must read as vLLM's empty `KVCacheBlocks` does, and
+    # be what a running step that allocated nothing returns (inside the horizon or not).
+    options = harness.Options(layout="gemma3", kv_events=kv_events)
+    scheduler = harness.build_scheduler(options, hkv.Scheduler)
+    stock = harness.build_scheduler(options, None)
+    ours, theirs = scheduler.kv_cache_manager.empty_kv_cache_blocks, (
+        stock.kv_cache_manager.empty_kv_cache_blocks
+    )
+    groups = len(theirs.get_block_ids())
+    assert groups == 7
+    for allow_none in (False, True):
+        assert ours.get_block_ids(allow_none) == theirs.get_block_ids(allow_none)
+        assert ours.get_block_ids(allow_none=allow_none) == theirs.get_block_ids(
+            allow_none=allow_none
+        )
+        for group_ids in ([0], [2, 5], []):
+            assert ours.get_block_ids(allow_none, group_ids=group_ids) == (
+                theirs.get_block_ids(allow_none, group_ids=group_ids)
+            )
+    lists = ours.get_block_ids()
+    assert all(type(g) is list and not g for g in lists) and lists is not ours.get_block_ids()
+    assert ours.is_empty() and ours.new_empty().is_empty()
+    assert ours.new_empty().get_block_ids() == theirs.new_empty().get_block_ids()
+    assert (ours + ours).get_block_ids() == theirs.get_block_ids()
+    with pytest.raises(NotImplementedError):
+        ours.blocks  # noqa: B018
+    # Added to a hit, either way round, it changes nothing.
+    driver = harness.Driver(scheduler, WORKLOAD[:6])
+    for _ in range(30):
+        driver.timed_step()
+    request = next(iter(scheduler.running))
+    blocks = scheduler.kv_cache_manager.get_blocks(request.request_id)
+    assert blocks.get_block_ids() and any(blocks.get_block_ids())
+    assert (blocks + ours).get_block_ids() == blocks.get_block_ids()
+    assert (ours + blocks).get_block_ids() == blocks.get_block_ids()
+    # A running step that allocates nothing returns it, inside the horizon or from the core.
+    returned = []
+    allocate = scheduler.kv_cache_manager.allocate_slots
+
+    def keep(*args: Any, **kwargs: Any) -> Any:
+        result = allocate(*args, **kwargs)
+        returned.append(result)
+        return result
+
+    scheduler.kv_cache_manager.allocate_slots = keep
+    for _ in range(20):
+        driver.timed_step()
+    empties = [r for r in returned if r is ours]
+    assert empties and all(r is ours or r is None or r.get_block_ids(True) for r in returned)
+
+
 def _refusals(results: list[Any]) -> list[Any]:
     return [
         out
