@@ -583,6 +583,11 @@ impl GroupManager {
         let new = num_tokens.div_ceil(bs).saturating_sub(table.blocks.len());
         if new > 0 {
             let start = table.blocks.len();
+            if table.blocks.capacity() - start < new {
+                // Room for a quarter more (at least 16 blocks): the decode steps after an
+                // admission then grow the table in place instead of copying it (cold by then).
+                table.blocks.reserve(new + ((start + new) / 4).max(16));
+            }
             pool.get_new_blocks_into(new, &mut table.blocks)?;
             out.extend_from_slice(&table.blocks[start..]);
             if self.records_new_blocks {

@@ -107,6 +107,10 @@ impl PyVllmSlot {
         {
             let mut record = lock(&companion.get().record);
             let before = record.output.len();
+            if record.output.capacity() - before < new.len() {
+                // Output grows a token a step: start at 64 rather than doubling from 4.
+                record.output.reserve(new.len().max(64));
+            }
             record.output.extend_from_slice(new);
             if let Some((computed, in_flight)) = counts {
                 if let Err(e) = record.set_progress(Some(computed), Some(in_flight)) {
