@@ -828,8 +828,9 @@ def test_the_shared_empty_result_reads_as_an_empty_kv_cache_blocks(kv_events: bo
     options = harness.Options(layout="gemma3", kv_events=kv_events)
     scheduler = harness.build_scheduler(options, hkv.Scheduler)
     stock = harness.build_scheduler(options, None)
-    ours, theirs = scheduler.kv_cache_manager.empty_kv_cache_blocks, (
-        stock.kv_cache_manager.empty_kv_cache_blocks
+    ours, theirs = (
+        scheduler.kv_cache_manager.empty_kv_cache_blocks,
+        (stock.kv_cache_manager.empty_kv_cache_blocks),
     )
     groups = len(theirs.get_block_ids())
     assert groups == 7

@@ -26,7 +26,12 @@ from typing import Any
 
 import numpy as np
 from vllm.logger import init_logger
-from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy, _gen_prompt_embeds_extra_hash_keys
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import (
+    KVCacheBlockCopy,
+    _gen_prompt_embeds_extra_hash_keys,
+    resolve_none_hash_seed,
+)
 from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheSpec,
@@ -44,6 +49,27 @@ from hybrid_kv.vllm._support import GROUP_KINDS
 logger = init_logger(__name__)
 
 _EMPTY_IDS = np.zeros(0, dtype=np.int32)
+
+# vLLM's `CacheConfig.prefix_caching_hash_algo` -> the core's hash of the prefix cache's keys.
+# vLLM's default, SHA-256, is kept: blocks are keyed by a cryptographic hash, so a client cannot
+# craft a prompt whose blocks another prompt's hits read. Its xxHash options, which vLLM
+# documents as not cryptographically secure, get the core's XXH3-128.
+HASH_ALGOS = {
+    "sha256": "sha256",
+    "sha256_cbor": "sha256",
+    "xxhash": "xxh3",
+    "xxhash_cbor": "xxh3",
+}
+
+
+def hash_seed(hash_algo: str) -> str:
+    """The seed of the parent hash of every prompt's first block, by vLLM's rule for its own
+    (`resolve_none_hash_seed`): `PYTHONHASHSEED` when it is set, otherwise a fixed seed for
+    SHA-256 and a random one (per manager) for xxHash, whose keys are then not computable
+    outside the process."""
+    return resolve_none_hash_seed(get_hash_fn_by_name(hash_algo))
+
+
 _ids_counter = itertools.count()
 
 
@@ -267,7 +293,12 @@ class HybridKVCacheManager(_RunningSteps):
         metrics_collector: Any = None,
         watermark: float = 0.0,
         enable_mamba_shared_prefix_checkpoint: bool = False,
+        hash_algo: str = "sha256",
     ) -> None:
+        # `hash_algo` is vLLM's `CacheConfig.prefix_caching_hash_algo` (not a vLLM manager
+        # argument: the scheduler plugin passes it from the config).
+        if hash_algo not in HASH_ALGOS:
+            raise Unsupported(f"prefix_caching_hash_algo={hash_algo!r}")
         if dcp_world_size != 1 or pcp_world_size != 1:
             raise Unsupported("context parallelism")
         if metrics_collector is not None:
@@ -299,6 +330,9 @@ class HybridKVCacheManager(_RunningSteps):
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         self.coordinator = CoordinatorView(kv_cache_config, use_eagle, num_prefill_lookahead)
         eagle_groups = [i for i, g in enumerate(groups) if g.is_eagle_group]
+        self.hash_algo = hash_algo
+        self._core_hash = HASH_ALGOS[hash_algo]
+        self._hash_seed = hash_seed(hash_algo)
         try:
             self.core = hk.KVCacheManager(
                 [_group_spec(i, g.kv_cache_spec) for i, g in enumerate(groups)],
@@ -306,6 +340,8 @@ class HybridKVCacheManager(_RunningSteps):
                 max_model_len,
                 enable_caching=enable_caching,
                 enable_kv_events=enable_kv_cache_events,
+                hash_algo=self._core_hash,
+                hash_seed=self._hash_seed,
                 watermark=watermark,
                 max_in_flight_tokens=max_in_flight_tokens,
                 prefix_cache_retention_interval=kv_cache_config.prefix_cache_retention_interval,
@@ -384,6 +420,8 @@ class HybridKVCacheManager(_RunningSteps):
                 f"{lora.lora_name}\0{lora.lora_path}" if lora is not None else None,
                 inputs or None,
                 block_size=self.hash_block_size,
+                hash_algo=self._core_hash,
+                hash_seed=self._hash_seed,
             )
             if request.skip_reading_prefix_cache:
                 companion.skip_reading_prefix_cache = True

@@ -53,7 +53,11 @@ def build_kv_cache_manager(
     reason = fallback_reason(BuildContext(vllm_config, kv_cache_config, manager_kwargs))
     if reason is None:
         try:
-            manager = HybridKVCacheManager(**manager_kwargs)
+            manager = HybridKVCacheManager(
+                **manager_kwargs,
+                # Blocks are keyed with the hash vLLM's config names (SHA-256 by default).
+                hash_algo=vllm_config.cache_config.prefix_caching_hash_algo,
+            )
         except Unsupported as error:
             reason = str(error)
         else:

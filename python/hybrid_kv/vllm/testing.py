@@ -207,6 +207,10 @@ class Options:
     # vLLM's scheduling policy: "fcfs" or "priority" (requests' `priority`, lower first;
     # preemption takes the lowest-priority running request).
     policy: str = "fcfs"
+    # CacheConfig.prefix_caching_hash_algo: how vLLM's engine core hashes requests, and the
+    # hash hybrid-kv keys its prefix cache with ("sha256", vLLM's default, or "sha256_cbor",
+    # "xxhash", "xxhash_cbor").
+    hash_algo: str = "sha256"
 
 
 def _retention(options: Options) -> int | None:
@@ -314,6 +318,7 @@ def vllm_config(options: Options) -> VllmConfig:
         block_size=options.block_size,
         enable_prefix_caching=options.prefix_caching,
         prefix_cache_retention_interval=_retention(options),
+        prefix_caching_hash_algo=options.hash_algo,
         enable_mamba_shared_prefix_checkpoint=options.mamba_shared_prefix_checkpoint,
         prefix_match_unit=options.prefix_match_unit,
         # vLLM derives this from the model's Mamba layers; the tiny model here has none.
@@ -453,15 +458,19 @@ def chat_workload(
 
 
 @cache
-def _block_hasher(block_size: int, lookahead: int = 0) -> Callable[[Request], list[Any]]:
-    hash_fn = get_hash_fn_by_name("sha256")
+def _block_hasher(
+    block_size: int, lookahead: int = 0, hash_algo: str = "sha256"
+) -> Callable[[Request], list[Any]]:
+    hash_fn = get_hash_fn_by_name(hash_algo)
     init_none_hash(hash_fn)
     return get_request_block_hasher(block_size, hash_fn, lookahead)
 
 
-def make_request(spec: RequestSpec, block_size: int = BLOCK_SIZE, lookahead: int = 0) -> Request:
+def make_request(
+    spec: RequestSpec, block_size: int = BLOCK_SIZE, lookahead: int = 0, hash_algo: str = "sha256"
+) -> Request:
     """A vLLM request for `spec`, hashed as vLLM's engine core hashes it (`lookahead`: the
-    config's `num_hash_lookahead_tokens`)."""
+    config's `num_hash_lookahead_tokens`; `hash_algo`: its `prefix_caching_hash_algo`)."""
     return Request(
         request_id=spec.request_id,
         prompt_token_ids=None if spec.embeds else list(spec.prompt),
@@ -487,7 +496,7 @@ def make_request(spec: RequestSpec, block_size: int = BLOCK_SIZE, lookahead: int
             for identifier, offset, length in spec.mm
         ]
         or None,
-        block_hasher=_block_hasher(block_size, lookahead),
+        block_hasher=_block_hasher(block_size, lookahead, hash_algo),
         arrival_time=0.0,
         priority=spec.priority,
     )
@@ -532,6 +541,7 @@ class Driver:
                     # groups' block sizes), as vLLM's engine core hashes them.
                     self.scheduler.hash_block_size,
                     self.scheduler.vllm_config.num_hash_lookahead_tokens,
+                    self.scheduler.vllm_config.cache_config.prefix_caching_hash_algo,
                 )
             )
             self._next += 1
