@@ -7,9 +7,10 @@ come or by request priority), the scheduler's watermark, whole-prompt fit check 
 cap, async scheduling, speculative decoding (n-gram, EAGLE-3 with or without lookahead hashes,
 MTP), a `prefix_match_unit` below the block size, LoRA adapters, prompt embeddings,
 prompt-logprobs requests, KV events, vLLM's prefix-caching hash and a short `max_model_len`; then
-a chat workload with exact duplicates and block-aligned prompts; and, while it runs, client aborts and
-prefix-cache resets (with and without preempting the running requests) at seeded steps. Every
-step's `SchedulerOutput`, engine-core outputs and KV events must be equal on both sides.
+a chat workload with exact duplicates and block-aligned prompts; and, while it runs, client
+aborts and prefix-cache resets (with and without preempting the running requests) at seeded
+steps. Every step's `SchedulerOutput`, engine-core outputs and KV events must be equal on both
+sides.
 
 Mamba layouts also draw hashes finer than their blocks (fine-grained partial hash hits, with
 copy-on-write block copies, which the outputs compare too). The fixed tests elsewhere name each
