@@ -586,7 +586,11 @@ impl GroupManager {
             if table.blocks.capacity() - start < new {
                 // Room for a quarter more (at least 16 blocks): the decode steps after an
                 // admission then grow the table in place instead of copying it (cold by then).
-                table.blocks.reserve(new + ((start + new) / 4).max(16));
+                // Only a hint: without the room the claim below grows the table as before (and
+                // the pool, not this, bounds `new`).
+                let _ = table
+                    .blocks
+                    .try_reserve(new.saturating_add((start.saturating_add(new) / 4).max(16)));
             }
             pool.get_new_blocks_into(new, &mut table.blocks)?;
             out.extend_from_slice(&table.blocks[start..]);
@@ -1765,9 +1769,69 @@ fn lookup_all(
 
 #[cfg(test)]
 mod tests {
-    use super::{first_at_least, rightmost_window, GroupManager, GroupTable, Window, NULL_BLOCK};
+    use super::{
+        first_at_least, rightmost_window, Effects, GroupManager, GroupTable, Window, NULL_BLOCK,
+    };
+    use crate::error::CoreError;
     use crate::manager::spec::{AttentionKind, GroupSpec};
     use crate::pool::BlockPool;
+
+    /// A table grows with room for the decode steps after it (a quarter more, at least 16
+    /// blocks), so they do not copy it; a count no pool could serve is the pool's error, with
+    /// the table unchanged, not an allocation sized by the count.
+    #[test]
+    fn a_table_grows_with_room_and_a_huge_count_is_the_pools_error() {
+        let g = group(GroupSpec::full(16));
+        let pool = BlockPool::new(64).unwrap();
+        let mut table = GroupTable::default();
+        let mut out = Vec::new();
+        let mut effects = Effects::default();
+        g.allocate_new_blocks(
+            &pool,
+            &mut table,
+            "r",
+            40 * 16,
+            40 * 16,
+            &mut out,
+            &mut effects,
+        )
+        .unwrap();
+        assert_eq!(table.blocks.len(), 40);
+        assert!(
+            table.blocks.capacity() >= 40 + 16,
+            "{}",
+            table.blocks.capacity()
+        );
+        let (ptr, capacity) = (table.blocks.as_ptr(), table.blocks.capacity());
+        for n in 41..=56 {
+            g.allocate_new_blocks(
+                &pool,
+                &mut table,
+                "r",
+                n * 16,
+                n * 16,
+                &mut out,
+                &mut effects,
+            )
+            .unwrap();
+        }
+        assert_eq!(table.blocks.len(), 56);
+        assert_eq!(
+            (table.blocks.as_ptr(), table.blocks.capacity()),
+            (ptr, capacity)
+        );
+        let before = table.blocks.clone();
+        for huge in [usize::MAX, usize::MAX / 2, 1 << 50] {
+            let err = g
+                .allocate_new_blocks(&pool, &mut table, "r", huge, huge, &mut out, &mut effects)
+                .unwrap_err();
+            assert!(
+                matches!(err, CoreError::NotEnoughFreeBlocks { .. }),
+                "{err:?}"
+            );
+            assert_eq!(table.blocks, before);
+        }
+    }
 
     fn group(spec: GroupSpec) -> GroupManager {
         GroupManager {
