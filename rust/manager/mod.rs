@@ -118,6 +118,23 @@ pub struct AllocateArgs<'a> {
     pub skip_zeroing_group_ids: &'a [usize],
 }
 
+impl AllocateArgs<'_> {
+    /// Whether the call has the shape a [`RunningHorizon`] speaks of (a running request's
+    /// step): no hit to adopt, no external tokens, no delayed caching, no full-sequence check,
+    /// no reserved blocks, other requests scheduled and no groups left unzeroed; only the
+    /// counts and the lookahead tokens may be anything.
+    pub fn is_running_step(&self) -> bool {
+        self.new_computed_blocks.is_none()
+            && self.num_new_computed_tokens == 0
+            && self.num_external_computed_tokens == 0
+            && !self.delay_cache_blocks
+            && !self.full_sequence_must_fit
+            && self.reserved_blocks == 0
+            && self.has_scheduled_reqs
+            && self.skip_zeroing_group_ids.is_empty()
+    }
+}
+
 /// How far a running request's next `allocate_slots` calls can go without changing anything
 /// (see [`KVCacheManager::running_horizon`]).
 ///

@@ -793,21 +793,28 @@ impl PyKVCacheManager {
                 num_in_flight_tokens.map(Count::get),
             )?;
         }
-        let running = new_computed_blocks.is_none()
-            && num_new_computed_tokens.get() == 0
-            && num_external_computed_tokens.get() == 0
-            && !delay_cache_blocks
-            && num_encoder_tokens.get() == 0
-            && !full_sequence_must_fit
-            && reserved_blocks.get() == 0
-            && has_scheduled_reqs
-            && skip_zeroing_group_ids.is_empty();
-        if running
+        let skip_zeroing: Vec<usize> = skip_zeroing_group_ids.into_iter().map(Count::get).collect();
+        let args = AllocateArgs {
+            num_new_tokens: num_new_tokens.get(),
+            num_computed_tokens: 0,
+            num_new_computed_tokens: num_new_computed_tokens.get(),
+            new_computed_blocks: new_computed_blocks.map(|b| &b.computed),
+            num_lookahead_tokens: num_lookahead_tokens.get(),
+            num_in_flight_tokens: 0,
+            delay_cache_blocks,
+            full_sequence_must_fit,
+            has_scheduled_reqs,
+            num_external_computed_tokens: num_external_computed_tokens.get(),
+            reserved_blocks: reserved_blocks.get(),
+            skip_zeroing_group_ids: &skip_zeroing,
+        };
+        if num_encoder_tokens.get() == 0
+            && args.is_running_step()
             && lock(&request.record).inside_horizon(
                 self.shared.id,
                 self.shared.epoch.load(Ordering::Acquire),
-                num_new_tokens.get(),
-                num_lookahead_tokens.get(),
+                args.num_new_tokens,
+                args.num_lookahead_tokens,
             )
         {
             // A running step inside the horizon the request's last call left: it would take,
@@ -826,21 +833,6 @@ impl PyKVCacheManager {
                 "num_encoder_tokens: cross-attention (encoder-decoder) layouts are not supported",
             ));
         }
-        let skip_zeroing: Vec<usize> = skip_zeroing_group_ids.into_iter().map(Count::get).collect();
-        let args = AllocateArgs {
-            num_new_tokens: num_new_tokens.get(),
-            num_computed_tokens: 0,
-            num_new_computed_tokens: num_new_computed_tokens.get(),
-            new_computed_blocks: new_computed_blocks.map(|b| &b.computed),
-            num_lookahead_tokens: num_lookahead_tokens.get(),
-            num_in_flight_tokens: 0,
-            delay_cache_blocks,
-            full_sequence_must_fit,
-            has_scheduled_reqs,
-            num_external_computed_tokens: num_external_computed_tokens.get(),
-            reserved_blocks: reserved_blocks.get(),
-            skip_zeroing_group_ids: &skip_zeroing,
-        };
         self.allocate_with(py, request, &args)
     }
 
