@@ -104,29 +104,36 @@ fn new_table(slots: usize) -> Result<Table, AllocFailed> {
     boxed_slice("prefix-cache map table", slots, |_| Slot::empty())
 }
 
-#[repr(align(128))]
+/// Doublings a shard's table can go through (from at least `MIN_SLOTS` slots: more than any
+/// address space holds).
+const LEVELS: usize = 40;
+
+/// `repr(C)`: a lookup reads `seq`, `current` and, while the shard has never grown,
+/// `tables[0]` (the live table's address and length), all in the struct's first cache line, so
+/// that finding the slot to probe costs one memory access, not two dependent ones.
+#[repr(C, align(128))]
 struct Shard {
     /// Seqlock word: odd while a writer is inside.
     seq: AtomicU64,
     /// Index of the live table in `tables`.
     current: AtomicUsize,
+    /// Tables of doubling size, inline; only `tables[current]` is live.
+    tables: [OnceLock<Table>; LEVELS],
     /// Entries and distinct keys in this shard (written only under the shard's lock).
     entries: AtomicUsize,
     keys: AtomicUsize,
-    /// Tables of doubling size; only `tables[current]` is live.
-    tables: Box<[OnceLock<Table>]>,
 }
 
 impl Shard {
     fn new(slots: usize) -> Result<Self, AllocFailed> {
-        let tables: Box<[OnceLock<Table>]> = (0..40).map(|_| OnceLock::new()).collect();
+        let tables: [OnceLock<Table>; LEVELS] = std::array::from_fn(|_| OnceLock::new());
         let _ = tables[0].set(new_table(slots)?);
         Ok(Shard {
             seq: AtomicU64::new(0),
             current: AtomicUsize::new(0),
+            tables,
             entries: AtomicUsize::new(0),
             keys: AtomicUsize::new(0),
-            tables,
         })
     }
 
@@ -553,6 +560,36 @@ mod tests {
         *state ^= *state >> 7;
         *state ^= *state << 17;
         *state
+    }
+
+    /// Until a shard grows, finding the slot a key starts at reads one cache line of the shard
+    /// (the sequence word, the live level and the first table's address and length), and a
+    /// grown shard's lookups still find their keys.
+    #[test]
+    fn a_lookup_reads_its_table_from_the_shards_first_cache_line() {
+        use std::mem::{align_of, offset_of, size_of};
+        assert_eq!(align_of::<Shard>() % 64, 0);
+        assert!(offset_of!(Shard, seq) < 64);
+        assert!(offset_of!(Shard, current) < 64);
+        assert!(offset_of!(Shard, tables) + size_of::<OnceLock<Table>>() <= 64);
+        let map = CacheMap::with_table_slots(MIN_SLOTS);
+        let key = |i: u128| CacheKey {
+            hash: crate::types::BlockHash(
+                i.wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835),
+            ),
+            group: 1,
+        };
+        for i in 1..=200u32 {
+            assert!(map.insert(key(i as u128), i));
+        }
+        assert!(
+            map.shards[0].current.load(Ordering::Relaxed) >= 4,
+            "the shard grew"
+        );
+        for i in 1..=200u32 {
+            assert_eq!(map.first(&key(i as u128)), Some(i));
+        }
+        assert_eq!(map.first(&key(201)), None);
     }
 
     /// Random inserts and removals over few keys (many duplicates, long clusters that wrap
