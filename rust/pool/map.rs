@@ -108,40 +108,53 @@ fn new_table(slots: usize) -> Result<Table, AllocFailed> {
 /// address space holds).
 const LEVELS: usize = 40;
 
-/// `repr(C)`: a lookup reads `seq`, `current` and, while the shard has never grown,
-/// `tables[0]` (the live table's address and length), all in the struct's first cache line, so
-/// that finding the slot to probe costs one memory access, not two dependent ones.
+/// `repr(C)`: a lookup reads `seq`, `current` and, while the shard has never grown, `first`
+/// (the table's address and length), all in the struct's first cache line, so that finding the
+/// slot to probe costs one memory access, not two dependent ones. The grown tables live behind
+/// a pointer, which keeps a shard at 128 bytes.
 #[repr(C, align(128))]
 struct Shard {
     /// Seqlock word: odd while a writer is inside.
     seq: AtomicU64,
-    /// Index of the live table in `tables`.
+    /// Level of the live table: 0 for `first`, `k` for `grown[k - 1]`.
     current: AtomicUsize,
-    /// Tables of doubling size, inline; only `tables[current]` is live.
-    tables: [OnceLock<Table>; LEVELS],
+    /// The table the shard starts with.
+    first: OnceLock<Table>,
     /// Entries and distinct keys in this shard (written only under the shard's lock).
     entries: AtomicUsize,
     keys: AtomicUsize,
+    /// Tables of doubling size, made as the shard grows.
+    grown: Box<[OnceLock<Table>]>,
 }
 
 impl Shard {
     fn new(slots: usize) -> Result<Self, AllocFailed> {
-        let tables: [OnceLock<Table>; LEVELS] = std::array::from_fn(|_| OnceLock::new());
-        let _ = tables[0].set(new_table(slots)?);
+        let first = OnceLock::new();
+        let _ = first.set(new_table(slots)?);
         Ok(Shard {
             seq: AtomicU64::new(0),
             current: AtomicUsize::new(0),
-            tables,
+            first,
             entries: AtomicUsize::new(0),
             keys: AtomicUsize::new(0),
+            grown: (1..LEVELS).map(|_| OnceLock::new()).collect(),
         })
     }
 
     #[inline]
     fn table(&self, ordering: Ordering) -> &[Slot] {
-        self.tables[self.current.load(ordering)]
+        self.level(self.current.load(ordering))
             .get()
             .expect("the current table is initialised before it is published")
+    }
+
+    /// The table slot of `level` (0: `first`, `k`: `grown[k - 1]`; `level` below `LEVELS`).
+    #[inline]
+    fn level(&self, level: usize) -> &OnceLock<Table> {
+        match level {
+            0 => &self.first,
+            k => &self.grown[k - 1],
+        }
     }
 
     /// Takes the shard's writer lock; returns the (odd) sequence to pass to `unlock`.
@@ -354,7 +367,7 @@ impl CacheMap {
     fn grow(&self, shard: &Shard) -> bool {
         let level = shard.current.load(Ordering::Relaxed);
         let old = shard.table(Ordering::Relaxed);
-        let Some(slot) = shard.tables.get(level + 1) else {
+        let Some(slot) = shard.grown.get(level) else {
             return false;
         };
         if slot.get().is_none() {
@@ -571,7 +584,8 @@ mod tests {
         assert_eq!(align_of::<Shard>() % 64, 0);
         assert!(offset_of!(Shard, seq) < 64);
         assert!(offset_of!(Shard, current) < 64);
-        assert!(offset_of!(Shard, tables) + size_of::<OnceLock<Table>>() <= 64);
+        assert!(offset_of!(Shard, first) + size_of::<OnceLock<Table>>() <= 64);
+        assert_eq!(size_of::<Shard>(), 128);
         let map = CacheMap::with_table_slots(MIN_SLOTS);
         let key = |i: u128| CacheKey {
             hash: crate::types::BlockHash(
