@@ -9,7 +9,9 @@
 //! one cache line) sized from the pool (`2·num_blocks` slots in all), grown only if a shard ever
 //! passes 3/4 full. Inserts go to the first empty slot of the probe sequence, so duplicates of
 //! a key sit in insertion order; removals shift the rest of the cluster back (no tombstones,
-//! nothing to rebuild), which keeps that order.
+//! nothing to rebuild), which keeps that order. A shard's header (128 bytes) holds its sequence
+//! word and its first table's address in one cache line: until the shard grows, a lookup reads
+//! that line and then the slot, with no other memory access in between.
 //!
 //! Concurrency: writers (insert, remove, clear) of one shard serialise on that shard's sequence
 //! word (odd while a writer is inside: a per-shard spin lock; there are up to 256 shards and no
