@@ -37,6 +37,8 @@ __all__ = [
     "_RunningSteps",
     "_VllmSlot",
     "__version__",
+    "_empty_block_ids_entry",
+    "_running_steps_entry",
     "hash_token_blocks",
 ]
 
@@ -806,6 +808,18 @@ class _VllmSlot:
         """Running calls that reached the core (the others were answered inside the horizon)."""
     def drop_horizon(self) -> None:
         """Forgets the horizon: the next running call reaches the core."""
+
+def _running_steps_entry() -> Any:
+    """`_RunningSteps.allocate_slots` as a method descriptor whose function CPython calls
+    directly: the scheduler's running step (two positional arguments, `num_lookahead_tokens` by
+    name or not at all) is answered without generic argument parsing; every other call is passed
+    on, arguments unchanged, to `_RunningSteps.allocate_slots`. For a subclass's body."""
+
+def _empty_block_ids_entry(cls: type) -> Any:
+    """A `get_block_ids` method descriptor for `cls`, a class whose instances are all empty
+    `KVCacheBlocks`: `get_block_ids(True)` and `get_block_ids(allow_none=True)` return None
+    there; every other call is passed on, arguments unchanged, to the instance's
+    `_get_block_ids`."""
 
 @disjoint_base
 class _RunningSteps:

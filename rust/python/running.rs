@@ -1,16 +1,18 @@
 //! `hybrid_kv.vllm`'s running steps: the state it keeps with each vLLM request (`_VllmSlot`)
-//! and its `allocate_slots` entry (`_RunningSteps`). A running request's step inside its
-//! running horizon is answered from the slot before any Python frame runs; one outside it goes
-//! to the core straight from here; every other call goes on to the adapter's `_allocate_slots`.
+//! and its `allocate_slots` entry (`_RunningSteps`, reached through a method descriptor CPython
+//! calls directly: `_running_steps_entry`). A running request's step inside its running horizon
+//! is answered from the slot before any Python frame runs; one outside it goes to the core
+//! straight from here; every other call goes on to the adapter's `_allocate_slots`.
 
 use super::convert::{count_of, Count, UInt, U32};
 use super::manager::{PyKVCacheBlocks, PyKVCacheManager};
 use super::request::{lock, PyRequest};
 use crate::manager::RunningHorizon;
 use pyo3::exceptions::PyNotImplementedError;
-use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyInt, PyList, PyString, PyTuple};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyInt, PyList, PyString, PyTuple, PyType};
+use pyo3::{ffi, intern};
 use std::sync::{Mutex, OnceLock};
 
 /// What a slot knows besides its companion.
@@ -417,8 +419,9 @@ impl PyRunningSteps {
 
     /// vLLM's `allocate_slots`: a running step (`num_lookahead_tokens` the only other argument
     /// given) inside its horizon returns the empty result here, one outside it goes to the core
-    /// from here when the adapter set one; every other call is the adapter's `_allocate_slots` with the arguments given (by name after `num_new_tokens`; one
-    /// given as None counts as not given, as Python's defaults are for the scheduler's calls).
+    /// from here when the adapter set one; every other call is the adapter's `_allocate_slots`
+    /// with the arguments given (by name after `num_new_tokens`; one given as None counts as
+    /// not given, as Python's defaults are for the scheduler's calls).
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (
         request,
@@ -487,7 +490,258 @@ impl PyRunningSteps {
     }
 }
 
+/// `allocate_slots` as a method descriptor whose function CPython calls directly
+/// (`METH_FASTCALL | METH_KEYWORDS`): the scheduler's running step, `allocate_slots(request, n,
+/// num_lookahead_tokens=k)`, is recognized from the argument count and the one keyword's name
+/// and goes to `PyRunningSteps::running_step` without the generic argument parsing; every other
+/// call (or one that step does not answer) is passed on, arguments unchanged, to
+/// `_RunningSteps.allocate_slots`. `hybrid_kv.vllm`'s manager class puts it in its body.
+///
+/// The scheduler makes this call for every running request on every step, between stretches of
+/// its own Python code: what the call costs there is mostly the instructions and branches it
+/// runs cold, so the path is kept short.
+#[pyfunction]
+fn _running_steps_entry(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    descriptor(&py.get_type::<PyRunningSteps>(), &ENTRY)
+}
+
+/// `get_block_ids` of `hybrid_kv.vllm`'s shared empty result, as a method descriptor of `cls`
+/// (its class, whose instances are all empty) whose function CPython calls directly: the
+/// scheduler's read of a running request's new blocks, `get_block_ids(allow_none=True)`, is
+/// None here; every other call is passed on, arguments unchanged, to the instance's
+/// `_get_block_ids`.
+#[pyfunction]
+fn _empty_block_ids_entry<'py>(cls: &Bound<'py, PyType>) -> PyResult<Bound<'py, PyAny>> {
+    descriptor(cls, &EMPTY_IDS)
+}
+
+/// A method descriptor of `cls` for `def`.
+fn descriptor<'py>(
+    cls: &Bound<'py, PyType>,
+    def: &'static EntryDef,
+) -> PyResult<Bound<'py, PyAny>> {
+    // SAFETY: `def` is a static CPython only reads, `cls` a live type object; the call returns
+    // a new reference or null with an exception set, which `from_owned_ptr_or_err` takes over.
+    unsafe {
+        let descr = ffi::PyDescr_NewMethod(
+            cls.as_ptr().cast::<ffi::PyTypeObject>(),
+            std::ptr::addr_of!(def.0).cast_mut(),
+        );
+        Bound::from_owned_ptr_or_err(cls.py(), descr)
+    }
+}
+
+/// The method definition behind a direct entry's descriptor.
+struct EntryDef(ffi::PyMethodDef);
+
+// SAFETY: the definition is never written after it is made; CPython only reads it (its name,
+// flags and function pointer), from any thread.
+unsafe impl Sync for EntryDef {}
+
+static ENTRY: EntryDef = EntryDef(ffi::PyMethodDef {
+    ml_name: c"allocate_slots".as_ptr(),
+    ml_meth: ffi::PyMethodDefPointer {
+        PyCFunctionFastWithKeywords: allocate_slots_entry,
+    },
+    ml_flags: ffi::METH_FASTCALL | ffi::METH_KEYWORDS,
+    // The signature line is `_RunningSteps.allocate_slots`' (tests compare them).
+    ml_doc: c"allocate_slots($self, request, num_new_tokens, num_new_computed_tokens=None, \
+new_computed_blocks=None, num_lookahead_tokens=None, num_external_computed_tokens=None, \
+delay_cache_blocks=None, num_encoder_tokens=None, full_sequence_must_fit=None, \
+reserved_blocks=None, has_scheduled_reqs=None, skip_zeroing_group_ids=None)\n--\n\n\
+vLLM's `allocate_slots`: the running step `allocate_slots(request, n, num_lookahead_tokens=k)` \
+is answered here; every other call is `_RunningSteps.allocate_slots`' with the same arguments."
+        .as_ptr(),
+});
+
+static EMPTY_IDS: EntryDef = EntryDef(ffi::PyMethodDef {
+    ml_name: c"get_block_ids".as_ptr(),
+    ml_meth: ffi::PyMethodDefPointer {
+        PyCFunctionFastWithKeywords: empty_block_ids_entry,
+    },
+    ml_flags: ffi::METH_FASTCALL | ffi::METH_KEYWORDS,
+    ml_doc: c"get_block_ids($self, allow_none=False, *, group_ids=None)\n--\n\n\
+Block ids per group as lists (all empty); None with allow_none."
+        .as_ptr(),
+});
+
+/// CPython's entry of `_empty_block_ids_entry`'s descriptor: `slf` is an instance of the class
+/// it was made for (the descriptor checks it), `args` and `kwnames` as for
+/// `allocate_slots_entry`.
+unsafe extern "C" fn empty_block_ids_entry(
+    slf: *mut ffi::PyObject,
+    args: *const *mut ffi::PyObject,
+    nargs: ffi::Py_ssize_t,
+    kwnames: *mut ffi::PyObject,
+) -> *mut ffi::PyObject {
+    // SAFETY: as in `allocate_slots_entry`: the thread is attached and every pointer is alive
+    // for the call. Only identities are compared here (no Python code runs, nothing panics)
+    // before the call is passed on.
+    unsafe {
+        let py = Python::assume_attached();
+        let num_keywords = if kwnames.is_null() {
+            0
+        } else {
+            ffi::PyTuple_GET_SIZE(kwnames)
+        };
+        let allow_none = match (nargs, num_keywords) {
+            // get_block_ids(True)
+            (1, 0) => Some(*args),
+            // get_block_ids(allow_none=True), the keyword name being the interned constant.
+            (0, 1) if ffi::PyTuple_GET_ITEM(kwnames, 0) == intern!(py, "allow_none").as_ptr() => {
+                Some(*args)
+            }
+            _ => None,
+        };
+        if allow_none == Some(ffi::Py_True()) {
+            return ffi::Py_NewRef(ffi::Py_None());
+        }
+        forward(slf, intern!(py, "_get_block_ids"), args, nargs, kwnames)
+    }
+}
+
+/// `slf.<name>(*args, **kwargs)` with the arguments CPython passed a direct entry (`nargs`
+/// positional values then one per name in `kwnames`): the new reference it returns, or null
+/// with an exception set.
+///
+/// # Safety
+/// The thread is attached, and the pointers are the live arguments of a METH_FASTCALL |
+/// METH_KEYWORDS call, as CPython passes them.
+unsafe fn forward(
+    slf: *mut ffi::PyObject,
+    name: &Bound<'_, PyString>,
+    args: *const *mut ffi::PyObject,
+    nargs: ffi::Py_ssize_t,
+    kwnames: *mut ffi::PyObject,
+) -> *mut ffi::PyObject {
+    // SAFETY: per the contract: `args` holds `nargs` values then one per keyword name, alive
+    // for the call, so the copy (after `slf`) is too; `PyObject_VectorcallMethod` takes the
+    // method's name and the receiver from the array's first slot and returns a new reference
+    // or null with an exception set.
+    unsafe {
+        let num_keywords = if kwnames.is_null() {
+            0
+        } else {
+            ffi::PyTuple_GET_SIZE(kwnames)
+        };
+        let len = (nargs + num_keywords) as usize;
+        let mut call: Vec<*mut ffi::PyObject> = Vec::with_capacity(len + 1);
+        call.push(slf);
+        if len > 0 {
+            call.extend_from_slice(std::slice::from_raw_parts(args, len));
+        }
+        ffi::PyObject_VectorcallMethod(name.as_ptr(), call.as_ptr(), (nargs + 1) as usize, kwnames)
+    }
+}
+
+/// CPython's entry of the descriptor: `slf` is an instance of `_RunningSteps` (the descriptor
+/// checks it before calling), `args` the `nargs` positional arguments followed by one value per
+/// name in `kwnames` (null when there are none).
+unsafe extern "C" fn allocate_slots_entry(
+    slf: *mut ffi::PyObject,
+    args: *const *mut ffi::PyObject,
+    nargs: ffi::Py_ssize_t,
+    kwnames: *mut ffi::PyObject,
+) -> *mut ffi::PyObject {
+    // SAFETY: CPython calls a method's function with the calling thread attached to the
+    // interpreter (holding the GIL where there is one), and keeps `slf`, `kwnames` and the
+    // `nargs + len(kwnames)` argument pointers alive for the call; each is borrowed here for no
+    // longer. A panic is caught before it could unwind into CPython and raised as an error.
+    unsafe {
+        let py = Python::assume_attached();
+        let call = std::panic::AssertUnwindSafe(|| entry_call(py, slf, args, nargs, kwnames));
+        match std::panic::catch_unwind(call) {
+            Ok(Ok(result)) => result.into_ptr(),
+            Ok(Err(error)) => {
+                error.restore(py);
+                std::ptr::null_mut()
+            }
+            Err(_) => {
+                pyo3::panic::PanicException::new_err("allocate_slots panicked").restore(py);
+                std::ptr::null_mut()
+            }
+        }
+    }
+}
+
+/// The body of `allocate_slots_entry`, under the same contract.
+unsafe fn entry_call<'py>(
+    py: Python<'py>,
+    slf: *mut ffi::PyObject,
+    args: *const *mut ffi::PyObject,
+    nargs: ffi::Py_ssize_t,
+    kwnames: *mut ffi::PyObject,
+) -> PyResult<Bound<'py, PyAny>> {
+    // SAFETY: see `allocate_slots_entry`: every pointer is a live object for the call.
+    let slf = unsafe { pyo3::Borrowed::from_ptr(py, slf) };
+    let kwnames = unsafe { pyo3::Borrowed::from_ptr_or_opt(py, kwnames) };
+    let num_keywords = match &kwnames {
+        // SAFETY: CPython passes a tuple of keyword names, or null.
+        Some(names) => unsafe { ffi::PyTuple_GET_SIZE(names.as_ptr()) },
+        None => 0,
+    };
+    let len = usize::try_from(nargs).unwrap_or(0) + usize::try_from(num_keywords).unwrap_or(0);
+    let argv = if len == 0 {
+        &[][..]
+    } else {
+        // SAFETY: `args` holds `nargs` positional values followed by one per keyword name.
+        unsafe { std::slice::from_raw_parts(args, len) }
+    };
+    if nargs == 2 {
+        // SAFETY: the first two are the positional arguments, alive for the call.
+        let request = unsafe { pyo3::Borrowed::from_ptr(py, argv[0]) };
+        let num_new_tokens = unsafe { pyo3::Borrowed::from_ptr(py, argv[1]) };
+        let lookahead = match (&kwnames, argv.get(2)) {
+            (None, _) => Some(None),
+            // SAFETY: a one-name tuple's item 0 is alive while the tuple is; its value is argv[2].
+            (Some(names), Some(&value)) if num_keywords == 1 => unsafe {
+                let name = pyo3::Borrowed::from_ptr(py, ffi::PyTuple_GET_ITEM(names.as_ptr(), 0));
+                let expected = intern!(py, "num_lookahead_tokens");
+                (name.is(expected) || name.eq(expected)?)
+                    .then(|| Some(pyo3::Borrowed::from_ptr(py, value)))
+            },
+            _ => None,
+        };
+        if let (Some(lookahead), Ok(steps)) = (lookahead, slf.cast::<PyRunningSteps>()) {
+            let answered =
+                steps
+                    .get()
+                    .running_step(&request, &num_new_tokens, lookahead.as_deref())?;
+            if let Some(result) = answered {
+                return Ok(result.into_bound(py));
+            }
+        }
+    }
+    // Anything else: `_RunningSteps.allocate_slots(slf, *args, **kwargs)`, as CPython passed
+    // them.
+    static METHOD: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    let method = METHOD.get_or_try_init(py, || {
+        py.get_type::<PyRunningSteps>()
+            .getattr(intern!(py, "allocate_slots"))
+            .map(Bound::unbind)
+    })?;
+    let mut call: Vec<*mut ffi::PyObject> = Vec::with_capacity(len + 1);
+    call.push(slf.as_ptr());
+    call.extend_from_slice(argv);
+    // SAFETY: `call` holds `1 + nargs` positional values then one per name in `kwnames`, all
+    // alive for the call (borrowed from CPython's, which it keeps alive); the result is a new
+    // reference or null with an exception set.
+    unsafe {
+        let result = ffi::PyObject_Vectorcall(
+            method.as_ptr(),
+            call.as_ptr(),
+            (nargs + 1) as usize,
+            kwnames
+                .as_ref()
+                .map_or(std::ptr::null_mut(), |k| k.as_ptr()),
+        );
+        Bound::from_owned_ptr_or_err(py, result)
+    }
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(_running_steps_entry, m)?)?;
+    m.add_function(wrap_pyfunction!(_empty_block_ids_entry, m)?)?;
     m.add_class::<PyRunningSteps>()?;
     m.add_class::<PyRunningBlocks>()?;
     m.add_class::<PyVllmSlot>()

@@ -8,6 +8,7 @@ prefix-cache stats, KV cache usage)."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import random
 from collections.abc import Callable
 from typing import Any
@@ -850,6 +851,25 @@ def test_the_shared_empty_result_reads_as_an_empty_kv_cache_blocks(kv_events: bo
     assert (ours + ours).get_block_ids() == theirs.get_block_ids()
     with pytest.raises(NotImplementedError):
         ours.blocks  # noqa: B018
+    # Its `get_block_ids` is a direct entry: every call reads as `KVCacheBlocks.get_block_ids`
+    # does (the keyword's name made at run time, not the interned constant, too), and a bad
+    # one raises as it does.
+    plain = KVCacheBlocks(ids=tuple(_ids for _ids in ours._arrays()), empty=True)
+    assert ours.get_block_ids(**{"".join(["allow", "_none"]): True}) is None
+    assert ours.get_block_ids(1) == plain.get_block_ids(1) is None
+    bad_calls: list[tuple[tuple, dict]] = [
+        ((True, 2), {}),
+        ((), {"bogus": 1}),
+        ((True,), {"allow_none": True}),
+    ]
+    for args, kwargs in bad_calls:
+        with pytest.raises(TypeError) as raised:
+            ours.get_block_ids(*args, **kwargs)
+        with pytest.raises(TypeError) as expected:
+            plain.get_block_ids(*args, **kwargs)
+        assert str(raised.value) == str(expected.value)
+    with pytest.raises(TypeError, match="get_block_ids"):
+        type(ours).get_block_ids(plain, True)
     # Added to a hit, either way round, it changes nothing.
     driver = harness.Driver(scheduler, WORKLOAD[:6])
     for _ in range(30):
@@ -1026,9 +1046,10 @@ def test_running_steps_outside_the_horizon_reach_the_core_from_the_entry(
             result.get_unhashed_block_ids()
 
 
-def test_allocate_slots_checks_its_arguments_inside_the_horizon() -> None:
-    # A running request inside its horizon: bad counts raise as they do outside it.
-    scheduler = harness.build_scheduler(harness.Options(layout="gpt-oss"), hkv.Scheduler)
+def _request_inside_its_horizon(layout: str = "gpt-oss") -> tuple[Any, Any]:
+    """A scheduler and one of its running requests whose next one-token step lies inside its
+    running horizon."""
+    scheduler = harness.build_scheduler(harness.Options(layout=layout), hkv.Scheduler)
     driver = harness.Driver(scheduler, WORKLOAD[:4])
     manager = scheduler.kv_cache_manager
 
@@ -1044,10 +1065,14 @@ def test_allocate_slots_checks_its_arguments_inside_the_horizon() -> None:
         driver.timed_step()
         candidates = [r for r in scheduler.running if inside(r)]
         if candidates:
-            break
-    else:
-        pytest.fail("no running request inside its horizon")
-    request = candidates[0]
+            return scheduler, candidates[0]
+    pytest.fail("no running request inside its horizon")
+
+
+def test_allocate_slots_checks_its_arguments_inside_the_horizon() -> None:
+    # A running request inside its horizon: bad counts raise as they do outside it.
+    scheduler, request = _request_inside_its_horizon()
+    manager = scheduler.kv_cache_manager
     forwarded = []
     full_call = manager._allocate_slots
 
@@ -1077,5 +1102,71 @@ def test_allocate_slots_checks_its_arguments_inside_the_horizon() -> None:
         manager.allocate_slots(request, 1.0)
     with pytest.raises(hk.OutOfRangeError):
         manager.allocate_slots(request, -1)
+    with pytest.raises(hk.OutOfRangeError):
+        manager.allocate_slots(request, 1, num_lookahead_tokens=-1)
+
+
+def test_the_running_step_entry_passes_every_other_call_on_unchanged() -> None:
+    # The manager class's `allocate_slots` is a direct entry that answers the scheduler's
+    # running step itself; any other call reaches the base class's `allocate_slots` with the
+    # same arguments, so its answers and its errors are the base's.
+    scheduler, request = _request_inside_its_horizon()
+    manager = scheduler.kv_cache_manager
+    base = hk._core._RunningSteps.allocate_slots
+    assert type(manager).allocate_slots is not base
+    assert inspect.signature(type(manager).allocate_slots) == inspect.signature(base)
+    empty = manager.empty_kv_cache_blocks
+    forwarded = []
+    full_call = manager._allocate_slots
+
+    def allocate_slots(*args: Any, **kwargs: Any) -> Any:
+        forwarded.append((args[1:], kwargs))
+        return full_call(*args, **kwargs)
+
+    manager._allocate_slots = allocate_slots
+    # The running step, with the keyword's name made at run time (not the interned constant).
+    name = "".join(["num_lookahead", "_tokens"])
+    assert manager.allocate_slots(request, 1, **{name: 0}) is empty
+    assert base(manager, request, 1, num_lookahead_tokens=0) is empty
+    assert forwarded == []
+
+    class Count(int):
+        pass
+
+    # Shapes the entry does not answer: an int subclass, the lookahead by position, another
+    # keyword, two keywords.
+    assert manager.allocate_slots(request, Count(1)) is empty
+    assert manager.allocate_slots(request, 1, 0, None, 0) is empty
+    assert manager.allocate_slots(request, 1, has_scheduled_reqs=True) is empty
+    assert manager.allocate_slots(request, 1, num_lookahead_tokens=0, delay_cache_blocks=False) is (
+        empty
+    )
+    assert [type(args[0]) for args, _ in forwarded] == [Count, int, int, int]
+    assert [kwargs for _, kwargs in forwarded] == [
+        {},
+        {"num_new_computed_tokens": 0, "num_lookahead_tokens": 0},
+        {"has_scheduled_reqs": True},
+        {"num_lookahead_tokens": 0, "delay_cache_blocks": False},
+    ]
+    # Argument errors are the base method's, message for message.
+    bad_calls: list[tuple[tuple, dict]] = [
+        ((), {}),
+        ((request,), {}),
+        ((request, 1), {"bogus": 1}),
+        ((request, 1), {"num_new_tokens": 1}),
+        ((request, 1, 0), {"num_new_computed_tokens": 0}),
+        ((request, 1, *([None] * 10), 0), {}),
+        ((request,), {"num_lookahead_tokens": 0}),
+    ]
+    for args, kwargs in bad_calls:
+        with pytest.raises(TypeError) as ours:
+            manager.allocate_slots(*args, **kwargs)
+        with pytest.raises(TypeError) as theirs:
+            base(manager, *args, **kwargs)
+        assert str(ours.value) == str(theirs.value), (args, kwargs)
+    # The entry applies to the manager's instances only.
+    with pytest.raises(TypeError, match="allocate_slots"):
+        type(manager).allocate_slots(object(), request, 1)
+    # An error inside the running step propagates from the entry.
     with pytest.raises(hk.OutOfRangeError):
         manager.allocate_slots(request, 1, num_lookahead_tokens=-1)

@@ -42,7 +42,12 @@ from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request
 
 import hybrid_kv as hk
-from hybrid_kv._core import _RunningSteps, _VllmSlot
+from hybrid_kv._core import (
+    _empty_block_ids_entry,
+    _running_steps_entry,
+    _RunningSteps,
+    _VllmSlot,
+)
 from hybrid_kv.vllm._events import EventTranslator
 from hybrid_kv.vllm._support import GROUP_KINDS
 
@@ -173,6 +178,19 @@ class KVCacheBlocks:
         return f"KVCacheBlocks({[a.tolist() for a in self._arrays()]})"
 
 
+class _EmptyKVCacheBlocks(KVCacheBlocks):
+    """The manager's shared empty result. The scheduler reads every running request's new
+    blocks with `get_block_ids(allow_none=True)` on every step: here that is a direct entry
+    answering None, and every other call is `KVCacheBlocks.get_block_ids`."""
+
+    __slots__ = ()
+
+    _get_block_ids = KVCacheBlocks.get_block_ids
+
+
+_EmptyKVCacheBlocks.get_block_ids = _empty_block_ids_entry(_EmptyKVCacheBlocks)  # type: ignore[method-assign]
+
+
 @dataclass(frozen=True, slots=True)
 class RetainedBlock:
     """A block kept alive for a copy-on-write copy (vLLM hands its `KVCacheBlock`); the
@@ -268,12 +286,17 @@ class HybridKVCacheManager(_RunningSteps):
     Built with the same arguments as vLLM's (the scheduler passes them); a configuration this
     class cannot serve is refused by `hybrid_kv.vllm._support.fallback_reason` before it is built.
 
-    `allocate_slots` is the base class's: a running request's step inside its horizon returns
-    the empty result there (the horizon is the core's `KVCacheManager.running_horizon`, kept in
-    the request's slot, with the call's argument checks); one outside it goes from there to the
-    core's `allocate_running` unless KV events are on (they are collected here); every other
-    call is `_allocate_slots`.
+    `allocate_slots` is the base class's, behind a direct entry that takes the scheduler's
+    running step to it without generic argument parsing: a running request's step inside its
+    horizon returns the empty result there (the horizon is the core's
+    `KVCacheManager.running_horizon`, kept in the request's slot, with the call's argument
+    checks); one outside it goes from there to the core's `allocate_running` unless KV events
+    are on (they are collected here); every other call is `_allocate_slots`.
     """
+
+    # The base class's `allocate_slots` behind an entry CPython calls directly, which takes the
+    # scheduler's running step to it without generic argument parsing.
+    allocate_slots = _running_steps_entry()
 
     def __init__(
         self,
@@ -367,7 +390,7 @@ class HybridKVCacheManager(_RunningSteps):
         self._core_empty = self.core.empty_kv_cache_blocks
         self._allocate_running = self.core.allocate_running
         self._sync_companion = self.core.sync_companion
-        self.empty_kv_cache_blocks = KVCacheBlocks(
+        self.empty_kv_cache_blocks = _EmptyKVCacheBlocks(
             ids=tuple(_EMPTY_IDS for _ in groups), empty=True
         )
         # Per-manager key of the companion request in a vLLM request's __dict__.
