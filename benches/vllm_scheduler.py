@@ -146,15 +146,46 @@ class _Timed:
         self.get_block_ids = _timed(result.get_block_ids, totals, READ_IDS)
 
 
-def _proxied(
-    allocate: Callable[..., Any], blocks: type, totals: dict[str, int]
-) -> Callable[..., Any]:
-    """`allocate_slots` whose results of another type come back as `_Timed` (counted in
-    `totals["proxies"]`)."""
-    totals.setdefault("proxies", 0)
+_MISSING = object()
 
-    def allocate_slots(*args: Any, **kwargs: Any) -> Any:
-        result = allocate(*args, **kwargs)
+
+def _timed_allocate(
+    allocate: Callable[..., Any], blocks: type | tuple[type, ...], totals: dict[str, int]
+) -> Callable[..., Any]:
+    """`allocate_slots` timed with as little as possible around the call (it is made for every
+    running request on every step, where a generic `*args, **kwargs` wrapper would add more than
+    a no-op measures): the scheduler's running step, `allocate_slots(request, n,
+    num_lookahead_tokens=k)`, is passed on as the same call. A result of another type than
+    `blocks` comes back as `_Timed` (counted in `totals["proxies"]`), made after the timer."""
+    totals.setdefault("proxies", 0)
+    totals.setdefault("allocate_slots", 0)
+    totals.setdefault("allocate_slots#calls", 0)
+    clock = time.perf_counter_ns
+
+    def allocate_slots(
+        request: Any,
+        num_new_tokens: int,
+        *args: Any,
+        num_lookahead_tokens: Any = _MISSING,
+        **kwargs: Any,
+    ) -> Any:
+        if args or kwargs:
+            if num_lookahead_tokens is not _MISSING:
+                kwargs["num_lookahead_tokens"] = num_lookahead_tokens
+            t0 = clock()
+            result = allocate(request, num_new_tokens, *args, **kwargs)
+            t1 = clock()
+        elif num_lookahead_tokens is _MISSING:
+            t0 = clock()
+            result = allocate(request, num_new_tokens)
+            t1 = clock()
+        else:
+            t0 = clock()
+            result = allocate(request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
+            t1 = clock()
+        totals["manager"] += t1 - t0
+        totals["allocate_slots"] += t1 - t0
+        totals["allocate_slots#calls"] += 1
         if result is None or isinstance(result, blocks):
             return result
         totals["proxies"] += 1
@@ -168,23 +199,32 @@ def instrument(manager: Any) -> tuple[dict[str, int], Callable[[], None]]:
     scheduler reads every running request's new blocks with it), with timers. Returns the
     accumulating totals (ns, calls) and a function undoing the class's wrapper."""
     totals = {"manager": 0, "calls": 0}
-    blocks = type(manager.empty_kv_cache_blocks)
-    manager.allocate_slots = _proxied(manager.allocate_slots, blocks, totals)
-    for name in MANAGER_CALLS:
+    # The result classes: the empty result's and those it inherits `get_block_ids` from.
+    blocks = tuple(
+        c for c in type(manager.empty_kv_cache_blocks).__mro__ if "get_block_ids" in c.__dict__
+    )
+    manager.allocate_slots = _timed_allocate(manager.allocate_slots, blocks, totals)
+    for name in MANAGER_CALLS[1:]:
         method = getattr(manager, name, None)
         if method is not None:
             setattr(manager, name, _timed(method, totals, name))
-    original = blocks.__dict__["get_block_ids"]
-    blocks.get_block_ids = _timed(original, totals, READ_IDS)
-    return totals, lambda: setattr(blocks, "get_block_ids", original)
+    originals = [(c, c.__dict__["get_block_ids"]) for c in blocks]
+    for c, original in originals:
+        c.get_block_ids = _timed(original, totals, READ_IDS)
+
+    def restore() -> None:
+        for c, original in originals:
+            c.get_block_ids = original
+
+    return totals, restore
 
 
-def wrapper_bias(samples: int = 200_000) -> tuple[float, float, float, float]:
-    """What the timing wrapper adds to one call, in ns: to the manager's total beyond the call
-    itself, and to the step. Measured on a no-op with the scheduler's commonest call shape
-    (`allocate_slots(request, n, num_lookahead_tokens=k)`); both are subtracted per call. Then
-    what the proxy layer of `allocate_slots` adds inside its timer: per call, and per result
-    it wraps; subtracted per `allocate_slots` call and per proxy."""
+def wrapper_bias(samples: int = 200_000) -> dict[str, float]:
+    """What the timers add, in ns, measured on no-ops with the scheduler's call shapes: for the
+    generic wrapper (`_timed`), what it adds to the manager's total beyond the call itself
+    (`counted`) and to the step (`step`); the same for `allocate_slots`' own wrapper
+    (`allocate_counted`, `allocate_step`, its running-step shape); and the making of one
+    `_Timed` proxy (`proxy`, outside the timers, inside the step). Each is subtracted per call."""
 
     class Probe:
         def allocate_slots(self, request: Any, n: int, num_lookahead_tokens: int = 0) -> None:
@@ -202,16 +242,21 @@ def wrapper_bias(samples: int = 200_000) -> tuple[float, float, float, float]:
 
     probe = Probe()
     plain = per_call(probe.allocate_slots)
+    bias = {}
     totals = {"manager": 0, "calls": 0}
-    wrapped = per_call(_timed(probe.allocate_slots, totals, "probe"))
-    counted = totals["manager"] / samples
-    proxy = per_call(_proxied(probe.allocate_slots, Result, totals)) - plain
+    step = per_call(_timed(probe.allocate_slots, totals, "probe"))
+    bias["counted"] = totals["manager"] / samples - plain
+    bias["step"] = step - plain
+    totals = {"manager": 0, "calls": 0}
+    step = per_call(_timed_allocate(probe.allocate_slots, Result, totals))
+    bias["allocate_counted"] = totals["manager"] / samples - plain
+    bias["allocate_step"] = step - plain
     result = Result()
     t0 = time.perf_counter_ns()
     for _ in range(samples):
         _Timed(result, totals)
-    per_proxy = (time.perf_counter_ns() - t0) / samples
-    return counted - plain, wrapped - plain, proxy, per_proxy
+    bias["proxy"] = (time.perf_counter_ns() - t0) / samples
+    return bias
 
 
 def freeze_heap(enabled: bool) -> None:
@@ -245,22 +290,29 @@ def manager_share(
     finally:
         restore()
         gc.unfreeze()
-    counted_bias, step_bias, proxy_bias, per_proxy = wrapper_bias()
-    step = step_total - kept.get("calls", 0) * step_bias
+    bias = wrapper_bias()
+    allocations = kept.get("allocate_slots#calls", 0)
+    step = (
+        step_total
+        - kept.get("calls", 0) * bias["step"]
+        - allocations * bias["allocate_step"]
+        - kept.get("proxies", 0) * bias["proxy"]
+    )
     if num_steps == 0 or step <= 0:
         return float("nan"), {}
-    # The proxy layer runs inside allocate_slots' timer.
-    proxies = kept.get("allocate_slots#calls", 0) * proxy_bias + kept["proxies"] * per_proxy
-    kept["allocate_slots"] = kept.get("allocate_slots", 0) - round(proxies)
-    kept["manager"] -= round(proxies)
-    step -= proxies
     per_call = {}
     for key, calls in kept.items():
         if key.endswith("#calls") and calls:
             name = key.removesuffix("#calls")
-            ns = kept[name] - calls * counted_bias
+            counted = bias["allocate_counted" if name == "allocate_slots" else "counted"]
+            ns = kept[name] - calls * counted
             per_call[name] = (ns / step, ns / calls, calls / num_steps)
-    return (kept["manager"] - kept["calls"] * counted_bias) / step, per_call
+    manager = (
+        kept["manager"]
+        - kept.get("calls", 0) * bias["counted"]
+        - allocations * bias["allocate_counted"]
+    )
+    return manager / step, per_call
 
 
 def percentile(values: list[int], q: float) -> float:
