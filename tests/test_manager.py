@@ -580,6 +580,37 @@ def test_an_attention_free_model_has_no_groups_and_no_blocks() -> None:
     assert manager.num_free_blocks == 0
 
 
+def test_the_adapters_list_variants_drain_what_the_array_variants_drain() -> None:
+    # `hybrid_kv.vllm` reads copies and new block ids as lists: the same contents and the same
+    # draining as the public calls, and None when no copy is queued.
+    def admitted(manager: hk.KVCacheManager) -> None:
+        a = hk.Request("a", list(range(29)), block_size=8)
+        assert manager.allocate_slots(a, 24) is not None
+        a.num_computed_tokens = 24
+        manager.new_step_starts()
+        b = hk.Request("b", list(range(24)) + [1000 + i for i in range(10)], block_size=8)
+        blocks, hit = manager.get_computed_blocks(b)
+        assert hit == 24
+        assert manager.allocate_slots(
+            b, 10, num_new_computed_tokens=hit, new_computed_blocks=blocks
+        )
+
+    groups = [{"kind": "full", "block_size": 16}, {"kind": "mamba", "block_size": 16}]
+    arrays, lists = (hk.KVCacheManager(groups, 64, 1024, hash_block_size=8) for _ in range(2))
+    assert lists._take_kv_cache_block_copy_lists() is None
+    for manager in (arrays, lists):
+        admitted(manager)
+    copies, retained = arrays.take_kv_cache_block_copies()
+    assert copies
+    assert lists._take_kv_cache_block_copy_lists() == (copies, retained.tolist())
+    assert lists._take_kv_cache_block_copy_lists() is None, "drained"
+    assert lists.num_retained_blocks == arrays.num_retained_blocks == 4
+    new_ids = arrays.take_new_block_ids().tolist()
+    assert new_ids
+    assert lists._take_new_block_id_list() == new_ids
+    assert lists._take_new_block_id_list() == [], "drained"
+
+
 def test_partial_hash_hit_copies_the_shared_blocks_and_retains_them_until_released() -> None:
     # Full attention and Mamba blocks of 16, hashes every 8: a hit may end inside a block (vLLM's
     # fine-grained partial hash hits), whose shared block the new request writes on into a copy.

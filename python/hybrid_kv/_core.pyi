@@ -665,6 +665,8 @@ class KVCacheManager:
         """Removes the cache entries of the given blocks (a KV connector's invalidation)."""
     def take_new_block_ids(self) -> npt.NDArray[np.int32]:
         """Drains the new attention blocks the worker must zero (layouts with Mamba layers)."""
+    def _take_new_block_id_list(self) -> list[int]:
+        """`take_new_block_ids` as a list."""
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
         """Records the request's attention blocks from the block-aligned `start_token` on for
         zeroing again (blocks a failed asynchronous load left unwritten)."""
@@ -678,6 +680,11 @@ class KVCacheManager:
         worker (group by group) and the blocks retained for them: the endpoints of every copy,
         `[src, dst, ...]`, each keeping one reference until `free_retained_blocks` gets it
         back (vLLM's `take_kv_cache_block_copies`)."""
+    def _take_kv_cache_block_copy_lists(
+        self,
+    ) -> tuple[list[tuple[int, int]], list[int]] | None:
+        """`take_kv_cache_block_copies` with the retained blocks as a list, or None when there
+        is no copy."""
     def free_retained_blocks(self, blocks: Sequence[int]) -> None:
         """Releases blocks `take_kv_cache_block_copies` retained, once their copies ran, in
         the given order (vLLM's `block_pool.free_blocks`).

@@ -27,6 +27,9 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+/// Copies `[(src, dst), ...]` and the blocks retained for them, as lists.
+type CopyLists = (Vec<(i32, i32)>, Vec<i32>);
+
 /// Scheduler calls that handle at least this many tokens release the GIL.
 const DETACH_SCHEDULE_TOKENS: usize = 4096;
 
@@ -932,6 +935,12 @@ impl PyKVCacheManager {
         ids_to_numpy(py, ids)
     }
 
+    /// `take_new_block_ids` as a list (`hybrid_kv.vllm`'s adapter hands vLLM a list).
+    fn _take_new_block_id_list<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let ids = self.inner().manager.take_new_block_ids();
+        PyList::new(py, ids.iter().map(|&id| id as i32))
+    }
+
     /// Records the request's attention blocks from the block-aligned `start_token` on for
     /// zeroing again.
     fn record_blocks_for_zeroing(&self, request_id: Text, start_token: Count) -> PyResult<()> {
@@ -972,6 +981,21 @@ impl PyKVCacheManager {
             .map(|(s, d)| (s as i32, d as i32))
             .collect();
         (copies, ids_to_numpy(py, retained))
+    }
+
+    /// `take_kv_cache_block_copies` with the retained blocks as a list, or None when there is
+    /// no copy (every step, but for partial hits: `hybrid_kv.vllm`'s adapter then answers with
+    /// empty lists without making any).
+    fn _take_kv_cache_block_copy_lists(&self) -> Option<CopyLists> {
+        let (copies, retained) = self.inner().manager.take_kv_cache_block_copies();
+        if copies.is_empty() && retained.is_empty() {
+            return None;
+        }
+        let copies = copies
+            .into_iter()
+            .map(|(s, d)| (s as i32, d as i32))
+            .collect();
+        Some((copies, retained.into_iter().map(|b| b as i32).collect()))
     }
 
     /// Releases blocks `take_kv_cache_block_copies` retained, in the given order (vLLM's

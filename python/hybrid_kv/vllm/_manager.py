@@ -638,7 +638,7 @@ class HybridKVCacheManager(_RunningSteps):
         return [0] * self.num_kv_cache_groups
 
     def take_new_block_ids(self) -> list[int]:
-        return self.core.take_new_block_ids().tolist()
+        return self.core._take_new_block_id_list()
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
         self.core.record_blocks_for_zeroing(request_id, start_token)
@@ -646,12 +646,13 @@ class HybridKVCacheManager(_RunningSteps):
     def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[RetainedBlock]]:
         """The copy-on-write copies of partial hits for the worker, and their endpoints, which
         the core keeps referenced until the scheduler frees them through `block_pool`."""
-        copies, retained = self.core.take_kv_cache_block_copies()
-        if not copies:
+        taken = self.core._take_kv_cache_block_copy_lists()
+        if taken is None:
             return [], []
+        copies, retained = taken
         return (
             [KVCacheBlockCopy(src_block_id=src, dst_block_id=dst) for src, dst in copies],
-            [RetainedBlock(block_id) for block_id in retained.tolist()],
+            [RetainedBlock(block_id) for block_id in retained],
         )
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
