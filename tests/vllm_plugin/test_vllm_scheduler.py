@@ -1164,6 +1164,39 @@ def test_the_running_step_entry_passes_every_other_call_on_unchanged() -> None:
         with pytest.raises(TypeError) as theirs:
             base(manager, *args, **kwargs)
         assert str(ours.value) == str(theirs.value), (args, kwargs)
+    # Random call shapes with an argument no call accepts (an object that is not a request,
+    # counts of the wrong type or sign): the same error as the base method's, every time.
+    rng = random.Random(11)
+    compared = set()
+    names = [p for p in inspect.signature(base).parameters if p not in ("self", "request")]
+    values = [None, 0, 1, -1, 1.5, "1", object(), True, 2**70]
+    for _ in range(300):
+        first = rng.choice([object(), None, request])
+        positional = [first] + [rng.choice(values) for _ in range(rng.randrange(0, 4))]
+        keywords = {
+            name: rng.choice(values)
+            for name in rng.sample(names + ["bogus"], rng.randrange(0, 3))
+            if name not in names[: len(positional) - 1]
+        }
+        if first is request and all(
+            type(v) is int and v >= 0 for v in [*positional[1:], *keywords.values()]
+        ):
+            continue  # a call that could allocate: the differential tests cover those
+        try:
+            base(manager, *positional, **keywords)
+        except Exception as error:  # noqa: BLE001 - compared with the entry's below
+            expected: Any = (type(error), str(error))
+        else:
+            expected = "returned"
+        try:
+            manager.allocate_slots(*positional, **keywords)
+        except Exception as error:  # noqa: BLE001
+            raised: Any = (type(error), str(error))
+        else:
+            raised = "returned"
+        assert raised == expected, (positional, keywords)
+        compared.add(raised if raised == "returned" else raised[0])
+    assert {TypeError, AttributeError} <= compared, compared
     # The entry applies to the manager's instances only.
     with pytest.raises(TypeError, match="allocate_slots"):
         type(manager).allocate_slots(object(), request, 1)
