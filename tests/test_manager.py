@@ -580,6 +580,28 @@ def test_an_attention_free_model_has_no_groups_and_no_blocks() -> None:
     assert manager.num_free_blocks == 0
 
 
+def test_get_blocks_holds_a_requests_tables_as_get_block_ids_gives_them() -> None:
+    # `_get_blocks` (vLLM's `get_blocks`, read as lists): the same ids as `get_block_ids`, per
+    # group, null blocks included; an unknown request raises as `get_block_ids` does.
+    m = hk.KVCacheManager(FULL_SW, 64, 1024)
+    a = hk.Request("a", list(range(70)))
+    assert m.allocate_slots(a, 70) is not None
+    a.num_computed_tokens = 70
+    for _ in range(40):
+        a.append_output_token_ids(1)
+        assert m.allocate_slots(a, 1) is not None
+        a.num_computed_tokens += 1
+    arrays = m.get_block_ids("a")
+    blocks = m._get_blocks("a")
+    assert [ids.tolist() for ids in blocks.get_block_ids()] == [ids.tolist() for ids in arrays]
+    assert blocks.get_block_id_lists() == tuple(ids.tolist() for ids in arrays)
+    assert 0 in arrays[1].tolist(), "the window group's null blocks are listed"
+    with pytest.raises(hk.UnknownRequestError):
+        m._get_blocks("c")
+    with pytest.raises(hk.UnknownRequestError):
+        m.get_block_ids("c")
+
+
 def test_the_adapters_list_variants_drain_what_the_array_variants_drain() -> None:
     # `hybrid_kv.vllm` reads copies and new block ids as lists: the same contents and the same
     # draining as the public calls, and None when no copy is queued.

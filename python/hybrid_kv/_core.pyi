@@ -665,6 +665,8 @@ class KVCacheManager:
         """Removes the cache entries of the given blocks (a KV connector's invalidation)."""
     def take_new_block_ids(self) -> npt.NDArray[np.int32]:
         """Drains the new attention blocks the worker must zero (layouts with Mamba layers)."""
+    def _get_blocks(self, request_id: str) -> KVCacheBlocks:
+        """The request's block tables as `KVCacheBlocks`."""
     def _take_new_block_id_list(self) -> list[int]:
         """`take_new_block_ids` as a list."""
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:

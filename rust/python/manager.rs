@@ -1152,6 +1152,13 @@ impl PyKVCacheManager {
         }
     }
 
+    /// The request's block tables as `KVCacheBlocks` (`hybrid_kv.vllm`'s `get_blocks`: vLLM
+    /// reads them as lists, which the result makes without arrays in between).
+    fn _get_blocks(&self, py: Python<'_>, request_id: Text) -> PyResult<Py<PyKVCacheBlocks>> {
+        let tables = self.inner().manager.get_block_ids(&*request_id)?;
+        self.blocks(py, ComputedBlocks::new(tables, 0))
+    }
+
     /// The request's block tables: one int32 array per group.
     fn get_block_ids<'py>(
         &self,

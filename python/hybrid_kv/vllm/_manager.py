@@ -594,10 +594,10 @@ class HybridKVCacheManager(_RunningSteps):
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         try:
-            ids = self.core.get_block_ids(request_id)
+            blocks = self.core._get_blocks(request_id)
         except hk.HybridKvError:
             return self.empty_kv_cache_blocks
-        return KVCacheBlocks(ids=ids)
+        return KVCacheBlocks(blocks)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         ids = self.get_blocks(request_id).get_block_ids()
