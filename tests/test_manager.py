@@ -602,26 +602,35 @@ def test_get_blocks_holds_a_requests_tables_as_get_block_ids_gives_them() -> Non
         m.get_block_ids("c")
 
 
+# Full attention and Mamba blocks of 16, hashes every 8 (vLLM's fine-grained partial hash hits).
+PARTIAL_HIT_GROUPS = [{"kind": "full", "block_size": 16}, {"kind": "mamba", "block_size": 16}]
+
+
+def _partial_hit(manager: hk.KVCacheManager) -> tuple[hk.Request, hk.Request, hk.KVCacheBlocks]:
+    """Request `a` computes 24 tokens; `b` hits them (a hit ending inside a block) and is
+    admitted. Returns both and `b`'s new blocks."""
+    a = hk.Request("a", list(range(29)), block_size=8)
+    # A chunk ending on the prompt's last hash boundary (24) caches both groups' state there.
+    assert manager.allocate_slots(a, 24) is not None
+    a.num_computed_tokens = 24
+    manager.new_step_starts()
+    b = hk.Request("b", list(range(24)) + [1000 + i for i in range(10)], block_size=8)
+    blocks, hit = manager.get_computed_blocks(b)
+    assert hit == 24
+    new = manager.allocate_slots(b, 10, num_new_computed_tokens=hit, new_computed_blocks=blocks)
+    assert new is not None
+    return a, b, new
+
+
 def test_the_adapters_list_variants_drain_what_the_array_variants_drain() -> None:
     # `hybrid_kv.vllm` reads copies and new block ids as lists: the same contents and the same
     # draining as the public calls, and None when no copy is queued.
-    def admitted(manager: hk.KVCacheManager) -> None:
-        a = hk.Request("a", list(range(29)), block_size=8)
-        assert manager.allocate_slots(a, 24) is not None
-        a.num_computed_tokens = 24
-        manager.new_step_starts()
-        b = hk.Request("b", list(range(24)) + [1000 + i for i in range(10)], block_size=8)
-        blocks, hit = manager.get_computed_blocks(b)
-        assert hit == 24
-        assert manager.allocate_slots(
-            b, 10, num_new_computed_tokens=hit, new_computed_blocks=blocks
-        )
-
-    groups = [{"kind": "full", "block_size": 16}, {"kind": "mamba", "block_size": 16}]
-    arrays, lists = (hk.KVCacheManager(groups, 64, 1024, hash_block_size=8) for _ in range(2))
+    arrays, lists = (
+        hk.KVCacheManager(PARTIAL_HIT_GROUPS, 64, 1024, hash_block_size=8) for _ in range(2)
+    )
     assert lists._take_kv_cache_block_copy_lists() is None
     for manager in (arrays, lists):
-        admitted(manager)
+        _partial_hit(manager)
     copies, retained = arrays.take_kv_cache_block_copies()
     assert copies
     assert lists._take_kv_cache_block_copy_lists() == (copies, retained.tolist())
@@ -634,21 +643,10 @@ def test_the_adapters_list_variants_drain_what_the_array_variants_drain() -> Non
 
 
 def test_partial_hash_hit_copies_the_shared_blocks_and_retains_them_until_released() -> None:
-    # Full attention and Mamba blocks of 16, hashes every 8: a hit may end inside a block (vLLM's
-    # fine-grained partial hash hits), whose shared block the new request writes on into a copy.
-    groups = [{"kind": "full", "block_size": 16}, {"kind": "mamba", "block_size": 16}]
-    manager = hk.KVCacheManager(groups, 64, 1024, hash_block_size=8)
+    # A hit may end inside a block, whose shared block the new request writes on into a copy.
+    manager = hk.KVCacheManager(PARTIAL_HIT_GROUPS, 64, 1024, hash_block_size=8)
     assert manager.enable_partial_hash_hits and not manager.mamba_shared_prefix_checkpoint
-    a = hk.Request("a", list(range(29)), block_size=8)
-    # A chunk ending on the prompt's last hash boundary (24) caches both groups' state there.
-    assert manager.allocate_slots(a, 24) is not None
-    a.num_computed_tokens = 24
-    manager.new_step_starts()
-    b = hk.Request("b", list(range(24)) + [1000 + i for i in range(10)], block_size=8)
-    blocks, hit = manager.get_computed_blocks(b)
-    assert hit == 24
-    new = manager.allocate_slots(b, 10, num_new_computed_tokens=hit, new_computed_blocks=blocks)
-    assert new is not None
+    a, b, new = _partial_hit(manager)
     full_copy, state_copy = (ids[0] for ids in new.get_block_ids())
     a_full, a_mamba = manager.get_block_ids("a")
     copies, retained = manager.take_kv_cache_block_copies()

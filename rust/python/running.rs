@@ -565,129 +565,184 @@ Block ids per group as lists (all empty); None with allow_none."
         .as_ptr(),
 });
 
-/// CPython's entry of `_empty_block_ids_entry`'s descriptor: `slf` is an instance of the class
-/// it was made for (the descriptor checks it), `args` and `kwnames` as for
-/// `allocate_slots_entry`.
-unsafe extern "C" fn empty_block_ids_entry(
+/// Defines `$entry`, the C function of a direct entry's method descriptor
+/// (`METH_FASTCALL | METH_KEYWORDS`: `slf` an instance of the descriptor's class, which CPython
+/// checks before calling; `args` the `nargs` positional arguments followed by one value per name
+/// in `kwnames`, null when there are none), as `$body` under `trampoline`: the body returns a
+/// new reference, or null with an exception set, or an error, which is raised.
+macro_rules! direct_entry {
+    ($entry:ident, $body:ident) => {
+        unsafe extern "C" fn $entry(
+            slf: *mut ffi::PyObject,
+            args: *const *mut ffi::PyObject,
+            nargs: ffi::Py_ssize_t,
+            kwnames: *mut ffi::PyObject,
+        ) -> *mut ffi::PyObject {
+            // SAFETY: CPython calls a method's function with the calling thread attached to
+            // the interpreter (holding the GIL where there is one), and keeps `slf`, `kwnames`
+            // and the `nargs + len(kwnames)` argument pointers alive for the call: the body's
+            // contract.
+            unsafe {
+                trampoline(|py| {
+                    $body(
+                        py,
+                        FastCall {
+                            slf,
+                            args,
+                            nargs,
+                            kwnames,
+                        },
+                    )
+                })
+            }
+        }
+    };
+}
+
+direct_entry!(empty_block_ids_entry, empty_block_ids);
+direct_entry!(allocate_slots_entry, allocate_slots_call);
+
+/// The arguments CPython passes a `METH_FASTCALL | METH_KEYWORDS` function (see
+/// `direct_entry!`).
+#[derive(Clone, Copy)]
+struct FastCall {
     slf: *mut ffi::PyObject,
     args: *const *mut ffi::PyObject,
     nargs: ffi::Py_ssize_t,
     kwnames: *mut ffi::PyObject,
-) -> *mut ffi::PyObject {
-    // SAFETY: as in `allocate_slots_entry`: the thread is attached and every pointer is alive
-    // for the call. Only identities are compared here (no Python code runs, nothing panics)
-    // before the call is passed on.
-    unsafe {
-        let py = Python::assume_attached();
-        let num_keywords = if kwnames.is_null() {
+}
+
+impl FastCall {
+    /// How many keyword arguments the call got.
+    ///
+    /// # Safety
+    /// The pointers are the live arguments CPython passed (`kwnames` null or a tuple).
+    unsafe fn num_keywords(&self) -> usize {
+        if self.kwnames.is_null() {
             0
         } else {
-            ffi::PyTuple_GET_SIZE(kwnames)
-        };
-        let allow_none = match (nargs, num_keywords) {
+            // SAFETY: per the contract, a live tuple.
+            unsafe { ffi::PyTuple_GET_SIZE(self.kwnames) as usize }
+        }
+    }
+
+    /// The values: `nargs` positional ones, then one per keyword name.
+    ///
+    /// # Safety
+    /// As for `num_keywords`; the slice lives no longer than the call.
+    unsafe fn values<'a>(&self) -> &'a [*mut ffi::PyObject] {
+        // SAFETY: per the contract, `args` holds that many live pointers.
+        unsafe {
+            let len = self.nargs as usize + self.num_keywords();
+            if len == 0 {
+                &[]
+            } else {
+                std::slice::from_raw_parts(self.args, len)
+            }
+        }
+    }
+
+    /// `slf` followed by the values: the argument array of a vectorcall of the same call on
+    /// another callable (`1 + nargs` positional values, `kwnames` unchanged).
+    ///
+    /// # Safety
+    /// As for `values`.
+    unsafe fn with_receiver(&self) -> Vec<*mut ffi::PyObject> {
+        // SAFETY: per the contract.
+        let values = unsafe { self.values() };
+        let mut vector = Vec::with_capacity(values.len() + 1);
+        vector.push(self.slf);
+        vector.extend_from_slice(values);
+        vector
+    }
+}
+
+/// Runs a direct entry's body with the thread's `Python` token: its result, or null with its
+/// error raised; a panic is caught before it could unwind into CPython and raised as an error.
+///
+/// # Safety
+/// The calling thread is attached to the interpreter.
+unsafe fn trampoline(
+    body: impl FnOnce(Python<'_>) -> PyResult<*mut ffi::PyObject>,
+) -> *mut ffi::PyObject {
+    // SAFETY: per the contract.
+    let py = unsafe { Python::assume_attached() };
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(py))) {
+        Ok(Ok(result)) => result,
+        Ok(Err(error)) => {
+            error.restore(py);
+            std::ptr::null_mut()
+        }
+        Err(_) => {
+            pyo3::panic::PanicException::new_err("a hybrid_kv direct entry panicked").restore(py);
+            std::ptr::null_mut()
+        }
+    }
+}
+
+/// `get_block_ids` of an instance of the class `_empty_block_ids_entry` was made for.
+///
+/// # Safety
+/// As `direct_entry!` states: the thread is attached and every pointer is alive for the call.
+unsafe fn empty_block_ids(py: Python<'_>, call: FastCall) -> PyResult<*mut ffi::PyObject> {
+    // SAFETY: per the contract. Only identities are compared here (no Python code runs)
+    // before the call is passed on.
+    unsafe {
+        let allow_none = match (call.nargs, call.num_keywords()) {
             // get_block_ids(True)
-            (1, 0) => Some(*args),
+            (1, 0) => Some(*call.args),
             // get_block_ids(allow_none=True), the keyword name being the interned constant.
-            (0, 1) if ffi::PyTuple_GET_ITEM(kwnames, 0) == intern!(py, "allow_none").as_ptr() => {
-                Some(*args)
+            (0, 1)
+                if ffi::PyTuple_GET_ITEM(call.kwnames, 0) == intern!(py, "allow_none").as_ptr() =>
+            {
+                Some(*call.args)
             }
             _ => None,
         };
         if allow_none == Some(ffi::Py_True()) {
-            return ffi::Py_NewRef(ffi::Py_None());
+            return Ok(ffi::Py_NewRef(ffi::Py_None()));
         }
-        forward(slf, intern!(py, "_get_block_ids"), args, nargs, kwnames)
+        Ok(forward(call, intern!(py, "_get_block_ids")))
     }
 }
 
-/// `slf.<name>(*args, **kwargs)` with the arguments CPython passed a direct entry (`nargs`
-/// positional values then one per name in `kwnames`): the new reference it returns, or null
-/// with an exception set.
+/// `slf.<name>(*args, **kwargs)` with the arguments CPython passed a direct entry: the new
+/// reference it returns, or null with an exception set.
 ///
 /// # Safety
 /// The thread is attached, and the pointers are the live arguments of a METH_FASTCALL |
 /// METH_KEYWORDS call, as CPython passes them.
-unsafe fn forward(
-    slf: *mut ffi::PyObject,
-    name: &Bound<'_, PyString>,
-    args: *const *mut ffi::PyObject,
-    nargs: ffi::Py_ssize_t,
-    kwnames: *mut ffi::PyObject,
-) -> *mut ffi::PyObject {
-    // SAFETY: per the contract: `args` holds `nargs` values then one per keyword name, alive
-    // for the call, so the copy (after `slf`) is too; `PyObject_VectorcallMethod` takes the
-    // method's name and the receiver from the array's first slot and returns a new reference
-    // or null with an exception set.
+unsafe fn forward(call: FastCall, name: &Bound<'_, PyString>) -> *mut ffi::PyObject {
+    // SAFETY: per the contract: the array holds `slf` and the call's values, alive for the
+    // call; `PyObject_VectorcallMethod` takes the method's name and the receiver from its first
+    // slot and returns a new reference or null with an exception set.
     unsafe {
-        let num_keywords = if kwnames.is_null() {
-            0
-        } else {
-            ffi::PyTuple_GET_SIZE(kwnames)
-        };
-        let len = (nargs + num_keywords) as usize;
-        let mut call: Vec<*mut ffi::PyObject> = Vec::with_capacity(len + 1);
-        call.push(slf);
-        if len > 0 {
-            call.extend_from_slice(std::slice::from_raw_parts(args, len));
-        }
-        ffi::PyObject_VectorcallMethod(name.as_ptr(), call.as_ptr(), (nargs + 1) as usize, kwnames)
+        let vector = call.with_receiver();
+        ffi::PyObject_VectorcallMethod(
+            name.as_ptr(),
+            vector.as_ptr(),
+            call.nargs as usize + 1,
+            call.kwnames,
+        )
     }
 }
 
-/// CPython's entry of the descriptor: `slf` is an instance of `_RunningSteps` (the descriptor
-/// checks it before calling), `args` the `nargs` positional arguments followed by one value per
-/// name in `kwnames` (null when there are none).
-unsafe extern "C" fn allocate_slots_entry(
-    slf: *mut ffi::PyObject,
-    args: *const *mut ffi::PyObject,
-    nargs: ffi::Py_ssize_t,
-    kwnames: *mut ffi::PyObject,
-) -> *mut ffi::PyObject {
-    // SAFETY: CPython calls a method's function with the calling thread attached to the
-    // interpreter (holding the GIL where there is one), and keeps `slf`, `kwnames` and the
-    // `nargs + len(kwnames)` argument pointers alive for the call; each is borrowed here for no
-    // longer. A panic is caught before it could unwind into CPython and raised as an error.
-    unsafe {
-        let py = Python::assume_attached();
-        let call = std::panic::AssertUnwindSafe(|| entry_call(py, slf, args, nargs, kwnames));
-        match std::panic::catch_unwind(call) {
-            Ok(Ok(result)) => result.into_ptr(),
-            Ok(Err(error)) => {
-                error.restore(py);
-                std::ptr::null_mut()
-            }
-            Err(_) => {
-                pyo3::panic::PanicException::new_err("allocate_slots panicked").restore(py);
-                std::ptr::null_mut()
-            }
-        }
-    }
-}
-
-/// The body of `allocate_slots_entry`, under the same contract.
-unsafe fn entry_call<'py>(
-    py: Python<'py>,
-    slf: *mut ffi::PyObject,
-    args: *const *mut ffi::PyObject,
-    nargs: ffi::Py_ssize_t,
-    kwnames: *mut ffi::PyObject,
-) -> PyResult<Bound<'py, PyAny>> {
-    // SAFETY: see `allocate_slots_entry`: every pointer is a live object for the call.
-    let slf = unsafe { pyo3::Borrowed::from_ptr(py, slf) };
-    let kwnames = unsafe { pyo3::Borrowed::from_ptr_or_opt(py, kwnames) };
-    let num_keywords = match &kwnames {
-        // SAFETY: CPython passes a tuple of keyword names, or null.
-        Some(names) => unsafe { ffi::PyTuple_GET_SIZE(names.as_ptr()) },
-        None => 0,
+/// `allocate_slots` of a `_RunningSteps` instance.
+///
+/// # Safety
+/// As `direct_entry!` states: the thread is attached and every pointer is alive for the call.
+unsafe fn allocate_slots_call(py: Python<'_>, call: FastCall) -> PyResult<*mut ffi::PyObject> {
+    // SAFETY: per the contract, every pointer is a live object for the call (`kwnames` a
+    // tuple or null).
+    let (slf, argv, num_keywords, kwnames) = unsafe {
+        (
+            pyo3::Borrowed::from_ptr(py, call.slf),
+            call.values(),
+            call.num_keywords(),
+            pyo3::Borrowed::from_ptr_or_opt(py, call.kwnames),
+        )
     };
-    let len = usize::try_from(nargs).unwrap_or(0) + usize::try_from(num_keywords).unwrap_or(0);
-    let argv = if len == 0 {
-        &[][..]
-    } else {
-        // SAFETY: `args` holds `nargs` positional values followed by one per keyword name.
-        unsafe { std::slice::from_raw_parts(args, len) }
-    };
-    if nargs == 2 {
+    if call.nargs == 2 {
         // SAFETY: the first two are the positional arguments, alive for the call.
         let request = unsafe { pyo3::Borrowed::from_ptr(py, argv[0]) };
         let num_new_tokens = unsafe { pyo3::Borrowed::from_ptr(py, argv[1]) };
@@ -708,7 +763,7 @@ unsafe fn entry_call<'py>(
                     .get()
                     .running_step(&request, &num_new_tokens, lookahead.as_deref())?;
             if let Some(result) = answered {
-                return Ok(result.into_bound(py));
+                return Ok(result.into_ptr());
             }
         }
     }
@@ -720,22 +775,17 @@ unsafe fn entry_call<'py>(
             .getattr(intern!(py, "allocate_slots"))
             .map(Bound::unbind)
     })?;
-    let mut call: Vec<*mut ffi::PyObject> = Vec::with_capacity(len + 1);
-    call.push(slf.as_ptr());
-    call.extend_from_slice(argv);
-    // SAFETY: `call` holds `1 + nargs` positional values then one per name in `kwnames`, all
-    // alive for the call (borrowed from CPython's, which it keeps alive); the result is a new
-    // reference or null with an exception set.
+    // SAFETY: the array holds `slf` and the call's values, alive for the call (borrowed from
+    // CPython's, which it keeps alive); the result is a new reference or null with an
+    // exception set.
     unsafe {
-        let result = ffi::PyObject_Vectorcall(
+        let vector = call.with_receiver();
+        Ok(ffi::PyObject_Vectorcall(
             method.as_ptr(),
-            call.as_ptr(),
-            (nargs + 1) as usize,
-            kwnames
-                .as_ref()
-                .map_or(std::ptr::null_mut(), |k| k.as_ptr()),
-        );
-        Bound::from_owned_ptr_or_err(py, result)
+            vector.as_ptr(),
+            call.nargs as usize + 1,
+            call.kwnames,
+        ))
     }
 }
 

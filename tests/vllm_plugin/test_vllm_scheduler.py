@@ -1069,11 +1069,10 @@ def _request_inside_its_horizon(layout: str = "gpt-oss") -> tuple[Any, Any]:
     pytest.fail("no running request inside its horizon")
 
 
-def test_allocate_slots_checks_its_arguments_inside_the_horizon() -> None:
-    # A running request inside its horizon: bad counts raise as they do outside it.
-    scheduler, request = _request_inside_its_horizon()
-    manager = scheduler.kv_cache_manager
-    forwarded = []
+def _record_forwarded(manager: Any) -> list[tuple[tuple, dict]]:
+    """Records the arguments (after the request) of every call `allocate_slots` passes on to the
+    adapter's `_allocate_slots`, which still serves them."""
+    forwarded: list[tuple[tuple, dict]] = []
     full_call = manager._allocate_slots
 
     def allocate_slots(*args: Any, **kwargs: Any) -> Any:
@@ -1081,6 +1080,14 @@ def test_allocate_slots_checks_its_arguments_inside_the_horizon() -> None:
         return full_call(*args, **kwargs)
 
     manager._allocate_slots = allocate_slots
+    return forwarded
+
+
+def test_allocate_slots_checks_its_arguments_inside_the_horizon() -> None:
+    # A running request inside its horizon: bad counts raise as they do outside it.
+    scheduler, request = _request_inside_its_horizon()
+    manager = scheduler.kv_cache_manager
+    forwarded = _record_forwarded(manager)
     assert manager.allocate_slots(request, 1) is manager.empty_kv_cache_blocks
     assert manager.allocate_slots(request, 1, num_lookahead_tokens=0) is (
         manager.empty_kv_cache_blocks
@@ -1116,14 +1123,7 @@ def test_the_running_step_entry_passes_every_other_call_on_unchanged() -> None:
     assert type(manager).allocate_slots is not base
     assert inspect.signature(type(manager).allocate_slots) == inspect.signature(base)
     empty = manager.empty_kv_cache_blocks
-    forwarded = []
-    full_call = manager._allocate_slots
-
-    def allocate_slots(*args: Any, **kwargs: Any) -> Any:
-        forwarded.append((args[1:], kwargs))
-        return full_call(*args, **kwargs)
-
-    manager._allocate_slots = allocate_slots
+    forwarded = _record_forwarded(manager)
     # The running step, with the keyword's name made at run time (not the interned constant).
     name = "".join(["num_lookahead", "_tokens"])
     assert manager.allocate_slots(request, 1, **{name: 0}) is empty
