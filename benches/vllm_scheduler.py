@@ -12,9 +12,11 @@ The two sides run in alternating turns of `--turn` steps in one process; both ma
 same decisions (the differential tests check this), so step i of one side is step i of the other.
 Only steps with the target number of running requests are kept. A second, instrumented pass times
 every call the scheduler makes on its `kv_cache_manager`, and on the `KVCacheBlocks` it returns
-(`get_block_ids`), to give the manager's share of the step; what the timing wrapper itself adds
-per call (measured on a no-op in the same process) is taken off both the manager's time and the
-step's.
+(`get_block_ids`), to give the manager's share of the step; what the timers themselves add per
+call (measured on no-ops in the same process) is taken off both the manager's time and the
+step's. `allocate_slots`, made for every running request on every step, has a timer of its own
+that makes the scheduler's call as the scheduler makes it (a generic `*args, **kwargs` wrapper
+costs more inside the scheduler than its no-op calibration measures).
 
 Once both schedulers and the workload are built, the heap is frozen (`gc.freeze()`), as vLLM's
 `EngineCore` freezes its startup heap before serving (`freeze_gc_heap`): the collector then scans
