@@ -467,6 +467,16 @@ impl PyKVCacheManager {
         }
     }
 
+    /// Drains the copy-on-write copies (as vLLM's int32 ids) and the blocks retained for them.
+    fn take_copies(&self) -> (Vec<(i32, i32)>, Vec<BlockId>) {
+        let (copies, retained) = self.inner().manager.take_kv_cache_block_copies();
+        let copies = copies
+            .into_iter()
+            .map(|(s, d)| (s as i32, d as i32))
+            .collect();
+        (copies, retained)
+    }
+
     fn blocks(&self, py: Python<'_>, computed: ComputedBlocks) -> PyResult<Py<PyKVCacheBlocks>> {
         if computed.is_empty()
             && computed.num_computed_tokens == 0
@@ -975,11 +985,7 @@ impl PyKVCacheManager {
         &self,
         py: Python<'py>,
     ) -> (Vec<(i32, i32)>, Bound<'py, numpy::PyArray1<i32>>) {
-        let (copies, retained) = self.inner().manager.take_kv_cache_block_copies();
-        let copies = copies
-            .into_iter()
-            .map(|(s, d)| (s as i32, d as i32))
-            .collect();
+        let (copies, retained) = self.take_copies();
         (copies, ids_to_numpy(py, retained))
     }
 
@@ -987,14 +993,10 @@ impl PyKVCacheManager {
     /// no copy (every step, but for partial hits: `hybrid_kv.vllm`'s adapter then answers with
     /// empty lists without making any).
     fn _take_kv_cache_block_copy_lists(&self) -> Option<CopyLists> {
-        let (copies, retained) = self.inner().manager.take_kv_cache_block_copies();
+        let (copies, retained) = self.take_copies();
         if copies.is_empty() && retained.is_empty() {
             return None;
         }
-        let copies = copies
-            .into_iter()
-            .map(|(s, d)| (s as i32, d as i32))
-            .collect();
         Some((copies, retained.into_iter().map(|b| b as i32).collect()))
     }
 

@@ -475,19 +475,37 @@ impl PyRunningSteps {
                 return Ok(result);
             }
         }
-        let kwargs = PyDict::new(py);
-        for (name, value) in PARAMETERS.iter().zip(given) {
-            if let Some(value) = value {
-                kwargs.set_item(name, value)?;
-            }
-        }
-        slf.call_method(
-            intern!(py, "_allocate_slots"),
-            (request, num_new_tokens),
-            Some(&kwargs),
+        let _ = py;
+        full_call(
+            slf,
+            request,
+            num_new_tokens,
+            PARAMETERS.into_iter().zip(given),
         )
-        .map(Bound::unbind)
     }
+}
+
+/// The adapter's `_allocate_slots(request, num_new_tokens, **given)`, the arguments given as
+/// None left out (as not given).
+fn full_call<'py>(
+    slf: &Bound<'py, PyRunningSteps>,
+    request: &Bound<'py, PyAny>,
+    num_new_tokens: &Bound<'py, PyAny>,
+    given: impl IntoIterator<Item = (&'static str, Option<Bound<'py, PyAny>>)>,
+) -> PyResult<Py<PyAny>> {
+    let py = slf.py();
+    let kwargs = PyDict::new(py);
+    for (name, value) in given {
+        if let Some(value) = value {
+            kwargs.set_item(name, value)?;
+        }
+    }
+    slf.call_method(
+        intern!(py, "_allocate_slots"),
+        (request, num_new_tokens),
+        Some(&kwargs),
+    )
+    .map(Bound::unbind)
 }
 
 /// `allocate_slots` as a method descriptor whose function CPython calls directly
@@ -762,9 +780,20 @@ unsafe fn allocate_slots_call(py: Python<'_>, call: FastCall) -> PyResult<*mut f
                 steps
                     .get()
                     .running_step(&request, &num_new_tokens, lookahead.as_deref())?;
-            if let Some(result) = answered {
-                return Ok(result.into_ptr());
-            }
+            // Unanswered: what the base method does next, without asking `running_step` again.
+            let result = match answered {
+                Some(result) => result,
+                None => {
+                    let lookahead = lookahead.map(|k| k.to_owned());
+                    full_call(
+                        &steps,
+                        &request,
+                        &num_new_tokens,
+                        [("num_lookahead_tokens", lookahead)],
+                    )?
+                }
+            };
+            return Ok(result.into_ptr());
         }
     }
     // Anything else: `_RunningSteps.allocate_slots(slf, *args, **kwargs)`, as CPython passed
