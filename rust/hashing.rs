@@ -183,6 +183,9 @@ pub fn check_tokens<T: TokenId>(tokens: &[T]) -> Result<()> {
 
 /// Hashes token sequences into chained block hashes. Two hashers are equal when they produce
 /// the same hashes (same algorithm, block size, seed and lookahead).
+///
+/// A *supplied* hasher hashes nothing: the caller hands over each block's hash as it does for
+/// vLLM's requests, whose `block_hashes` its engine computes (see [`BlockHasher::supplied`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlockHasher {
     algo: HashAlgo,
@@ -191,6 +194,7 @@ pub struct BlockHasher {
     /// Tokens after each block its hash also covers (vLLM's `num_hash_lookahead_tokens`: a
     /// drafter proves the boundary token), so a block is hashed only once they exist.
     lookahead: usize,
+    supplied: bool,
 }
 
 pub const MAX_BLOCK_SIZE: usize = 1 << 20;
@@ -209,7 +213,25 @@ impl BlockHasher {
             block_size,
             none_hash: algo.digest(&seed_bytes),
             lookahead: 0,
+            supplied: false,
         })
+    }
+
+    /// A hasher of `block_size` blocks covering `lookahead` tokens past each, whose hashes the
+    /// caller supplies: [`BlockHasher::hash_blocks`] only validates the tokens and adds no hash.
+    /// Its hashes are keys from another hasher (vLLM's `Request.block_hashes`), so it equals
+    /// no hasher that computes them.
+    pub fn supplied(block_size: usize, lookahead: usize) -> Result<Self> {
+        let mut hasher =
+            BlockHasher::new(block_size, HashAlgo::Xxh3, "")?.with_lookahead(lookahead)?;
+        hasher.none_hash = BlockHash(0);
+        hasher.supplied = true;
+        Ok(hasher)
+    }
+
+    /// Whether the caller supplies the hashes (see [`BlockHasher::supplied`]).
+    pub fn is_supplied(&self) -> bool {
+        self.supplied
     }
 
     /// The same hasher covering `lookahead` tokens past each block.
@@ -268,6 +290,9 @@ impl BlockHasher {
         let look = self.lookahead;
         let num_full = tokens.len().saturating_sub(look) / bs;
         check_tokens(tokens)?;
+        if self.supplied {
+            return Ok(());
+        }
         out.reserve(num_full);
         let mut parent = parent.unwrap_or(self.none_hash);
         // Header (parent, token count) and tokens at fixed offsets; extra keys appended after.

@@ -318,6 +318,17 @@ class Request:
     change length afterwards. A manager keeps a hashed copy of every request it has seen; the
     copy and the request's blocks go when the `Request` is garbage collected (before any counter
     of the manager is read again) or `remove_request` is called.
+
+    With `block_hashes` (vLLM's `Request.block_hashes`: one `bytes` per full block of
+    `block_size` tokens, chained, as its engine computes them), those hashes key the request's
+    blocks and nothing is hashed: each is keyed by its first 16 bytes (zero-padded if
+    shorter), `hash_algo` and `hash_seed` are not used, and output tokens come with the hashes
+    of the blocks they fill (`append_output_token_ids(..., block_hashes=)`). Of a list prompt
+    only the tokens after its hashed blocks are read when the request is made; the rest are
+    read and checked if KV events need them. A manager takes the request's hashes when they
+    cover its hashable blocks (those whose `num_hash_lookahead_tokens` after them are there
+    too) at its `hash_block_size`; a call that finds them short raises `InvalidArgumentError`
+    and changes nothing. Two requests share a block only if their hashes are equal.
     """
 
     def __new__(
@@ -332,13 +343,14 @@ class Request:
         hash_algo: str = "xxh3",
         hash_seed: str = "",
         lora_id: int | None = None,
+        block_hashes: Sequence[bytes] | None = None,
     ) -> Request:
         """Raises:
         InvalidArgumentError: an empty prompt.
         OutOfRangeError: a token id outside [0, 2**32), a bad `block_size`, a negative or
             overflowing multimodal offset or length.
         TypeError: a prompt that is not a 1-D integer array or a sequence of ints (`bytes` and
-            `str` included).
+            `str` included); `block_hashes` not a sequence of `bytes`.
         """
     @property
     def request_id(self) -> str: ...
@@ -384,9 +396,22 @@ class Request:
     def cache_salt(self) -> str | None: ...
     @property
     def lora_name(self) -> str | None: ...
-    def append_output_token_ids(self, token_ids: int | _TokenIds) -> None:
-        """Appends sampled tokens: an int, a sequence of ints or a 1-D integer array.
-        All or nothing."""
+    @property
+    def supplied_block_hashes(self) -> npt.NDArray[np.uint64] | None:
+        """The keys of the `block_hashes` the request was given so far, as an `(n, 2)` array of
+        (low, high) 64-bit halves; None for a request whose manager hashes its tokens."""
+    def append_output_token_ids(
+        self, token_ids: int | _TokenIds, block_hashes: Sequence[bytes] | None = None
+    ) -> None:
+        """Appends sampled tokens: an int, a sequence of ints or a 1-D integer array. A request
+        made with `block_hashes` takes those of its new blocks from `block_hashes`, the hashes
+        of every full block so far (vLLM's `Request.block_hashes` after the append); the ones
+        it has are not read again. All or nothing.
+
+        Raises:
+            InvalidArgumentError: `block_hashes` for a request made without them.
+            TypeError: `block_hashes` not a sequence of `bytes`.
+        """
 
 @final
 class KVCacheBlocks:

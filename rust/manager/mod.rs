@@ -412,6 +412,65 @@ impl KVCacheManager {
         Ok(self.insert_request(request))
     }
 
+    /// Registers a request whose block hashes the caller supplies (vLLM's `Request.block_hashes`,
+    /// computed by its engine; keys longer than 128 bits are truncated by the caller), with its
+    /// prompt: `hashes` holds at least the hashes of the prompt's full blocks (with the
+    /// manager's lookahead tokens after them); any more are left for
+    /// [`KVCacheManager::append_token_ids_with_hashes`]. The request's later tokens come with
+    /// their hashes through that call. Nothing is registered on an error.
+    pub fn add_request_with_hashes<T: TokenId>(
+        &mut self,
+        request_id: &str,
+        prompt: &[T],
+        hashes: &[crate::types::BlockHash],
+        extra: ExtraKeys,
+    ) -> Result<RequestHandle> {
+        self.check_new_request(request_id, prompt.len())?;
+        let mut request = Request::new(
+            request_id.to_owned(),
+            prompt,
+            self.supplied_hasher()?,
+            extra,
+            self.pool.events_enabled(),
+        )?;
+        request.supply_hashes(hashes)?;
+        Ok(self.insert_request(request))
+    }
+
+    /// [`KVCacheManager::add_request_prehashed`] for block hashes the caller supplies (see
+    /// [`KVCacheManager::add_request_with_hashes`]): the prompt's `hashes` and `tail`.
+    pub(crate) fn add_request_supplied_prehashed(
+        &mut self,
+        request_id: &str,
+        num_prompt_tokens: usize,
+        hashes: Vec<crate::types::BlockHash>,
+        tail: Vec<u32>,
+        extra: ExtraKeys,
+    ) -> Result<RequestHandle> {
+        self.check_new_request(request_id, num_prompt_tokens)?;
+        if self.pool.events_enabled() {
+            return invalid(format!(
+                "request {request_id:?}: KV events need the prompt's token ids; use \
+                 add_request_with_hashes"
+            ));
+        }
+        let request = Request::from_prehashed(
+            request_id.to_owned(),
+            num_prompt_tokens,
+            self.supplied_hasher()?,
+            extra,
+            hashes,
+            tail,
+        )?;
+        Ok(self.insert_request(request))
+    }
+
+    /// The hasher of requests whose hashes the caller supplies: this manager's block size and
+    /// lookahead, no hashing.
+    pub fn supplied_hasher(&self) -> Result<BlockHasher> {
+        BlockHasher::supplied(self.hasher.block_size(), self.hasher.lookahead())
+    }
+
     /// Registers a request whose prompt the caller already hashed with this manager's hasher
     /// (see [`KVCacheManager::hasher`]): the `hashes` of its full blocks and the `tail` tokens
     /// after them. With KV events on, use [`KVCacheManager::add_request`] (events report the
@@ -484,6 +543,22 @@ impl KVCacheManager {
             .get_mut(request.into())?
             .request
             .append(tokens)
+    }
+
+    /// Appends output tokens to a request whose hashes the caller supplies, with `hashes`, the
+    /// hashes of every full block of the request so far (vLLM's `Request.block_hashes` after
+    /// the tokens were appended); those it holds already are not read again. All or nothing:
+    /// `hashes` must cover every block the tokens make hashable.
+    pub fn append_token_ids_with_hashes<'a, T: TokenId>(
+        &mut self,
+        request: impl Into<RequestKey<'a>>,
+        tokens: &[T],
+        hashes: &[crate::types::BlockHash],
+    ) -> Result<()> {
+        self.requests
+            .get_mut(request.into())?
+            .request
+            .append_with_hashes(tokens, hashes)
     }
 
     /// Frees the request's blocks (if any) and forgets it; returns its state.

@@ -132,6 +132,9 @@ pub struct RequestRecord {
     /// The request reads no prefix-cache hit (prompt logprobs).
     pub skip_reading_prefix_cache: bool,
     prehashed: Option<Prehashed>,
+    /// The caller's hashes of every full block so far (vLLM's `Request.block_hashes`), for a
+    /// request whose hashes the caller supplies; the manager then hashes nothing.
+    pub supplied: Option<Vec<BlockHash>>,
     registrations: Registrations,
     /// The running horizon a manager's last call on this request left, if any (the binding
     /// answers a running step inside it without that manager's lock; see [`HeldHorizon`]).
@@ -174,6 +177,7 @@ impl RequestRecord {
             num_in_flight_tokens: 0,
             skip_reading_prefix_cache: false,
             prehashed,
+            supplied: None,
             registrations: Registrations::default(),
             horizon: None,
         })
@@ -363,7 +367,13 @@ impl Registry {
                 let handle = reg.handle;
                 if reg.synced < total {
                     let start = reg.synced - num_prompt;
-                    manager.append_token_ids(handle, &record.output[start..])?;
+                    let tokens = &record.output[start..];
+                    match &record.supplied {
+                        Some(hashes) => {
+                            manager.append_token_ids_with_hashes(handle, tokens, hashes)?
+                        }
+                        None => manager.append_token_ids(handle, tokens)?,
+                    }
                     reg.synced = total;
                 }
                 return Ok(Synced::Ready {
@@ -383,9 +393,23 @@ impl Registry {
                 let handle = manager.handle(id)?;
                 let start = manager.request(handle)?.num_tokens() - num_prompt;
                 if start < record.output.len() {
-                    manager.append_token_ids(handle, &record.output[start..])?;
+                    let tokens = &record.output[start..];
+                    match &record.supplied {
+                        Some(hashes) => {
+                            manager.append_token_ids_with_hashes(handle, tokens, hashes)?
+                        }
+                        None => manager.append_token_ids(handle, tokens)?,
+                    }
                 }
                 (handle, false)
+            }
+            None if record.supplied.is_some() => {
+                let handle = match Self::register_supplied(manager, record, prompt)? {
+                    Some(handle) => handle,
+                    None => return Ok(Synced::NeedPrompt),
+                };
+                self.serials.insert(record.id.clone(), record.serial);
+                (handle, true)
             }
             None => {
                 let reusable = !manager.pool().events_enabled()
@@ -426,6 +450,57 @@ impl Registry {
             removals,
         });
         Ok(Synced::Ready { handle, registered })
+    }
+
+    /// Registers a record whose hashes the caller supplies (`record.supplied`), with its output
+    /// tokens: from its prompt hashes when they fit this manager (no KV events, the block size
+    /// and lookahead they were taken at), else from `prompt` (`None` when it is needed and not
+    /// given). Nothing stays registered on an error.
+    fn register_supplied(
+        manager: &mut KVCacheManager,
+        record: &mut RequestRecord,
+        prompt: Option<&[u32]>,
+    ) -> Result<Option<RequestHandle>> {
+        let hashes = record.supplied.as_deref().unwrap_or_default();
+        let num_prompt = record.num_prompt_tokens;
+        let supplied = manager.supplied_hasher()?;
+        let fits = |p: &Prehashed| {
+            p.hasher.is_supplied()
+                && p.hasher.block_size() == supplied.block_size()
+                && p.hashes.len()
+                    == num_prompt.saturating_sub(supplied.lookahead()) / supplied.block_size()
+        };
+        let id = record.id.as_str();
+        if manager.contains_request(id) {
+            return Err(CoreError::DuplicateRequest(id.to_owned()));
+        }
+        let reusable =
+            !manager.pool().events_enabled() && record.prehashed.as_ref().is_some_and(fits);
+        let handle = if reusable {
+            // Cannot fail now: a new id, a non-empty prompt, hashes that fit, no events.
+            let pre = record.prehashed.take().expect("checked above");
+            manager.add_request_supplied_prehashed(
+                id,
+                num_prompt,
+                pre.hashes,
+                pre.tail,
+                record.extra.clone(),
+            )?
+        } else {
+            let Some(prompt) = prompt else {
+                return Ok(None);
+            };
+            manager.add_request_with_hashes(id, prompt, hashes, record.extra.clone())?
+        };
+        if let Err(err) = manager.append_token_ids_with_hashes(handle, &record.output, hashes) {
+            if let Ok(request) = manager.remove_request(handle) {
+                if record.prehashed.is_none() {
+                    record.prehashed = Prehashed::from_request(&request, num_prompt);
+                }
+            }
+            return Err(err);
+        }
+        Ok(Some(handle))
     }
 
     /// Undoes the registration a [`Registry::sync`] of this call made (`registered: true`), for

@@ -154,7 +154,7 @@ impl Request {
     /// only the tokens after them.
     fn hash_tail(&mut self) -> Result<()> {
         let bs = self.hasher.block_size();
-        if self.tail.len() >= self.hasher.tokens_per_hash() {
+        if self.tail.len() >= self.hasher.tokens_per_hash() && !self.hasher.is_supplied() {
             let start = self.hashes.len() * bs;
             let parent = self.hashes.last().copied();
             let before = self.hashes.len();
@@ -163,6 +163,65 @@ impl Request {
             self.tail.drain(..(self.hashes.len() - before) * bs);
         }
         Ok(())
+    }
+}
+
+impl Request {
+    /// Full blocks whose hashes the request's tokens allow: those whose lookahead tokens are
+    /// there too.
+    pub fn num_hashable_blocks(&self) -> usize {
+        self.hashable_blocks(self.num_tokens)
+    }
+
+    fn hashable_blocks(&self, num_tokens: usize) -> usize {
+        num_tokens.saturating_sub(self.hasher.lookahead()) / self.hasher.block_size()
+    }
+
+    /// Why `all` cannot give the request, once it holds `num_tokens` tokens, the hashes of its
+    /// hashable blocks; `None` if it can.
+    fn check_supplied(&self, num_tokens: usize, all: &[BlockHash]) -> Result<()> {
+        if !self.hasher.is_supplied() {
+            return Err(crate::error::CoreError::InvalidArgument(format!(
+                "request {:?} computes its own block hashes",
+                self.id
+            )));
+        }
+        let want = self.hashable_blocks(num_tokens);
+        if want > self.hashes.len() && all.len() < want {
+            return Err(crate::error::CoreError::InvalidArgument(format!(
+                "request {:?}: {} block hashes for {num_tokens} tokens, {want} expected",
+                self.id,
+                all.len(),
+            )));
+        }
+        Ok(())
+    }
+
+    /// Takes the hashes of its new full blocks from `all`, the hashes of every full block of
+    /// the request so far (vLLM's `Request.block_hashes`), for a request whose hasher is
+    /// supplied. Hashes it already holds are not read again; hashes past its tokens are left
+    /// for later. An error changes nothing: a request with a computing hasher, or `all`
+    /// shorter than the request's hashable blocks.
+    pub(crate) fn supply_hashes(&mut self, all: &[BlockHash]) -> Result<()> {
+        self.check_supplied(self.num_tokens, all)?;
+        let (have, want) = (self.hashes.len(), self.num_hashable_blocks());
+        if want > have {
+            self.hashes.extend_from_slice(&all[have..want]);
+            self.tail.drain(..(want - have) * self.hasher.block_size());
+        }
+        Ok(())
+    }
+
+    /// Appends output tokens and takes the hashes they make hashable from `all` (see
+    /// [`Request::supply_hashes`]); changes nothing on an error.
+    pub(crate) fn append_with_hashes<T: TokenId>(
+        &mut self,
+        tokens: &[T],
+        all: &[BlockHash],
+    ) -> Result<()> {
+        self.check_supplied(self.num_tokens + tokens.len(), all)?;
+        self.append(tokens)?;
+        self.supply_hashes(all)
     }
 }
 

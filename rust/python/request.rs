@@ -7,8 +7,11 @@ use super::hashing::{extra_keys, DETACH_HASH_TOKENS};
 use crate::error::Result as CoreResult;
 use crate::hashing::{check_tokens, BlockHasher, ExtraKeys, HashAlgo, TokenId};
 use crate::manager::registry::{Prehashed, RequestRecord};
-use numpy::PyArray1;
+use crate::types::BlockHash;
+use numpy::{PyArray1, PyArray2};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList, PySequence};
 use std::sync::{Mutex, MutexGuard};
 
 /// Locks a mutex, ignoring poisoning (no panic leaves a record half-updated).
@@ -54,10 +57,70 @@ impl TokenFn<CoreResult<(usize, Prehashed)>> for Prehash<'_> {
     }
 }
 
+/// Validates a prompt whose block hashes the caller supplies: `(length, hashes of its full
+/// blocks it takes, tail tokens after them)`.
+struct Supplied {
+    block_size: usize,
+    num_hashes: usize,
+}
+
+impl TokenFn<CoreResult<(usize, usize, Vec<u32>)>> for Supplied {
+    fn call<T: TokenId + Send + Sync>(self, tokens: &[T]) -> CoreResult<(usize, usize, Vec<u32>)> {
+        check_tokens(tokens)?;
+        let k = self.num_hashes.min(tokens.len() / self.block_size);
+        let tail = tokens[k * self.block_size..]
+            .iter()
+            .map(|t| t.as_u32())
+            .collect();
+        Ok((tokens.len(), k, tail))
+    }
+}
+
+/// One of vLLM's block hashes (`BlockHash`, bytes: 32 from its SHA-256 options, 16 from
+/// xxHash) as a key: its first 16 bytes (zero-padded if shorter).
+fn supplied_hash(item: &Bound<'_, PyAny>) -> PyResult<BlockHash> {
+    let bytes = item.cast::<PyBytes>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "block hashes must be bytes (vLLM's BlockHash), got {}",
+            item.get_type()
+                .name()
+                .map_or_else(|_| "?".into(), |n| n.to_string())
+        ))
+    })?;
+    let data = bytes.as_bytes();
+    let mut key = [0u8; 16];
+    let n = data.len().min(16);
+    key[..n].copy_from_slice(&data[..n]);
+    Ok(BlockHash(u128::from_le_bytes(key)))
+}
+
+/// The items of `hashes` (a sequence of bytes) from index `start` on, as keys.
+pub(crate) fn read_supplied(hashes: &Bound<'_, PyAny>, start: usize) -> PyResult<Vec<BlockHash>> {
+    if let Ok(list) = hashes.cast::<PyList>() {
+        return (start..list.len())
+            .map(|i| supplied_hash(&list.get_item(i)?))
+            .collect();
+    }
+    let seq = hashes
+        .cast::<PySequence>()
+        .map_err(|_| PyTypeError::new_err("block_hashes must be a sequence of bytes"))?;
+    (start..seq.len()?)
+        .map(|i| supplied_hash(&seq.get_item(i)?))
+        .collect()
+}
+
+/// Adds to `have` (the hashes of a record's first blocks) those of `new`, the hashes of its
+/// blocks from `start` on, that it lacks.
+pub(crate) fn merge_supplied(have: &mut Vec<BlockHash>, start: usize, new: &[BlockHash]) {
+    if start <= have.len() && start + new.len() > have.len() {
+        have.extend_from_slice(&new[have.len() - start..]);
+    }
+}
+
 #[pymethods]
 impl PyRequest {
     #[new]
-    #[pyo3(signature = (request_id, prompt_token_ids, cache_salt = None, lora_name = None, mm_inputs = None, *, block_size = UInt(16), hash_algo = Text::Static("xxh3"), hash_seed = Text::Static(""), lora_id = None), text_signature = "(request_id, prompt_token_ids, cache_salt=None, lora_name=None, mm_inputs=None, *, block_size=16, hash_algo='xxh3', hash_seed='', lora_id=None)")]
+    #[pyo3(signature = (request_id, prompt_token_ids, cache_salt = None, lora_name = None, mm_inputs = None, *, block_size = UInt(16), hash_algo = Text::Static("xxh3"), hash_seed = Text::Static(""), lora_id = None, block_hashes = None), text_signature = "(request_id, prompt_token_ids, cache_salt=None, lora_name=None, mm_inputs=None, *, block_size=16, hash_algo='xxh3', hash_seed='', lora_id=None, block_hashes=None)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         request_id: Text,
@@ -69,10 +132,45 @@ impl PyRequest {
         hash_algo: Text,
         hash_seed: Text,
         lora_id: Option<Count>,
+        block_hashes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let mut extra = extra_keys(cache_salt, lora_name, mm_inputs)?;
         extra.lora_id = lora_id.map(|id| id.0);
         let hasher = BlockHasher::new(block_size.get(), HashAlgo::parse(&hash_algo)?, &hash_seed)?;
+        if let Some(block_hashes) = block_hashes {
+            // The caller's hashes (vLLM's): the prompt is not hashed, and of a list only the
+            // tokens after its hashed blocks are read (KV events read and check the rest).
+            let supplied = read_supplied(block_hashes, 0)?;
+            let bs = block_size.get();
+            let (len, k, tail) = match prompt_token_ids.cast::<PyList>() {
+                Ok(list) => {
+                    let len = list.len();
+                    let k = supplied.len().min(len / bs);
+                    let tail = (k * bs..len)
+                        .map(|i| Ok(list.get_item(i)?.extract::<super::convert::U32>()?.get()))
+                        .collect::<PyResult<Vec<u32>>>()?;
+                    (len, k, tail)
+                }
+                Err(_) => Tokens::extract(prompt_token_ids)?.with_slice(Supplied {
+                    block_size: bs,
+                    num_hashes: supplied.len(),
+                })?,
+            };
+            let prehashed = Prehashed {
+                hasher: BlockHasher::supplied(block_size.get(), 0)?,
+                hashes: supplied[..k].to_vec(),
+                tail,
+            };
+            let request_id = request_id.into_string();
+            let mut record = RequestRecord::new(request_id.clone(), len, extra, Some(prehashed))?;
+            record.supplied = Some(supplied);
+            return Ok(PyRequest {
+                prompt: prompt_token_ids.clone().unbind(),
+                record: Mutex::new(record),
+                request_id,
+                num_prompt_tokens: len,
+            });
+        }
         let tokens = Tokens::extract(prompt_token_ids)?;
         let prehash = Prehash {
             hasher: &hasher,
@@ -179,8 +277,51 @@ impl PyRequest {
         lock(&self.record).extra().lora_name.clone()
     }
 
-    /// Appends sampled tokens: an int, a sequence of ints or a 1-D integer array.
-    fn append_output_token_ids(&self, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// The caller's hashes of the request's full blocks so far (a request made with
+    /// `block_hashes`), or None when the manager hashes its tokens.
+    #[getter]
+    fn supplied_block_hashes<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Option<Bound<'py, PyArray2<u64>>>> {
+        let record = lock(&self.record);
+        record
+            .supplied
+            .as_deref()
+            .map(|hashes| super::convert::hashes_to_numpy(py, hashes))
+            .transpose()
+    }
+
+    /// Appends sampled tokens: an int, a sequence of ints or a 1-D integer array. A request
+    /// made with `block_hashes` takes the hashes of its new full blocks from `block_hashes`,
+    /// the hashes of every full block so far (vLLM's `Request.block_hashes` after the append);
+    /// those it has are not read again.
+    #[pyo3(signature = (token_ids, block_hashes = None))]
+    fn append_output_token_ids(
+        &self,
+        token_ids: &Bound<'_, PyAny>,
+        block_hashes: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        if let Some(hashes) = block_hashes {
+            let start = lock(&self.record)
+                .supplied
+                .as_ref()
+                .map(Vec::len)
+                .ok_or_else(|| {
+                    InvalidArgumentError::new_err(format!(
+                        "request {:?} was made without block_hashes: the manager hashes its tokens",
+                        self.request_id
+                    ))
+                })?;
+            let new = read_supplied(hashes, start)?;
+            let tokens = self.extract_output(token_ids)?;
+            let mut record = lock(&self.record);
+            record.output.extend_from_slice(&tokens);
+            if let Some(have) = &mut record.supplied {
+                merge_supplied(have, start, &new);
+            }
+            return Ok(());
+        }
         match token_ids.extract::<super::convert::U32>() {
             Ok(single) => {
                 lock(&self.record).output.push(single.get());
@@ -210,6 +351,18 @@ impl PyRequest {
 }
 
 impl PyRequest {
+    /// Output token ids from an int, a sequence of ints or a 1-D integer array.
+    fn extract_output(&self, token_ids: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        match token_ids.extract::<super::convert::U32>() {
+            Ok(single) => return Ok(vec![single.get()]),
+            Err(e) if e.is_instance_of::<super::errors::OutOfRangeError>(token_ids.py()) => {
+                return Err(e)
+            }
+            Err(_) => {}
+        }
+        Tokens::extract(token_ids)?.into_u32()
+    }
+
     pub(crate) fn request_id_str(&self) -> &str {
         &self.request_id
     }

@@ -6,7 +6,7 @@
 
 use super::convert::{count_of, Count, UInt, U32};
 use super::manager::{PyKVCacheBlocks, PyKVCacheManager};
-use super::request::{lock, PyRequest};
+use super::request::{lock, merge_supplied, read_supplied, PyRequest};
 use crate::manager::RunningHorizon;
 use pyo3::exceptions::PyNotImplementedError;
 use pyo3::prelude::*;
@@ -101,6 +101,18 @@ impl PyVllmSlot {
             *token = all.get_item(i)?.extract::<U32>()?.get();
         }
         let tokens = &*tokens;
+        // vLLM's hashes of the new full blocks, for a companion that takes them.
+        let supplied_from = lock(&companion.get().record)
+            .supplied
+            .as_ref()
+            .map(Vec::len);
+        let new_hashes = match supplied_from {
+            Some(start) => {
+                let hashes = request.getattr(intern!(py, "block_hashes"))?;
+                Some((start, read_supplied(&hashes, start)?))
+            }
+            None => None,
+        };
         let mut state = lock(&self.state);
         if state.seen > num_tokens {
             return Err(lost(num_tokens, state.seen));
@@ -114,9 +126,16 @@ impl PyVllmSlot {
                 record.output.reserve(new.len().max(64));
             }
             record.output.extend_from_slice(new);
+            let hashes_before = record.supplied.as_ref().map_or(0, Vec::len);
+            if let (Some(have), Some((start, hashes))) = (&mut record.supplied, &new_hashes) {
+                merge_supplied(have, *start, hashes);
+            }
             if let Some((computed, in_flight)) = counts {
                 if let Err(e) = record.set_progress(Some(computed), Some(in_flight)) {
                     record.output.truncate(before);
+                    if let Some(have) = &mut record.supplied {
+                        have.truncate(hashes_before);
+                    }
                     return Err(e.into());
                 }
             }

@@ -1,7 +1,8 @@
 """`hybrid_kv.vllm` keys its prefix cache with the hash vLLM's config names
-(`CacheConfig.prefix_caching_hash_algo`): SHA-256 by default, XXH3-128 for vLLM's xxHash options,
-seeded by vLLM's rule (`PYTHONHASHSEED`, else a fixed seed for SHA-256 and a random one per
-manager for xxHash)."""
+(`CacheConfig.prefix_caching_hash_algo`): with vLLM's SHA-256 options, vLLM's own block hashes of
+each request (`Request.block_hashes`, first 16 bytes), so nothing is hashed twice; with its
+xxHash options, XXH3-128 seeded by vLLM's rule (`PYTHONHASHSEED`, else a random seed per
+manager)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,32 @@ def _check_keys(stored: list[Any], algo: str, seed: str) -> None:
             )
 
 
+def _vllm_keys(algo: str) -> list[list[int]]:
+    """Per request of the run, the keys of vLLM's own block hashes (`prefix_caching_hash_algo`
+    `algo`) of its prompt and every token the fake model samples for it."""
+    keys = []
+    for spec in WORKLOAD[:6]:
+        request = harness.make_request(spec, hash_algo=algo)
+        for position in range(request.num_tokens, request.num_tokens + spec.max_tokens):
+            request.append_output_token_ids(harness.next_token(spec.request_id, position))
+        keys.append([int.from_bytes(h[:16], "little") for h in request.block_hashes])
+    return keys
+
+
+def _check_vllm_keys(stored: list[Any], algo: str) -> None:
+    """Every stored block's key is vLLM's hash of it: a run of one request's keys, starting
+    after its parent's key (or at the request's first block)."""
+    chains = _vllm_keys(algo)
+    for event in stored:
+        hashes = list(event.block_hashes)
+        assert any(
+            chain[k : k + len(hashes)] == hashes
+            and (chain[k - 1] if k else None) == event.parent_block_hash
+            for chain in chains
+            for k in range(len(chain))
+        ), f"{event} is not keyed by vLLM's {algo} hashes"
+
+
 @pytest.mark.parametrize("algo", sorted(ALGOS))
 def test_blocks_are_keyed_with_the_hash_vllms_config_names(
     algo: str, monkeypatch: pytest.MonkeyPatch
@@ -91,9 +118,15 @@ def test_blocks_are_keyed_with_the_hash_vllms_config_names(
     seed = manager._hash_seed
     if ALGOS[algo] == "sha256":
         assert seed == "vllm-none-hash"
-    else:
-        # Random per manager: the keys cannot be computed outside the process.
-        assert len(seed) >= 32 and seed != _stored(algo)[0]._hash_seed
+        _check_vllm_keys(stored, algo)
+        # Not the other SHA-256 option's hashes, nor the core's own SHA-256 chain.
+        with pytest.raises(AssertionError):
+            _check_vllm_keys(stored, "sha256_cbor" if algo == "sha256" else "sha256")
+        with pytest.raises(AssertionError):
+            _check_keys(stored, "sha256", seed)
+        return
+    # Random per manager: the keys cannot be computed outside the process.
+    assert len(seed) >= 32 and seed != _stored(algo)[0]._hash_seed
     _check_keys(stored, ALGOS[algo], seed)
     # Neither the other hash nor another seed gives those keys.
     other = "xxh3" if ALGOS[algo] == "sha256" else "sha256"
@@ -111,7 +144,10 @@ def test_pythonhashseed_seeds_the_keys_as_it_seeds_vllms(
     first, stored = _stored(algo)
     second, again = _stored(algo)
     assert first._hash_seed == second._hash_seed == "1234"
-    _check_keys(stored, ALGOS[algo], "1234")
+    if ALGOS[algo] == "sha256":
+        _check_vllm_keys(stored, algo)
+    else:
+        _check_keys(stored, ALGOS[algo], "1234")
     assert [e.block_hashes for e in stored] == [e.block_hashes for e in again]
 
 

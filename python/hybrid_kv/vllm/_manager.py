@@ -355,6 +355,10 @@ class HybridKVCacheManager(_RunningSteps):
         eagle_groups = [i for i, g in enumerate(groups) if g.is_eagle_group]
         self.hash_algo = hash_algo
         self._core_hash = HASH_ALGOS[hash_algo]
+        # With vLLM's SHA-256 options, its requests' own block hashes key the blocks (truncated
+        # to 128 bits, still cryptographic). With its xxHash options the core keys them by
+        # XXH3-128 seeded per manager, which a client cannot predict.
+        self._supply_hashes = self._core_hash == "sha256"
         self._hash_seed = hash_seed(hash_algo)
         try:
             self.core = hk.KVCacheManager(
@@ -418,6 +422,26 @@ class HybridKVCacheManager(_RunningSteps):
 
     # ------------------------------------------------------------------ companion requests
 
+    def _supplied_hashes(self, request: Request) -> list[Any] | None:
+        """vLLM's block hashes of the request (`Request.block_hashes`, which its engine computes
+        as tokens arrive), when the companion can take them instead of hashing: a SHA-256
+        option, prefix caching on, a request with a block hasher whose hashes cover exactly its
+        hashable blocks (the hash block size and lookahead match). None otherwise: the
+        companion hashes its tokens itself, with the same keys' semantics."""
+        if (
+            not self._supply_hashes
+            or not self.enable_caching
+            or getattr(request, "_block_hasher", None) is None
+        ):
+            return None
+        hashes = request.block_hashes
+        hashable = (
+            max(0, request.num_tokens - self.num_hash_lookahead_tokens) // self.hash_block_size
+        )
+        if not isinstance(hashes, list) or len(hashes) != hashable:
+            return None
+        return hashes
+
     def _companion(self, request: Request) -> hk.Request:
         """The request's `hybrid_kv.Request`, brought up to date with vLLM's."""
         slot = request.__dict__.get(self._key)
@@ -428,7 +452,12 @@ class HybridKVCacheManager(_RunningSteps):
                 for f in request.mm_features
             ]
             tokens = request.prompt_token_ids
-            if request.prompt_embeds is not None:
+            hashes = self._supplied_hashes(request)
+            if hashes is not None:
+                # vLLM's own block hashes key the blocks: nothing is hashed again.
+                if request.prompt_embeds is not None:
+                    tokens = request.all_token_ids[: request.num_prompt_tokens]
+            elif request.prompt_embeds is not None:
                 # vLLM hashes the token ids it holds (0 where an embedding stands) with a
                 # per-block digest of the embeddings as an extra key.
                 tokens = request.all_token_ids[: request.num_prompt_tokens]
@@ -445,6 +474,7 @@ class HybridKVCacheManager(_RunningSteps):
                 block_size=self.hash_block_size,
                 hash_algo=self._core_hash,
                 hash_seed=self._hash_seed,
+                block_hashes=hashes,
             )
             if request.skip_reading_prefix_cache:
                 companion.skip_reading_prefix_cache = True
