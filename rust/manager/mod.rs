@@ -25,6 +25,8 @@ mod tests;
 mod tests_defaults;
 #[cfg(test)]
 mod tests_partial;
+#[cfg(test)]
+mod tests_supplied;
 
 pub use coordinator::{Coordinator, CoordinatorKind};
 pub use request::Request;
