@@ -166,3 +166,15 @@ def test_only_the_tokens_after_the_hashed_blocks_are_read_until_events_need_them
     assert [list(e.token_ids) for e in stored] == [list(range(32))]
     keys = good.supplied_block_hashes
     assert [int(lo) | int(hi) << 64 for lo, hi in keys.tolist()] == list(stored[0].block_hashes)
+
+
+def test_hashes_of_another_block_size_than_the_managers_are_refused() -> None:
+    manager = hk.KVCacheManager([{"kind": "full", "block_size": 32}], 16, 1024)
+    assert manager.hash_block_size == 32
+    tokens = list(range(64))
+    request = hk.Request("b", tokens, block_size=16, block_hashes=vllm_like_hashes(tokens))
+    with pytest.raises(hk.InvalidArgumentError, match="16-token blocks"):
+        manager.get_computed_blocks(request)
+    assert manager.num_requests == 0
+    fitting = hk.Request("f", tokens, block_size=32, block_hashes=vllm_like_hashes(tokens, 32))
+    assert manager.allocate_slots(fitting, 64) is not None

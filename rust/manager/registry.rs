@@ -135,6 +135,9 @@ pub struct RequestRecord {
     /// The caller's hashes of every full block so far (vLLM's `Request.block_hashes`), for a
     /// request whose hashes the caller supplies; the manager then hashes nothing.
     pub supplied: Option<Vec<BlockHash>>,
+    /// Tokens per block of the `supplied` hashes: a manager hashing blocks of another size
+    /// cannot take them.
+    pub supplied_block_size: usize,
     registrations: Registrations,
     /// The running horizon a manager's last call on this request left, if any (the binding
     /// answers a running step inside it without that manager's lock; see [`HeldHorizon`]).
@@ -178,6 +181,7 @@ impl RequestRecord {
             skip_reading_prefix_cache: false,
             prehashed,
             supplied: None,
+            supplied_block_size: 0,
             registrations: Registrations::default(),
             horizon: None,
         })
@@ -464,6 +468,15 @@ impl Registry {
         let hashes = record.supplied.as_deref().unwrap_or_default();
         let num_prompt = record.num_prompt_tokens;
         let supplied = manager.supplied_hasher()?;
+        if record.supplied_block_size != supplied.block_size() {
+            return Err(CoreError::InvalidArgument(format!(
+                "request {:?}: its block hashes are of {}-token blocks, the manager's hash \
+                 blocks are {} tokens",
+                record.id,
+                record.supplied_block_size,
+                supplied.block_size()
+            )));
+        }
         let fits = |p: &Prehashed| {
             p.hasher.is_supplied()
                 && p.hasher.block_size() == supplied.block_size()

@@ -194,7 +194,23 @@ fn record(id: &str, prompt: &[u32], hashes: &[BlockHash]) -> RequestRecord {
     let mut r =
         RequestRecord::new(id.into(), prompt.len(), ExtraKeys::default(), Some(pre)).unwrap();
     r.supplied = Some(hashes.to_vec());
+    r.supplied_block_size = 4;
     r
+}
+
+/// Hashes of blocks of another size than the manager's hash blocks are refused.
+#[test]
+fn supplied_hashes_of_another_block_size_are_refused() {
+    let mut m = KVCacheManager::new(&config(0, false)).unwrap();
+    let mut registry = Registry::new();
+    let prompt = tokens(1, 16);
+    let mut r = record("z", &prompt, &caller_hashes(&prompt, 0));
+    r.supplied_block_size = 8;
+    assert!(matches!(
+        registry.sync(&mut m, &mut r, Some(&prompt)),
+        Err(CoreError::InvalidArgument(msg)) if msg.contains("8-token")
+    ));
+    assert!(!m.contains_request("z"));
 }
 
 /// The registry registers a supplied record from its prompt hashes when they fit (no prompt

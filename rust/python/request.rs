@@ -164,6 +164,7 @@ impl PyRequest {
             let request_id = request_id.into_string();
             let mut record = RequestRecord::new(request_id.clone(), len, extra, Some(prehashed))?;
             record.supplied = Some(supplied);
+            record.supplied_block_size = bs;
             return Ok(PyRequest {
                 prompt: prompt_token_ids.clone().unbind(),
                 record: Mutex::new(record),
