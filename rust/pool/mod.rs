@@ -547,7 +547,7 @@ impl BlockPool {
     /// at zero is kept in `failed` (the first one): only when a caller frees a reference it does
     /// not hold while its holders free it. Nothing released is undone then (an undo could give
     /// a block that another thread freed and reallocated meanwhile a second owner).
-    #[inline]
+    #[inline(always)]
     fn release_one(
         &self,
         id: BlockId,
