@@ -439,27 +439,27 @@ impl KVCacheManager {
         Ok(self.insert_request(request))
     }
 
-    /// [`KVCacheManager::add_request_prehashed`] for block hashes the caller supplies (see
-    /// [`KVCacheManager::add_request_with_hashes`]): the prompt's `hashes` and `tail`.
-    pub(crate) fn add_request_supplied_prehashed(
+    /// Registers a request from its prompt's hashes (made by `hasher`, or supplied with
+    /// [`KVCacheManager::supplied_hasher`]) and tail tokens; `full` names the call that takes
+    /// the prompt itself (which KV events need).
+    pub(crate) fn insert_prehashed(
         &mut self,
         request_id: &str,
         num_prompt_tokens: usize,
-        hashes: Vec<crate::types::BlockHash>,
-        tail: Vec<u32>,
+        (hasher, hashes, tail): (BlockHasher, Vec<crate::types::BlockHash>, Vec<u32>),
         extra: ExtraKeys,
+        full: &str,
     ) -> Result<RequestHandle> {
         self.check_new_request(request_id, num_prompt_tokens)?;
         if self.pool.events_enabled() {
             return invalid(format!(
-                "request {request_id:?}: KV events need the prompt's token ids; use \
-                 add_request_with_hashes"
+                "request {request_id:?}: KV events need the prompt's token ids; use {full}"
             ));
         }
         let request = Request::from_prehashed(
             request_id.to_owned(),
             num_prompt_tokens,
-            self.supplied_hasher()?,
+            hasher,
             extra,
             hashes,
             tail,
@@ -485,21 +485,14 @@ impl KVCacheManager {
         tail: Vec<u32>,
         extra: ExtraKeys,
     ) -> Result<RequestHandle> {
-        self.check_new_request(request_id, num_prompt_tokens)?;
-        if self.pool.events_enabled() {
-            return invalid(format!(
-                "request {request_id:?}: KV events need the prompt's token ids; use add_request"
-            ));
-        }
-        let request = Request::from_prehashed(
-            request_id.to_owned(),
+        let prehashed = (self.hasher.clone(), hashes, tail);
+        self.insert_prehashed(
+            request_id,
             num_prompt_tokens,
-            self.hasher.clone(),
+            prehashed,
             extra,
-            hashes,
-            tail,
-        )?;
-        Ok(self.insert_request(request))
+            "add_request",
+        )
     }
 
     fn check_new_request(&self, request_id: &str, num_prompt_tokens: usize) -> Result<()> {

@@ -407,42 +407,11 @@ impl Registry {
                 }
                 (handle, false)
             }
-            None if record.supplied.is_some() => {
-                let handle = match Self::register_supplied(manager, record, prompt)? {
-                    Some(handle) => handle,
-                    None => return Ok(Synced::NeedPrompt),
+            None => {
+                let Some(handle) = self.register_new(manager, record, prompt)? else {
+                    return Ok(Synced::NeedPrompt);
                 };
                 self.serials.insert(record.id.clone(), record.serial);
-                (handle, true)
-            }
-            None => {
-                let reusable = !manager.pool().events_enabled()
-                    && record
-                        .prehashed
-                        .as_ref()
-                        .is_some_and(|p| p.hasher == *manager.hasher());
-                let handle = if reusable {
-                    let pre = record.prehashed.take().expect("checked above");
-                    manager.add_request_prehashed(
-                        id,
-                        num_prompt,
-                        pre.hashes,
-                        pre.tail,
-                        record.extra.clone(),
-                    )?
-                } else {
-                    let Some(prompt) = prompt else {
-                        return Ok(Synced::NeedPrompt);
-                    };
-                    manager.add_request(id, prompt, record.extra.clone())?
-                };
-                if !record.output.is_empty() {
-                    if let Err(err) = manager.append_token_ids(handle, &record.output) {
-                        self.unregister_new(manager, record, handle);
-                        return Err(err);
-                    }
-                }
-                self.serials.insert(id.to_owned(), record.serial);
                 (handle, true)
             }
         };
@@ -456,19 +425,20 @@ impl Registry {
         Ok(Synced::Ready { handle, registered })
     }
 
-    /// Registers a record whose hashes the caller supplies (`record.supplied`), with its output
-    /// tokens: from its prompt hashes when they fit this manager (no KV events, the block size
-    /// and lookahead they were taken at), else from `prompt` (`None` when it is needed and not
-    /// given). Nothing stays registered on an error.
-    fn register_supplied(
+    /// Registers a new record with its output tokens: from its prompt hashes when this manager
+    /// can take them (no KV events; made by the manager's hasher, or supplied hashes at its
+    /// block size and lookahead), else from `prompt` (`None` when it is needed and not given).
+    /// A record whose hashes the caller supplies (`record.supplied`) keeps them: nothing is
+    /// hashed. Nothing stays registered on an error.
+    fn register_new(
+        &mut self,
         manager: &mut KVCacheManager,
         record: &mut RequestRecord,
         prompt: Option<&[u32]>,
     ) -> Result<Option<RequestHandle>> {
-        let hashes = record.supplied.as_deref().unwrap_or_default();
         let num_prompt = record.num_prompt_tokens;
         let supplied = manager.supplied_hasher()?;
-        if record.supplied_block_size != supplied.block_size() {
+        if record.supplied.is_some() && record.supplied_block_size != supplied.block_size() {
             return Err(CoreError::InvalidArgument(format!(
                 "request {:?}: its block hashes are of {}-token blocks, the manager's hash \
                  blocks are {} tokens",
@@ -477,40 +447,56 @@ impl Registry {
                 supplied.block_size()
             )));
         }
-        let fits = |p: &Prehashed| {
-            p.hasher.is_supplied()
-                && p.hasher.block_size() == supplied.block_size()
-                && p.hashes.len()
-                    == num_prompt.saturating_sub(supplied.lookahead()) / supplied.block_size()
-        };
-        let id = record.id.as_str();
-        if manager.contains_request(id) {
-            return Err(CoreError::DuplicateRequest(id.to_owned()));
+        if manager.contains_request(&record.id) {
+            return Err(CoreError::DuplicateRequest(record.id.clone()));
         }
+        let fits = |p: &Prehashed| match record.supplied {
+            Some(_) => {
+                p.hasher.is_supplied()
+                    && p.hasher.block_size() == supplied.block_size()
+                    && p.hashes.len()
+                        == num_prompt.saturating_sub(supplied.lookahead()) / supplied.block_size()
+            }
+            None => p.hasher == *manager.hasher(),
+        };
         let reusable =
             !manager.pool().events_enabled() && record.prehashed.as_ref().is_some_and(fits);
+        let id = record.id.as_str();
+        let hashes = record.supplied.as_deref();
         let handle = if reusable {
             // Cannot fail now: a new id, a non-empty prompt, hashes that fit, no events.
             let pre = record.prehashed.take().expect("checked above");
-            manager.add_request_supplied_prehashed(
-                id,
-                num_prompt,
-                pre.hashes,
-                pre.tail,
-                record.extra.clone(),
-            )?
+            let extra = record.extra.clone();
+            match hashes {
+                Some(_) => manager.insert_prehashed(
+                    id,
+                    num_prompt,
+                    (supplied, pre.hashes, pre.tail),
+                    extra,
+                    "add_request_with_hashes",
+                )?,
+                None => {
+                    manager.add_request_prehashed(id, num_prompt, pre.hashes, pre.tail, extra)?
+                }
+            }
         } else {
             let Some(prompt) = prompt else {
                 return Ok(None);
             };
-            manager.add_request_with_hashes(id, prompt, hashes, record.extra.clone())?
-        };
-        if let Err(err) = manager.append_token_ids_with_hashes(handle, &record.output, hashes) {
-            if let Ok(request) = manager.remove_request(handle) {
-                if record.prehashed.is_none() {
-                    record.prehashed = Prehashed::from_request(&request, num_prompt);
-                }
+            let extra = record.extra.clone();
+            match hashes {
+                Some(hashes) => manager.add_request_with_hashes(id, prompt, hashes, extra)?,
+                None => manager.add_request(id, prompt, extra)?,
             }
+        };
+        let appended = match hashes {
+            // Also the prompt's hashes, for a request made from its prompt.
+            Some(hashes) => manager.append_token_ids_with_hashes(handle, &record.output, hashes),
+            None if record.output.is_empty() => Ok(()),
+            None => manager.append_token_ids(handle, &record.output),
+        };
+        if let Err(err) = appended {
+            self.unregister_new(manager, record, handle);
             return Err(err);
         }
         Ok(Some(handle))
@@ -537,7 +523,7 @@ impl Registry {
         handle: RequestHandle,
     ) {
         if let Ok(request) = manager.remove_request(handle) {
-            if record.prehashed.is_none() && record.output.is_empty() {
+            if record.prehashed.is_none() {
                 record.prehashed = Prehashed::from_request(&request, record.num_prompt_tokens);
             }
         }

@@ -169,3 +169,42 @@ def test_a_hash_vllm_does_not_name_falls_back() -> None:
     with pytest.raises(hkv._manager.Unsupported, match="prefix_caching_hash_algo='md5'"):
         hkv._manager.HybridKVCacheManager(**kwargs, hash_algo="md5")
     assert hkv._manager.HybridKVCacheManager(**kwargs).hash_algo == "sha256"
+
+
+@pytest.mark.parametrize("algo", sorted(ALGOS))
+def test_vllms_hashes_are_taken_only_when_sha256_and_complete(algo: str) -> None:
+    """The companion takes vLLM's `Request.block_hashes` with a SHA-256 option when they cover
+    the request's hashable blocks; otherwise (xxHash options, a request without vLLM's block
+    hasher, or hashes that fall short) the manager hashes the tokens itself, and either way
+    the request is served."""
+    scheduler = harness.build_scheduler(
+        harness.Options(layout="gpt-oss", hash_algo=algo), hkv.Scheduler
+    )
+    manager = scheduler.kv_cache_manager
+    spec = WORKLOAD[0]
+
+    def served(request: Any) -> Any:
+        companion = manager._companion(request)
+        blocks, hit, *_ = manager.get_computed_blocks(request)
+        assert hit == 0 and blocks is not None
+        return companion.supplied_block_hashes
+
+    request = harness.make_request(spec, hash_algo=algo)
+    keys = served(request)
+    if ALGOS[algo] == "sha256":
+        assert keys is not None and len(keys) == len(request.block_hashes) > 0
+        assert [int(lo) | int(hi) << 64 for lo, hi in keys.tolist()] == [
+            int.from_bytes(h[:16], "little") for h in request.block_hashes
+        ]
+    else:
+        assert keys is None
+    no_hasher = harness.make_request(
+        harness.RequestSpec("no-hasher", spec.prompt, spec.max_tokens, 0), hash_algo=algo
+    )
+    no_hasher._block_hasher = None
+    assert served(no_hasher) is None
+    short = harness.make_request(
+        harness.RequestSpec("short", spec.prompt, spec.max_tokens, 0), hash_algo=algo
+    )
+    short.block_hashes.pop()
+    assert served(short) is None
