@@ -737,6 +737,18 @@ impl BlockPool {
             });
         }
         self.check_ids(blocks)?;
+        if self.enable_caching && !cfg!(loom) {
+            // The first blocks' map slots, key slots and state words are loaded together (a
+            // decode step caches one block, whose lines are cold by then); the loop below
+            // loads the later ones `PREFETCH_AHEAD` blocks ahead.
+            for (&id, &hash) in blocks.iter().zip(hashes).take(PREFETCH_AHEAD) {
+                self.prefetch_lookup(hash, group);
+                self.prefetch_block(id);
+                if let Some(slot) = self.keys.get(id as usize) {
+                    crate::sync::prefetch(slot);
+                }
+            }
+        }
         if let Some(&id) = blocks
             .iter()
             .find(|&&id| id != NULL_BLOCK && self.states.ref_count(id) == 0)
@@ -753,6 +765,9 @@ impl BlockPool {
         for (i, (&id, &hash)) in blocks.iter().zip(hashes).enumerate() {
             if let Some(&ahead) = hashes.get(i + PREFETCH_AHEAD) {
                 self.prefetch_lookup(ahead, group);
+                if let Some(slot) = self.keys.get(blocks[i + PREFETCH_AHEAD] as usize) {
+                    crate::sync::prefetch(slot);
+                }
             }
             if id == NULL_BLOCK {
                 continue;
