@@ -177,8 +177,8 @@ impl Request {
         num_tokens.saturating_sub(self.hasher.lookahead()) / self.hasher.block_size()
     }
 
-    /// Why `all` cannot give the request, once it holds `num_tokens` tokens, the hashes of its
-    /// hashable blocks; `None` if it can.
+    /// An error if `all` cannot give the request, once it holds `num_tokens` tokens, the hashes
+    /// of its hashable blocks (or the request computes its own).
     fn check_supplied(&self, num_tokens: usize, all: &[BlockHash]) -> Result<()> {
         if !self.hasher.is_supplied() {
             return Err(crate::error::CoreError::InvalidArgument(format!(

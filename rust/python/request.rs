@@ -1,7 +1,7 @@
 //! `hybrid_kv.Request`: the scheduler's view of a request, a [`RequestRecord`] behind a lock
 //! plus a reference to the caller's prompt.
 
-use super::convert::{Count, Text, TokenFn, Tokens, UInt};
+use super::convert::{Count, Text, TokenFn, Tokens, UInt, U32};
 use super::errors::InvalidArgumentError;
 use super::hashing::{extra_keys, DETACH_HASH_TOKENS};
 use crate::error::Result as CoreResult;
@@ -137,54 +137,54 @@ impl PyRequest {
         let mut extra = extra_keys(cache_salt, lora_name, mm_inputs)?;
         extra.lora_id = lora_id.map(|id| id.0);
         let hasher = BlockHasher::new(block_size.get(), HashAlgo::parse(&hash_algo)?, &hash_seed)?;
-        if let Some(block_hashes) = block_hashes {
+        let (len, prehashed, supplied) = match block_hashes {
             // The caller's hashes (vLLM's): the prompt is not hashed, and of a list only the
             // tokens after its hashed blocks are read (KV events read and check the rest).
-            let supplied = read_supplied(block_hashes, 0)?;
-            let bs = block_size.get();
-            let (len, k, tail) = match prompt_token_ids.cast::<PyList>() {
-                Ok(list) => {
-                    let len = list.len();
-                    let k = supplied.len().min(len / bs);
-                    let tail = (k * bs..len)
-                        .map(|i| Ok(list.get_item(i)?.extract::<super::convert::U32>()?.get()))
-                        .collect::<PyResult<Vec<u32>>>()?;
-                    (len, k, tail)
-                }
-                Err(_) => Tokens::extract(prompt_token_ids)?.with_slice(Supplied {
-                    block_size: bs,
-                    num_hashes: supplied.len(),
-                })?,
-            };
-            let prehashed = Prehashed {
-                hasher: BlockHasher::supplied(block_size.get(), 0)?,
-                hashes: supplied[..k].to_vec(),
-                tail,
-            };
-            let request_id = request_id.into_string();
-            let mut record = RequestRecord::new(request_id.clone(), len, extra, Some(prehashed))?;
-            record.supplied = Some(supplied);
-            record.supplied_block_size = bs;
-            return Ok(PyRequest {
-                prompt: prompt_token_ids.clone().unbind(),
-                record: Mutex::new(record),
-                request_id,
-                num_prompt_tokens: len,
-            });
-        }
-        let tokens = Tokens::extract(prompt_token_ids)?;
-        let prehash = Prehash {
-            hasher: &hasher,
-            extra: &extra,
+            Some(block_hashes) => {
+                let supplied = read_supplied(block_hashes, 0)?;
+                let bs = block_size.get();
+                let (len, k, tail) = match prompt_token_ids.cast::<PyList>() {
+                    Ok(list) => {
+                        let len = list.len();
+                        let k = supplied.len().min(len / bs);
+                        let tail = (k * bs..len)
+                            .map(|i| Ok(list.get_item(i)?.extract::<U32>()?.get()))
+                            .collect::<PyResult<Vec<u32>>>()?;
+                        (len, k, tail)
+                    }
+                    Err(_) => Tokens::extract(prompt_token_ids)?.with_slice(Supplied {
+                        block_size: bs,
+                        num_hashes: supplied.len(),
+                    })?,
+                };
+                let prehashed = Prehashed {
+                    hasher: BlockHasher::supplied(bs, 0)?,
+                    hashes: supplied[..k].to_vec(),
+                    tail,
+                };
+                (len, prehashed, Some(supplied))
+            }
+            None => {
+                let tokens = Tokens::extract(prompt_token_ids)?;
+                let prehash = Prehash {
+                    hasher: &hasher,
+                    extra: &extra,
+                };
+                // A long prompt is hashed with the GIL released, as `hash_token_blocks` does.
+                let (len, prehashed) = if tokens.len() >= DETACH_HASH_TOKENS {
+                    tokens.with_slice_detached(prompt_token_ids.py(), prehash)
+                } else {
+                    tokens.with_slice(prehash)
+                }?;
+                (len, prehashed, None)
+            }
         };
-        // A long prompt is hashed with the GIL released, as `hash_token_blocks` does.
-        let (len, prehashed) = if tokens.len() >= DETACH_HASH_TOKENS {
-            tokens.with_slice_detached(prompt_token_ids.py(), prehash)
-        } else {
-            tokens.with_slice(prehash)
-        }?;
         let request_id = request_id.into_string();
-        let record = RequestRecord::new(request_id.clone(), len, extra, Some(prehashed))?;
+        let mut record = RequestRecord::new(request_id.clone(), len, extra, Some(prehashed))?;
+        if supplied.is_some() {
+            record.supplied = supplied;
+            record.supplied_block_size = block_size.get();
+        }
         Ok(PyRequest {
             prompt: prompt_token_ids.clone().unbind(),
             record: Mutex::new(record),
@@ -303,40 +303,47 @@ impl PyRequest {
         token_ids: &Bound<'_, PyAny>,
         block_hashes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        if let Some(hashes) = block_hashes {
-            let start = lock(&self.record)
-                .supplied
-                .as_ref()
-                .map(Vec::len)
-                .ok_or_else(|| {
-                    InvalidArgumentError::new_err(format!(
-                        "request {:?} was made without block_hashes: the manager hashes its tokens",
-                        self.request_id
-                    ))
-                })?;
-            let new = read_supplied(hashes, start)?;
-            let tokens = self.extract_output(token_ids)?;
-            let mut record = lock(&self.record);
-            record.output.extend_from_slice(&tokens);
-            if let Some(have) = &mut record.supplied {
-                merge_supplied(have, start, &new);
+        // The hashes first: a request made without them refuses them before anything is read.
+        let new_hashes = match block_hashes {
+            Some(hashes) => {
+                let start = lock(&self.record)
+                    .supplied
+                    .as_ref()
+                    .map(Vec::len)
+                    .ok_or_else(|| {
+                        InvalidArgumentError::new_err(format!(
+                            "request {:?} was made without block_hashes: the manager hashes its \
+                             tokens",
+                            self.request_id
+                        ))
+                    })?;
+                Some((start, read_supplied(hashes, start)?))
             }
-            return Ok(());
-        }
-        match token_ids.extract::<super::convert::U32>() {
+            None => None,
+        };
+        // One sampled token (a decode step) needs no buffer.
+        let one;
+        let many;
+        let tokens: &[u32] = match token_ids.extract::<U32>() {
             Ok(single) => {
-                lock(&self.record).output.push(single.get());
-                return Ok(());
+                one = [single.get()];
+                &one
             }
             // An int out of range.
             Err(e) if e.is_instance_of::<super::errors::OutOfRangeError>(token_ids.py()) => {
                 return Err(e)
             }
             // Not an int: a sequence or an array.
-            Err(_) => {}
+            Err(_) => {
+                many = Tokens::extract(token_ids)?.into_u32()?;
+                &many
+            }
+        };
+        let mut record = lock(&self.record);
+        record.output.extend_from_slice(tokens);
+        if let (Some(have), Some((start, new))) = (&mut record.supplied, &new_hashes) {
+            merge_supplied(have, *start, new);
         }
-        let tokens = Tokens::extract(token_ids)?.into_u32()?;
-        lock(&self.record).output.extend_from_slice(&tokens);
         Ok(())
     }
 
@@ -352,18 +359,6 @@ impl PyRequest {
 }
 
 impl PyRequest {
-    /// Output token ids from an int, a sequence of ints or a 1-D integer array.
-    fn extract_output(&self, token_ids: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-        match token_ids.extract::<super::convert::U32>() {
-            Ok(single) => return Ok(vec![single.get()]),
-            Err(e) if e.is_instance_of::<super::errors::OutOfRangeError>(token_ids.py()) => {
-                return Err(e)
-            }
-            Err(_) => {}
-        }
-        Tokens::extract(token_ids)?.into_u32()
-    }
-
     pub(crate) fn request_id_str(&self) -> &str {
         &self.request_id
     }

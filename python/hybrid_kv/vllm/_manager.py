@@ -452,15 +452,13 @@ class HybridKVCacheManager(_RunningSteps):
                 for f in request.mm_features
             ]
             tokens = request.prompt_token_ids
+            # With vLLM's own block hashes nothing is hashed again.
             hashes = self._supplied_hashes(request)
-            if hashes is not None:
-                # vLLM's own block hashes key the blocks: nothing is hashed again.
-                if request.prompt_embeds is not None:
-                    tokens = request.all_token_ids[: request.num_prompt_tokens]
-            elif request.prompt_embeds is not None:
+            if request.prompt_embeds is not None:
                 # vLLM hashes the token ids it holds (0 where an embedding stands) with a
                 # per-block digest of the embeddings as an extra key.
                 tokens = request.all_token_ids[: request.num_prompt_tokens]
+            if request.prompt_embeds is not None and hashes is None:
                 inputs += _prompt_embeds_inputs(
                     request, self.hash_block_size, self.num_hash_lookahead_tokens
                 )
