@@ -11,7 +11,7 @@ use super::errors::{InvalidArgumentError, InvalidConfigError, OutOfRangeError};
 use super::hashing::extra_keys;
 use super::pool::event_to_py;
 use super::request::{lock, PyRequest};
-use super::running::PyVllmSlot;
+use super::running::{NewIds, PyVllmSlot};
 use crate::error::Result as CoreResult;
 use crate::hashing::{ExtraKeys, HashAlgo, TokenId};
 use crate::manager::registry::{DropQueue, HeldHorizon, Lookup, Registry, Synced};
@@ -301,10 +301,45 @@ struct Current {
     num_in_flight_tokens: usize,
 }
 
+impl PyKVCacheBlocks {
+    /// New blocks of the manager `manager_id`, per group.
+    pub(crate) fn new_blocks(blocks: Vec<Vec<BlockId>>, manager_id: u64) -> Self {
+        PyKVCacheBlocks {
+            computed: ComputedBlocks::new(blocks, 0),
+            manager_id,
+        }
+    }
+}
+
 impl PyKVCacheManager {
-    /// The shared empty result the manager's calls hand back when they allocated nothing.
-    pub(crate) fn empty_blocks(&self) -> &Py<PyKVCacheBlocks> {
-        &self.empty
+    /// `allocate_running`, the new blocks packed as `NewIds`: None when out of blocks,
+    /// `Some(None)` when nothing is new.
+    pub(crate) fn allocate_running_ids(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        slot: &Bound<'_, PyVllmSlot>,
+        num_new_tokens: Count,
+        num_lookahead_tokens: Count,
+    ) -> PyResult<Option<Option<NewIds>>> {
+        let slot = slot.get();
+        // Until the call succeeds, no later call is known to be a no-op.
+        slot.drop_horizon();
+        let companion = slot.sync(request, true)?;
+        let args = AllocateArgs {
+            num_new_tokens: num_new_tokens.get(),
+            num_lookahead_tokens: num_lookahead_tokens.get(),
+            has_scheduled_reqs: true,
+            ..Default::default()
+        };
+        let (new, horizon) = self.allocate_packing(py, companion.get(), &args, NewIds::new)?;
+        slot.ran(horizon);
+        Ok(new)
+    }
+
+    /// The manager's id (the owner of the blocks it hands out).
+    pub(crate) fn id(&self) -> u64 {
+        self.shared.id
     }
 
     /// `allocate_slots` once the request's counts are set.
@@ -325,10 +360,27 @@ impl PyKVCacheManager {
         request: &PyRequest,
         args: &AllocateArgs<'_>,
     ) -> PyResult<(Option<Py<PyKVCacheBlocks>>, Option<RunningHorizon>)> {
+        let (new, reach) = self.allocate_packing(py, request, args, <[Vec<BlockId>]>::to_vec)?;
+        let new = match new {
+            None => None,
+            Some(None) => Some(self.empty.clone_ref(py)),
+            Some(Some(blocks)) => Some(self.blocks(py, ComputedBlocks::new(blocks, 0))?),
+        };
+        Ok((new, reach))
+    }
+
+    /// The allocation of `allocate_reading_horizon`, its new blocks (per group) handed back as
+    /// `pack` makes them: None when out of blocks, `Some(None)` when nothing is new.
+    fn allocate_packing<T: Send>(
+        &self,
+        py: Python<'_>,
+        request: &PyRequest,
+        args: &AllocateArgs<'_>,
+        pack: impl Fn(&[Vec<BlockId>]) -> T + Send + Sync,
+    ) -> PyResult<(Option<Option<T>>, Option<RunningHorizon>)> {
         let args = *args;
         let long = args.num_new_tokens >= DETACH_SCHEDULE_TOKENS;
-        // None: out of blocks; Some(None): nothing new (the shared empty result).
-        let (new, reach) = self.with_request_holding(py, request, long, |inner, r| {
+        self.with_request_holding(py, request, long, |inner, r| {
             let args = AllocateArgs {
                 num_computed_tokens: r.num_computed_tokens,
                 num_in_flight_tokens: r.num_in_flight_tokens,
@@ -342,16 +394,10 @@ impl PyKVCacheManager {
             if !manager.allocate_slots_into(r.handle, &args, new_blocks)? {
                 return Ok(((None, None), None));
             }
-            let new = (!new_blocks.iter().all(Vec::is_empty)).then(|| new_blocks.clone());
+            let new = (!new_blocks.iter().all(Vec::is_empty)).then(|| pack(new_blocks));
             let reach = manager.running_horizon(r.handle)?;
             Ok(((Some(new), reach), reach))
-        })?;
-        let new = match new {
-            None => None,
-            Some(None) => Some(self.empty.clone_ref(py)),
-            Some(Some(blocks)) => Some(self.blocks(py, ComputedBlocks::new(blocks, 0))?),
-        };
-        Ok((new, reach))
+        })
     }
 
     /// Moves the epoch of by-id changes on: a call that may change a request's blocks without
@@ -866,19 +912,16 @@ impl PyKVCacheManager {
         num_new_tokens: Count,
         num_lookahead_tokens: Count,
     ) -> PyResult<Option<Py<PyKVCacheBlocks>>> {
-        let slot = slot.get();
-        // Until the call succeeds, no later call is known to be a no-op.
-        slot.drop_horizon();
-        let companion = slot.sync(request, true)?;
-        let args = AllocateArgs {
-            num_new_tokens: num_new_tokens.get(),
-            num_lookahead_tokens: num_lookahead_tokens.get(),
-            has_scheduled_reqs: true,
-            ..Default::default()
-        };
-        let (new, horizon) = self.allocate_reading_horizon(py, companion.get(), &args)?;
-        slot.ran(horizon);
-        Ok(new)
+        let new =
+            self.allocate_running_ids(py, request, slot, num_new_tokens, num_lookahead_tokens)?;
+        Ok(match new {
+            None => None,
+            Some(None) => Some(self.empty.clone_ref(py)),
+            Some(Some(ids)) => {
+                let groups = ids.groups().map(<[BlockId]>::to_vec).collect();
+                Some(self.blocks(py, ComputedBlocks::new(groups, 0))?)
+            }
+        })
     }
 
     /// `hybrid_kv.vllm`'s companion of a vLLM request, brought up to date with vLLM's

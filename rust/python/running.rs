@@ -8,6 +8,7 @@ use super::convert::{count_of, Count, UInt, U32};
 use super::manager::{PyKVCacheBlocks, PyKVCacheManager};
 use super::request::{lock, merge_supplied, read_supplied, PyRequest};
 use crate::manager::RunningHorizon;
+use crate::types::BlockId;
 use pyo3::exceptions::PyNotImplementedError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -303,14 +304,15 @@ impl PyRunningSteps {
         let core = core.bind(py).get();
         // Both fit: exact ints within i64, positive.
         let count = |v: i128| UInt(v as u64);
-        let new = core.allocate_running(py, request, &slot, count(n), count(k))?;
+        let new = core.allocate_running_ids(py, request, &slot, count(n), count(k))?;
         Ok(Some(match new {
             None => py.None(),
-            Some(blocks) if blocks.is(core.empty_blocks()) => entry.empty.clone_ref(py),
-            Some(blocks) => Py::new(
+            Some(None) => entry.empty.clone_ref(py),
+            Some(Some(ids)) => Py::new(
                 py,
                 PyRunningBlocks {
-                    blocks,
+                    ids,
+                    manager_id: core.id(),
                     wrap: wrap.clone_ref(py),
                     wrapped: OnceLock::new(),
                 },
@@ -320,12 +322,78 @@ impl PyRunningSteps {
     }
 }
 
+/// Words a running step's new blocks keep inline.
+const INLINE_WORDS: usize = 31;
+
+/// The new blocks of a running step, every group's in one buffer: `[groups, end of group 0,
+/// ..., end of the last group, ids...]`, the ends counted from the buffer's start. A running
+/// step takes a block or two per group: its blocks then fit inline, and the result that holds
+/// them needs no allocation of its own (a step that reaches the core takes new blocks in every
+/// group at once, and one allocation per group was a tenth of its time).
+pub(crate) struct NewIds(Words);
+
+enum Words {
+    Inline {
+        len: u8,
+        words: [BlockId; INLINE_WORDS],
+    },
+    Heap(Box<[BlockId]>),
+}
+
+impl NewIds {
+    /// Packs `groups` (the ends fit a block id: a request holds fewer blocks than the pool has
+    /// ids).
+    pub(crate) fn new(groups: &[Vec<BlockId>]) -> Self {
+        let len = 1 + groups.len() + groups.iter().map(Vec::len).sum::<usize>();
+        let fill = |words: &mut [BlockId]| {
+            words[0] = groups.len() as BlockId;
+            let mut end = 1 + groups.len();
+            for (g, ids) in groups.iter().enumerate() {
+                words[end..end + ids.len()].copy_from_slice(ids);
+                end += ids.len();
+                words[1 + g] = end as BlockId;
+            }
+        };
+        NewIds(if len <= INLINE_WORDS {
+            let mut words = [0; INLINE_WORDS];
+            fill(&mut words[..len]);
+            Words::Inline {
+                len: len as u8,
+                words,
+            }
+        } else {
+            let mut words = vec![0; len].into_boxed_slice();
+            fill(&mut words);
+            Words::Heap(words)
+        })
+    }
+
+    fn words(&self) -> &[BlockId] {
+        match &self.0 {
+            Words::Inline { len, words } => &words[..usize::from(*len)],
+            Words::Heap(words) => words,
+        }
+    }
+
+    /// Each group's ids, in group order.
+    pub(crate) fn groups(&self) -> impl ExactSizeIterator<Item = &[BlockId]> + '_ {
+        let words = self.words();
+        let n = words[0] as usize;
+        (0..n).map(move |g| {
+            let start = if g == 0 { 1 + n } else { words[g] as usize };
+            &words[start..words[1 + g] as usize]
+        })
+    }
+}
+
 /// The new blocks of a running step that reached the core from the entry: vLLM's scheduler
-/// reads them with `get_block_ids`, answered here from the core's blocks; anything else is the
-/// adapter's `KVCacheBlocks` over the same blocks (made on first use).
+/// reads them with `get_block_ids`, answered here from the ids; anything else is the adapter's
+/// `KVCacheBlocks` over the same blocks (made on first use).
 #[pyclass(frozen, name = "_RunningBlocks", module = "hybrid_kv._core")]
 pub(crate) struct PyRunningBlocks {
-    blocks: Py<PyKVCacheBlocks>,
+    ids: NewIds,
+    /// The manager that allocated them.
+    manager_id: u64,
     /// The adapter's wrapper: `wrap(blocks, None, False)`.
     wrap: Py<PyAny>,
     wrapped: OnceLock<Py<PyAny>>,
@@ -336,10 +404,9 @@ impl PyRunningBlocks {
         if let Some(wrapped) = self.wrapped.get() {
             return Ok(wrapped.bind(py));
         }
-        let made = self
-            .wrap
-            .bind(py)
-            .call1((self.blocks.clone_ref(py), py.None(), false))?;
+        let groups = self.ids.groups().map(<[BlockId]>::to_vec).collect();
+        let blocks = Py::new(py, PyKVCacheBlocks::new_blocks(groups, self.manager_id))?;
+        let made = self.wrap.bind(py).call1((blocks, py.None(), false))?;
         Ok(self.wrapped.get_or_init(|| made.unbind()).bind(py))
     }
 }
@@ -356,11 +423,17 @@ impl PyRunningBlocks {
         group_ids: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
         match group_ids {
-            None => Ok(self
-                .blocks
-                .get()
-                .get_block_id_lists(py, allow_none)?
-                .map(Bound::into_any)),
+            None => {
+                if allow_none && self.ids.groups().all(<[BlockId]>::is_empty) {
+                    return Ok(None);
+                }
+                let lists = self
+                    .ids
+                    .groups()
+                    .map(|ids| PyList::new(py, ids))
+                    .collect::<PyResult<Vec<_>>>()?;
+                Ok(Some(PyTuple::new(py, lists)?.into_any()))
+            }
             Some(groups) => {
                 let kwargs = PyDict::new(py);
                 kwargs.set_item(intern!(py, "group_ids"), groups)?;

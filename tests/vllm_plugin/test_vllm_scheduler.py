@@ -1046,6 +1046,34 @@ def test_running_steps_outside_the_horizon_reach_the_core_from_the_entry(
             result.get_unhashed_block_ids()
 
 
+def test_results_from_the_entry_hold_any_number_of_blocks() -> None:
+    # Chunked prefills of running requests take several blocks in each of Gemma-3's 7 groups
+    # in one step (more than a result keeps inline), decode steps one: both read as vLLM's
+    # block ids, step for step.
+    options = harness.Options(layout="gemma3", max_num_batched_tokens=96, max_num_seqs=8)
+    sizes: list[int] = []
+
+    def watch(scheduler: Any) -> None:
+        manager = scheduler.kv_cache_manager
+        allocate = manager.allocate_slots
+
+        def allocate_slots(*args: Any, **kwargs: Any) -> Any:
+            result = allocate(*args, **kwargs)
+            if result is not None and not isinstance(result, KVCacheBlocks):
+                ids = result.get_block_ids()
+                assert len(ids) == 7 and all(type(i) is int for g in ids for i in g)
+                assert result.get_block_ids(True) == ids
+                sizes.append(sum(map(len, ids)))
+            return result
+
+        manager.allocate_slots = allocate_slots
+
+    run = run_both(options, WORKLOAD[:12], watch=watch)
+    assert run.steps > 0
+    # 1 + 7 + ids words: inline up to 23 ids, on the heap beyond.
+    assert min(sizes) <= 7 and max(sizes) > 23, (min(sizes), max(sizes))
+
+
 def _request_inside_its_horizon(layout: str = "gpt-oss") -> tuple[Any, Any]:
     """A scheduler and one of its running requests whose next one-token step lies inside its
     running horizon."""
