@@ -3,6 +3,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -30,3 +31,20 @@ def test_import_hybrid_kv_vllm_imports_vllm_and_the_scheduler_classes() -> None:
         "assert resolve_obj_by_qualname('hybrid_kv.vllm.Scheduler') is Scheduler"
     )
     assert "vllm.v1.core.sched.scheduler" in modules
+
+
+def test_the_testing_harness_removes_its_config_directories_at_exit() -> None:
+    # The offline model configs the harness writes live as long as the process that made them.
+    code = (
+        "from pathlib import Path\n"
+        "from hybrid_kv.vllm import testing\n"
+        "dirs = [testing.model_dir(), testing.mtp_model_dir(), testing.eagle_dir()]\n"
+        "assert all((Path(d) / 'config.json').is_file() for d in dirs)\n"
+        "print('\\n'.join(dirs))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+    ).stdout
+    dirs = out.split()
+    assert len(dirs) == 3
+    assert not any(Path(d).exists() for d in dirs), dirs

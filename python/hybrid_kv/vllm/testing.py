@@ -14,9 +14,11 @@ imported (vLLM resolves its platform once).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import random
+import shutil
 import tempfile
 import time
 import zlib
@@ -81,8 +83,10 @@ _MODEL_CONFIG = {
 
 
 def _config_dir(prefix: str, config: dict[str, Any]) -> str:
-    """A new temporary directory holding `config` as `config.json`."""
+    """A new temporary directory holding `config` as `config.json`, removed when the process
+    exits."""
     path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
     (path / "config.json").write_text(json.dumps(config))
     return str(path)
 
