@@ -17,6 +17,10 @@ use crate::error::{bad_config, Result};
 use crate::pool::BlockPool;
 use crate::types::{BlockHash, BlockId, CacheKey, GroupId};
 
+/// Blocks a request's first allocation leaves room for in its tables beyond the slots it asks
+/// for: 256 tokens of decode at block size 16 before the table grows.
+pub(crate) const TABLE_HEADROOM: usize = 16;
+
 /// Which coordinator vLLM would build for this layout.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum CoordinatorKind {
@@ -527,6 +531,27 @@ impl Coordinator {
             m.remove_skipped_blocks(pool, t, num_computed_tokens, num_prompt_tokens, scratch)?;
         }
         Ok(())
+    }
+
+    /// Sizes the empty tables of a request's first allocation for `num_tokens` slots and
+    /// [`TABLE_HEADROOM`] blocks after them: one allocation per table, where growing it with
+    /// the hit, then the new blocks, then the decode took several (with copies) on every
+    /// admission. Tables of groups that hold a fixed few blocks are left to grow.
+    pub(crate) fn reserve_tables(&self, tables: &mut [GroupTable], num_tokens: usize) {
+        for (m, t) in self.groups.iter().zip(tables) {
+            let fixed = matches!(
+                m.spec.kind,
+                AttentionKind::CircularBuffer
+                    | AttentionKind::Mamba {
+                        mode: MambaMode::None,
+                        ..
+                    }
+            );
+            if t.blocks.capacity() == 0 && !fixed {
+                t.blocks
+                    .reserve(num_tokens.div_ceil(m.spec.block_size) + TABLE_HEADROOM);
+            }
+        }
     }
 
     /// Adopts a request's prefix-cache hit in every group (its first allocation), then

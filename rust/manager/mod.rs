@@ -870,6 +870,9 @@ impl KVCacheManager {
         if exact.is_some_and(|taken| taken > free) {
             return Ok(false);
         }
+        if !state.is_tracked() {
+            coordinator.reserve_tables(&mut state.tables, need_slot);
+        }
         if adopts {
             coordinator.allocate_new_computed_blocks(
                 pool,
