@@ -754,13 +754,42 @@ impl Coordinator {
         if need + step.reserved > pool.num_free_blocks() {
             return Ok(false);
         }
-        for ((m, t), out) in self
-            .groups
-            .iter()
-            .zip(tables.iter_mut())
-            .zip(new_blocks.iter_mut())
-        {
-            if need > 0 {
+        // Blocks to claim when every group only claims (None otherwise).
+        let plain: Option<usize> = if need > 0 {
+            self.groups
+                .iter()
+                .zip(tables.iter())
+                .map(|(m, t)| m.plain_new_blocks(t, step.need_slot))
+                .sum()
+        } else {
+            None
+        };
+        if let Some(total) = plain {
+            // One claim of every group's blocks, handed out in group order, takes the same
+            // blocks in the same order as a claim per group (nothing else takes a block in
+            // between) and loads them together.
+            scratch.clear();
+            pool.get_new_blocks_into(total, scratch)?;
+            let mut claimed = &scratch[..];
+            for ((m, t), out) in self
+                .groups
+                .iter()
+                .zip(tables.iter_mut())
+                .zip(new_blocks.iter_mut())
+            {
+                let n = m.plain_new_blocks(t, step.need_slot).unwrap_or(0);
+                let (mine, rest) = claimed.split_at(n);
+                m.take_claimed(t, mine, out, effects);
+                claimed = rest;
+            }
+            scratch.clear();
+        } else if need > 0 {
+            for ((m, t), out) in self
+                .groups
+                .iter()
+                .zip(tables.iter_mut())
+                .zip(new_blocks.iter_mut())
+            {
                 m.allocate_new_blocks(
                     pool,
                     t,

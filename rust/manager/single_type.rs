@@ -583,24 +583,56 @@ impl GroupManager {
         let new = num_tokens.div_ceil(bs).saturating_sub(table.blocks.len());
         if new > 0 {
             let start = table.blocks.len();
-            if table.blocks.capacity() - start < new {
-                // Room for a quarter more (at least 16 blocks): the decode steps after an
-                // admission then grow the table in place instead of copying it (cold by then).
-                // Only a hint: without the room the claim below grows the table as before (and
-                // the pool, not this, bounds `new`).
-                let _ = table
-                    .blocks
-                    .try_reserve(new.saturating_add((start.saturating_add(new) / 4).max(16)));
-            }
+            reserve_for(table, new);
             pool.get_new_blocks_into(new, &mut table.blocks)?;
-            out.extend_from_slice(&table.blocks[start..]);
-            if self.records_new_blocks {
-                effects
-                    .new_block_ids
-                    .extend_from_slice(&table.blocks[start..]);
-            }
+            self.hand_out(table, start, out, effects);
         }
         Ok(())
+    }
+
+    /// The blocks `allocate_new_blocks` would claim for `num_tokens` slots when it would only
+    /// claim them (no ring, no Mamba state, no copy-on-write first), else None.
+    pub(crate) fn plain_new_blocks(&self, table: &GroupTable, num_tokens: usize) -> Option<usize> {
+        let plain = !matches!(
+            self.spec.kind,
+            AttentionKind::CircularBuffer | AttentionKind::Mamba { .. }
+        ) && table.partial_hit.is_none();
+        plain.then(|| {
+            num_tokens
+                .div_ceil(self.bs())
+                .saturating_sub(table.blocks.len())
+        })
+    }
+
+    /// Appends `claimed` (claimed from the pool for this group, as many as
+    /// `plain_new_blocks` says) as `allocate_new_blocks` would have.
+    pub(crate) fn take_claimed(
+        &self,
+        table: &mut GroupTable,
+        claimed: &[BlockId],
+        out: &mut Vec<BlockId>,
+        effects: &mut Effects,
+    ) {
+        let start = table.blocks.len();
+        reserve_for(table, claimed.len());
+        table.blocks.extend_from_slice(claimed);
+        self.hand_out(table, start, out, effects);
+    }
+
+    /// The table's new blocks from `start` on go to the worker (`out`), and to be zeroed.
+    fn hand_out(
+        &self,
+        table: &GroupTable,
+        start: usize,
+        out: &mut Vec<BlockId>,
+        effects: &mut Effects,
+    ) {
+        out.extend_from_slice(&table.blocks[start..]);
+        if self.records_new_blocks {
+            effects
+                .new_block_ids
+                .extend_from_slice(&table.blocks[start..]);
+        }
     }
 
     /// Takes a new block for slot `idx` of the table in place of `source` and queues the copy
@@ -1416,6 +1448,19 @@ pub(crate) fn first_at_least(f: impl Fn(usize) -> usize, target: usize, hint: us
         }
     }
     hi
+}
+
+/// Makes room for `new` more blocks in the table and a quarter more (at least 16 blocks): the
+/// decode steps after an admission then grow the table in place instead of copying it (cold by
+/// then). Only a hint: without the room the table grows as it takes the blocks (and the pool,
+/// not this, bounds `new`).
+fn reserve_for(table: &mut GroupTable, new: usize) {
+    let start = table.blocks.len();
+    if table.blocks.capacity() - start < new {
+        let _ = table
+            .blocks
+            .try_reserve(new.saturating_add((start.saturating_add(new) / 4).max(16)));
+    }
 }
 
 /// Frees the blocks of `[first, last)` from the last backwards, stopping at the first null
