@@ -11,7 +11,7 @@ use super::errors::{InvalidArgumentError, InvalidConfigError, OutOfRangeError};
 use super::hashing::extra_keys;
 use super::pool::event_to_py;
 use super::request::{lock, PyRequest};
-use super::running::{NewIds, PyVllmSlot};
+use super::running::PyVllmSlot;
 use crate::error::Result as CoreResult;
 use crate::hashing::{ExtraKeys, HashAlgo, TokenId};
 use crate::manager::registry::{DropQueue, HeldHorizon, Lookup, Registry, Synced};
@@ -312,16 +312,17 @@ impl PyKVCacheBlocks {
 }
 
 impl PyKVCacheManager {
-    /// `allocate_running`, the new blocks packed as `NewIds`: None when out of blocks,
-    /// `Some(None)` when nothing is new.
-    pub(crate) fn allocate_running_ids(
+    /// `allocate_running`, the new blocks (per group) handed back as `pack` makes them: None
+    /// when out of blocks, `Some(None)` when nothing is new.
+    pub(crate) fn allocate_running_with<T: Send>(
         &self,
         py: Python<'_>,
         request: &Bound<'_, PyAny>,
         slot: &Bound<'_, PyVllmSlot>,
         num_new_tokens: Count,
         num_lookahead_tokens: Count,
-    ) -> PyResult<Option<Option<NewIds>>> {
+        pack: impl Fn(&[Vec<BlockId>]) -> T + Send + Sync,
+    ) -> PyResult<Option<Option<T>>> {
         let slot = slot.get();
         // Until the call succeeds, no later call is known to be a no-op.
         slot.drop_horizon();
@@ -332,7 +333,7 @@ impl PyKVCacheManager {
             has_scheduled_reqs: true,
             ..Default::default()
         };
-        let (new, horizon) = self.allocate_packing(py, companion.get(), &args, NewIds::new)?;
+        let (new, horizon) = self.allocate_packing(py, companion.get(), &args, pack)?;
         slot.ran(horizon);
         Ok(new)
     }
@@ -361,12 +362,21 @@ impl PyKVCacheManager {
         args: &AllocateArgs<'_>,
     ) -> PyResult<(Option<Py<PyKVCacheBlocks>>, Option<RunningHorizon>)> {
         let (new, reach) = self.allocate_packing(py, request, args, <[Vec<BlockId>]>::to_vec)?;
-        let new = match new {
+        Ok((self.new_blocks_result(py, new)?, reach))
+    }
+
+    /// An allocation's result: None when out of blocks, the shared empty result when nothing
+    /// is new, else the new blocks.
+    fn new_blocks_result(
+        &self,
+        py: Python<'_>,
+        new: Option<Option<Vec<Vec<BlockId>>>>,
+    ) -> PyResult<Option<Py<PyKVCacheBlocks>>> {
+        Ok(match new {
             None => None,
             Some(None) => Some(self.empty.clone_ref(py)),
             Some(Some(blocks)) => Some(self.blocks(py, ComputedBlocks::new(blocks, 0))?),
-        };
-        Ok((new, reach))
+        })
     }
 
     /// The allocation of `allocate_reading_horizon`, its new blocks (per group) handed back as
@@ -912,16 +922,15 @@ impl PyKVCacheManager {
         num_new_tokens: Count,
         num_lookahead_tokens: Count,
     ) -> PyResult<Option<Py<PyKVCacheBlocks>>> {
-        let new =
-            self.allocate_running_ids(py, request, slot, num_new_tokens, num_lookahead_tokens)?;
-        Ok(match new {
-            None => None,
-            Some(None) => Some(self.empty.clone_ref(py)),
-            Some(Some(ids)) => {
-                let groups = ids.groups().map(<[BlockId]>::to_vec).collect();
-                Some(self.blocks(py, ComputedBlocks::new(groups, 0))?)
-            }
-        })
+        let new = self.allocate_running_with(
+            py,
+            request,
+            slot,
+            num_new_tokens,
+            num_lookahead_tokens,
+            <[Vec<BlockId>]>::to_vec,
+        )?;
+        self.new_blocks_result(py, new)
     }
 
     /// `hybrid_kv.vllm`'s companion of a vLLM request, brought up to date with vLLM's

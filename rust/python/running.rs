@@ -304,7 +304,8 @@ impl PyRunningSteps {
         let core = core.bind(py).get();
         // Both fit: exact ints within i64, positive.
         let count = |v: i128| UInt(v as u64);
-        let new = core.allocate_running_ids(py, request, &slot, count(n), count(k))?;
+        let new =
+            core.allocate_running_with(py, request, &slot, count(n), count(k), NewIds::new)?;
         Ok(Some(match new {
             None => py.None(),
             Some(None) => entry.empty.clone_ref(py),
