@@ -548,8 +548,11 @@ impl Coordinator {
                     }
             );
             if t.blocks.capacity() == 0 && !fixed {
-                t.blocks
-                    .reserve(num_tokens.div_ceil(m.spec.block_size) + TABLE_HEADROOM);
+                // Only a hint: without the room the table grows as it takes blocks (and the
+                // pool, not this, bounds them).
+                let _ = t
+                    .blocks
+                    .try_reserve(num_tokens.div_ceil(m.spec.block_size) + TABLE_HEADROOM);
             }
         }
     }
