@@ -43,6 +43,22 @@ pub(crate) struct PyKVCacheBlocks {
     manager_id: u64,
 }
 
+/// Block ids per group as a tuple of Python lists of ints (vLLM's `get_block_ids()` types);
+/// None with `allow_none` when every group is empty.
+pub(crate) fn id_lists<'py, 'a>(
+    py: Python<'py>,
+    groups: impl Iterator<Item = &'a [BlockId]> + Clone,
+    allow_none: bool,
+) -> PyResult<Option<Bound<'py, PyTuple>>> {
+    if allow_none && groups.clone().all(<[BlockId]>::is_empty) {
+        return Ok(None);
+    }
+    let lists = groups
+        .map(|ids| PyList::new(py, ids))
+        .collect::<PyResult<Vec<_>>>()?;
+    PyTuple::new(py, lists).map(Some)
+}
+
 #[pymethods]
 impl PyKVCacheBlocks {
     /// One int32 array of block ids per group (null block 0 where a slot needs no block); the
@@ -90,16 +106,11 @@ impl PyKVCacheBlocks {
         py: Python<'py>,
         allow_none: bool,
     ) -> PyResult<Option<Bound<'py, PyTuple>>> {
-        if allow_none && self.computed.is_empty() {
-            return Ok(None);
-        }
-        let lists = self
-            .computed
-            .blocks
-            .iter()
-            .map(|ids| PyList::new(py, ids.iter()))
-            .collect::<PyResult<Vec<_>>>()?;
-        PyTuple::new(py, lists).map(Some)
+        id_lists(
+            py,
+            self.computed.blocks.iter().map(Vec::as_slice),
+            allow_none,
+        )
     }
 
     /// Group-wise concatenation (vLLM's `KVCacheBlocks.__add__`).

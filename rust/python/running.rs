@@ -5,7 +5,7 @@
 //! straight from here; every other call goes on to the adapter's `_allocate_slots`.
 
 use super::convert::{count_of, Count, UInt, U32};
-use super::manager::{PyKVCacheBlocks, PyKVCacheManager};
+use super::manager::{id_lists, PyKVCacheBlocks, PyKVCacheManager};
 use super::request::{lock, merge_supplied, read_supplied, PyRequest};
 use crate::manager::RunningHorizon;
 use crate::types::BlockId;
@@ -377,7 +377,7 @@ impl NewIds {
     }
 
     /// Each group's ids, in group order.
-    pub(crate) fn groups(&self) -> impl ExactSizeIterator<Item = &[BlockId]> + '_ {
+    pub(crate) fn groups(&self) -> impl ExactSizeIterator<Item = &[BlockId]> + Clone + '_ {
         let words = self.words();
         let n = words[0] as usize;
         (0..n).map(move |g| {
@@ -424,17 +424,7 @@ impl PyRunningBlocks {
         group_ids: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
         match group_ids {
-            None => {
-                if allow_none && self.ids.groups().all(<[BlockId]>::is_empty) {
-                    return Ok(None);
-                }
-                let lists = self
-                    .ids
-                    .groups()
-                    .map(|ids| PyList::new(py, ids))
-                    .collect::<PyResult<Vec<_>>>()?;
-                Ok(Some(PyTuple::new(py, lists)?.into_any()))
-            }
+            None => Ok(id_lists(py, self.ids.groups(), allow_none)?.map(Bound::into_any)),
             Some(groups) => {
                 let kwargs = PyDict::new(py);
                 kwargs.set_item(intern!(py, "group_ids"), groups)?;
