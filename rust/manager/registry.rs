@@ -308,6 +308,20 @@ pub struct Registry {
     drops: Arc<DropQueue>,
 }
 
+/// Appends a record's output `tokens` to its registration, with the record's supplied hashes
+/// when it has them.
+fn append_outputs(
+    manager: &mut KVCacheManager,
+    handle: RequestHandle,
+    tokens: &[u32],
+    supplied: &Option<Vec<BlockHash>>,
+) -> Result<()> {
+    match supplied {
+        Some(hashes) => manager.append_token_ids_with_hashes(handle, tokens, hashes),
+        None => manager.append_token_ids(handle, tokens),
+    }
+}
+
 impl Registry {
     pub fn new() -> Self {
         Self::default()
@@ -371,13 +385,7 @@ impl Registry {
                 let handle = reg.handle;
                 if reg.synced < total {
                     let start = reg.synced - num_prompt;
-                    let tokens = &record.output[start..];
-                    match &record.supplied {
-                        Some(hashes) => {
-                            manager.append_token_ids_with_hashes(handle, tokens, hashes)?
-                        }
-                        None => manager.append_token_ids(handle, tokens)?,
-                    }
+                    append_outputs(manager, handle, &record.output[start..], &record.supplied)?;
                     reg.synced = total;
                 }
                 return Ok(Synced::Ready {
@@ -397,13 +405,7 @@ impl Registry {
                 let handle = manager.handle(id)?;
                 let start = manager.request(handle)?.num_tokens() - num_prompt;
                 if start < record.output.len() {
-                    let tokens = &record.output[start..];
-                    match &record.supplied {
-                        Some(hashes) => {
-                            manager.append_token_ids_with_hashes(handle, tokens, hashes)?
-                        }
-                        None => manager.append_token_ids(handle, tokens)?,
-                    }
+                    append_outputs(manager, handle, &record.output[start..], &record.supplied)?;
                 }
                 (handle, false)
             }
@@ -489,11 +491,12 @@ impl Registry {
                 None => manager.add_request(id, prompt, extra)?,
             }
         };
-        let appended = match hashes {
-            // Also the prompt's hashes, for a request made from its prompt.
-            Some(hashes) => manager.append_token_ids_with_hashes(handle, &record.output, hashes),
-            None if record.output.is_empty() => Ok(()),
-            None => manager.append_token_ids(handle, &record.output),
+        // With supplied hashes even without outputs: the prompt's hashes too, for a request
+        // made from its prompt.
+        let appended = if record.supplied.is_some() || !record.output.is_empty() {
+            append_outputs(manager, handle, &record.output, &record.supplied)
+        } else {
+            Ok(())
         };
         if let Err(err) = appended {
             self.unregister_new(manager, record, handle);
