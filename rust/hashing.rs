@@ -294,34 +294,82 @@ impl BlockHasher {
             return Ok(());
         }
         out.reserve(num_full);
-        let mut parent = parent.unwrap_or(self.none_hash);
-        // Header (parent, token count) and tokens at fixed offsets; extra keys appended after.
-        let body = 20 + 4 * bs;
-        let mut buf: Vec<u8> = vec![0; body];
-        buf[16..20].copy_from_slice(&(bs as u32).to_le_bytes());
-        let mut mm_next = 0;
+        let mut chain = Chain::new(self, parent, start, extra);
         for (i, block) in tokens.chunks_exact(bs).take(num_full).enumerate() {
-            buf.truncate(body);
-            buf[..16].copy_from_slice(&parent.0.to_le_bytes());
-            for (dst, &t) in buf[20..body].chunks_exact_mut(4).zip(block) {
-                dst.copy_from_slice(&t.as_u32().to_le_bytes());
-            }
-            if !extra.is_empty() {
-                // With lookahead, the extra keys cover the block and the tokens after it.
-                let block_start = start + i * bs;
-                let end = block_start + bs + look;
-                mm_next = encode_extra(&mut buf, extra, block_start, end, mm_next);
-            }
-            if look > 0 {
-                buf.push(b'A');
-                for &t in &tokens[(i + 1) * bs..(i + 1) * bs + look] {
-                    buf.extend_from_slice(&t.as_u32().to_le_bytes());
-                }
-            }
-            parent = self.algo.digest(&buf);
-            out.push(parent);
+            out.push(chain.push(block, &tokens[(i + 1) * bs..(i + 1) * bs + look]));
         }
         Ok(())
+    }
+}
+
+/// The state of a hash chain between its blocks ([`BlockHasher::hash_blocks`]' loop), for
+/// callers that hash blocks as their tokens arrive: each [`Chain::push`] hashes the next block.
+pub(crate) struct Chain<'a> {
+    hasher: &'a BlockHasher,
+    extra: &'a ExtraKeys,
+    /// Header (parent, token count) and tokens at fixed offsets; extra keys appended after.
+    /// The parent in front is the next block's.
+    buf: Vec<u8>,
+    body: usize,
+    /// Sequence position of the next block.
+    start: usize,
+    /// Where the next block's scan of the (sorted) multimodal inputs starts.
+    mm_next: usize,
+}
+
+impl<'a> Chain<'a> {
+    /// A chain whose next block starts at sequence position `start` (a multiple of the block
+    /// size), after the block hashed `parent` (`None` at the start of a sequence).
+    pub(crate) fn new(
+        hasher: &'a BlockHasher,
+        parent: Option<BlockHash>,
+        start: usize,
+        extra: &'a ExtraKeys,
+    ) -> Self {
+        let body = 20 + 4 * hasher.block_size;
+        let mut buf: Vec<u8> = vec![0; body];
+        let parent = parent.unwrap_or(hasher.none_hash);
+        buf[..16].copy_from_slice(&parent.0.to_le_bytes());
+        buf[16..20].copy_from_slice(&(hasher.block_size as u32).to_le_bytes());
+        Chain {
+            hasher,
+            extra,
+            buf,
+            body,
+            start,
+            mm_next: 0,
+        }
+    }
+
+    /// The hash of the next block, `block` (`block_size` valid tokens), followed in the
+    /// sequence by `after` (the hasher's `lookahead` tokens).
+    #[inline(always)]
+    pub(crate) fn push<T: TokenId>(&mut self, block: &[T], after: &[T]) -> BlockHash {
+        let (bs, look, body) = (self.hasher.block_size, self.hasher.lookahead, self.body);
+        debug_assert_eq!((block.len(), after.len()), (bs, look));
+        let buf = &mut self.buf;
+        buf.truncate(body);
+        for (dst, &t) in buf[20..body].chunks_exact_mut(4).zip(block) {
+            dst.copy_from_slice(&t.as_u32().to_le_bytes());
+        }
+        if !self.extra.is_empty() {
+            // With lookahead, the extra keys cover the block and the tokens after it.
+            let end = self.start + bs + look;
+            self.mm_next = encode_extra(buf, self.extra, self.start, end, self.mm_next);
+        }
+        if look > 0 {
+            buf.push(b'A');
+            for &t in after {
+                buf.extend_from_slice(&t.as_u32().to_le_bytes());
+            }
+        }
+        let hash = self.hasher.algo.digest(buf);
+        // The next block's parent, written here: the chain's next step then starts from the
+        // buffer (a round trip of the hash through the struct was on the chain's critical
+        // path).
+        buf[..16].copy_from_slice(&hash.0.to_le_bytes());
+        self.start += bs;
+        hash
     }
 }
 

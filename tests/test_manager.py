@@ -550,6 +550,47 @@ def test_integer_arrays_of_any_width_and_byte_order_are_token_ids() -> None:
         hk.Request("r", b"abc")
 
 
+@pytest.mark.parametrize("algo", ["xxh3", "sha256", "blake3"])
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+def test_a_prompt_list_hashes_as_the_same_tokens_in_an_array(algo: str, block_size: int) -> None:
+    # A prompt list is read and hashed in one pass, an array in two: the prefix cache must
+    # not tell them apart (a request from one hits all the full blocks the other cached, and
+    # up to the first changed block when one token differs), whatever the extra keys and
+    # wherever an item is not a plain int (a numpy integer sends the list down the general
+    # path).
+    rng = np.random.default_rng(block_size)
+    extras: list[dict] = [
+        {},
+        {"cache_salt": "tenant"},
+        {"lora_name": "adapter"},
+        {"mm_inputs": [("img", 3, 7), ("img2", 2 * block_size + 1, block_size)]},
+    ]
+    for n in [1, block_size, 3 * block_size, 3 * block_size + 2, 40 * block_size + 3]:
+        for extra in extras:
+            tokens = rng.integers(0, 2**32, n).tolist()
+            tokens[: min(n, 4)] = [0, 1, 2**30 - 1, 2**30][: min(n, 4)]  # digit boundaries
+            manager = hk.KVCacheManager(
+                [{"kind": "full", "block_size": block_size}], 2 * n + 8, 4 * n + 64,
+                hash_algo=algo, hash_seed="s",
+            )  # fmt: skip
+            kw = {"block_size": block_size, "hash_algo": algo, "hash_seed": "s", **extra}
+            cached = hk.Request("array", np.array(tokens, dtype=np.int64), **kw)
+            assert manager.allocate_slots(cached, n) is not None
+            cached.num_computed_tokens = n
+            manager.free(cached)
+            full = (n - 1) // block_size * block_size  # a hit leaves the last token
+            mixed = list(tokens)
+            mixed[n // 2] = np.int64(tokens[n // 2])
+            for name, prompt in [("list", list(tokens)), ("mixed", mixed)]:
+                _, hit = manager.get_computed_blocks(hk.Request(name, prompt, **kw))
+                assert hit == full, (name, n, extra)
+            j = int(rng.integers(0, n))
+            changed = list(tokens)
+            changed[j] = (changed[j] + 1) % 2**32
+            _, hit = manager.get_computed_blocks(hk.Request("changed", changed, **kw))
+            assert hit == min(full, j // block_size * block_size), (n, extra, j)
+
+
 # ----- vLLM's default configuration -----------------------------------------------------------
 
 

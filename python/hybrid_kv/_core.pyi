@@ -314,7 +314,8 @@ class Request:
 
     The prompt is validated and hashed when the request is made, with `block_size`,
     `hash_algo` and `hash_seed` (pass the manager's `hash_block_size` for the hashes to be
-    reused). Like vLLM's `Request`, it keeps a reference to the caller's prompt, which must not
+    reused): a list in one pass with the GIL held, an array of 16,384 tokens or more with the
+    GIL released. Like vLLM's `Request`, it keeps a reference to the caller's prompt, which must not
     change length afterwards. A manager keeps a hashed copy of every request it has seen; the
     copy and the request's blocks go when the `Request` is garbage collected (before any counter
     of the manager is read again) or `remove_request` is called.

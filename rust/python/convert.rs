@@ -404,19 +404,36 @@ fn detect_int_layout(py: Python<'_>) -> Option<IntLayout> {
 /// Nothing inside runs Python code or waits, so the critical section is never suspended. Hence
 /// the module keeps PyO3's default (`gil_used = false`) and a free-threaded build can ship.
 fn read_int_list(list: &Bound<'_, PyList>) -> PyResult<Option<Vec<u32>>> {
+    read_int_list_in_steps(list, usize::MAX, |_| {})
+}
+
+/// [`read_int_list`], calling `on_step` with the tokens read so far after every `step` of them
+/// (and after the last ones): a caller that hashes blocks as they arrive runs the hashing of
+/// one block while the next block's items load, which overlaps the two (a long prompt's items
+/// are spread over megabytes of `int` objects, and a hash chain is one long dependency). A
+/// `Request` made from a 128k-token list took 310-338 µs reading then hashing, 260-270 µs
+/// this way (four alternating pairs). `on_step` runs inside the list's critical section: it
+/// must not run Python code.
+pub(crate) fn read_int_list_in_steps(
+    list: &Bound<'_, PyList>,
+    step: usize,
+    on_step: impl FnMut(&[u32]),
+) -> PyResult<Option<Vec<u32>>> {
     let py = list.py();
     // Runs Python code the first time: outside the critical section.
     let layout = *INT_LAYOUT.get_or_init(|| detect_int_layout(py));
     pyo3::sync::critical_section::with_critical_section(list.as_any(), || {
-        read_int_list_locked(list, layout)
+        read_int_list_locked(list, layout, step.max(1), on_step)
     })
 }
 
-/// [`read_int_list`] while the list cannot change: inside its critical section (free-threaded
-/// builds) or with the GIL held and no Python code run (other builds).
+/// [`read_int_list_in_steps`] while the list cannot change: inside its critical section
+/// (free-threaded builds) or with the GIL held and no Python code run (other builds).
 fn read_int_list_locked(
     list: &Bound<'_, PyList>,
     layout: Option<IntLayout>,
+    step: usize,
+    mut on_step: impl FnMut(&[u32]),
 ) -> PyResult<Option<Vec<u32>>> {
     let py = list.py();
     let int_type = std::ptr::addr_of_mut!(pyo3::ffi::PyLong_Type);
@@ -436,32 +453,35 @@ fn read_int_list_locked(
         std::slice::from_raw_parts((*list).ob_item, len)
     };
     let mut values: Vec<u32> = Vec::with_capacity(len);
-    for (i, (slot, &item)) in values
-        .spare_capacity_mut()
-        .iter_mut()
-        .zip(items)
-        .enumerate()
-    {
-        // SAFETY: `item` is alive (see above); `Py_TYPE` reads a word CPython changes only with
-        // every other thread stopped; `small_int` only gets exact `int`s, in the layout
-        // `detect_int_layout` verified for this interpreter.
-        let fast = match layout {
-            Some(layout) if unsafe { pyo3::ffi::Py_TYPE(item) } == int_type => unsafe {
-                small_int(item, layout)
-            },
-            _ => None,
-        };
-        let token = match fast {
-            Some(token) => token,
-            None => match int_item(py, item, i)? {
+    for (first, items) in (0..len).step_by(step).zip(items.chunks(step)) {
+        for (i, (slot, &item)) in values.spare_capacity_mut()[..items.len()]
+            .iter_mut()
+            .zip(items)
+            .enumerate()
+        {
+            // SAFETY: `item` is alive (see above); `Py_TYPE` reads a word CPython changes only
+            // with every other thread stopped; `small_int` only gets exact `int`s, in the
+            // layout `detect_int_layout` verified for this interpreter.
+            let fast = match layout {
+                Some(layout) if unsafe { pyo3::ffi::Py_TYPE(item) } == int_type => unsafe {
+                    small_int(item, layout)
+                },
+                _ => None,
+            };
+            let token = match fast {
                 Some(token) => token,
-                None => return Ok(None),
-            },
-        };
-        slot.write(token);
+                None => match int_item(py, item, first + i)? {
+                    Some(token) => token,
+                    None => return Ok(None),
+                },
+            };
+            slot.write(token);
+        }
+        // SAFETY: the loop wrote the `items.len()` slots after the first `first` (it returns
+        // early otherwise).
+        unsafe { values.set_len(first + items.len()) };
+        on_step(&values);
     }
-    // SAFETY: the loop wrote all `len` slots (it returns early otherwise).
-    unsafe { values.set_len(len) };
     Ok(Some(values))
 }
 

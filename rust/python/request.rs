@@ -1,11 +1,11 @@
 //! `hybrid_kv.Request`: the scheduler's view of a request, a [`RequestRecord`] behind a lock
 //! plus a reference to the caller's prompt.
 
-use super::convert::{Count, Text, TokenFn, Tokens, UInt, U32};
+use super::convert::{read_int_list_in_steps, Count, Text, TokenFn, Tokens, UInt, U32};
 use super::errors::InvalidArgumentError;
 use super::hashing::{extra_keys, DETACH_HASH_TOKENS};
 use crate::error::Result as CoreResult;
-use crate::hashing::{check_tokens, BlockHasher, ExtraKeys, HashAlgo, TokenId};
+use crate::hashing::{check_tokens, BlockHasher, Chain, ExtraKeys, HashAlgo, TokenId};
 use crate::manager::registry::{Prehashed, RequestRecord};
 use crate::types::BlockHash;
 use numpy::{PyArray1, PyArray2};
@@ -55,6 +55,38 @@ impl TokenFn<CoreResult<(usize, Prehashed)>> for Prehash<'_> {
             },
         ))
     }
+}
+
+/// A prompt list read and hashed in one pass (see `read_int_list_in_steps`): `(length,
+/// hashes and tail)`, or `None` if an item is not an `int` (the caller then takes the general
+/// path). The list is read under its critical section, and the hashing with it: a long list
+/// keeps the GIL for the pass, where the general path releases it to hash what it copied.
+fn hash_list(
+    list: &Bound<'_, PyList>,
+    hasher: &BlockHasher,
+    extra: &ExtraKeys,
+) -> PyResult<Option<(usize, Prehashed)>> {
+    let (bs, look) = (hasher.block_size(), hasher.lookahead());
+    let mut chain = Chain::new(hasher, None, 0, extra);
+    let mut hashes = Vec::with_capacity(list.len() / bs);
+    let read = read_int_list_in_steps(list, bs, |tokens| {
+        while (hashes.len() + 1) * bs + look <= tokens.len() {
+            let end = (hashes.len() + 1) * bs;
+            hashes.push(chain.push(&tokens[end - bs..end], &tokens[end..end + look]));
+        }
+    })?;
+    let Some(tokens) = read else {
+        return Ok(None);
+    };
+    let tail = tokens[hashes.len() * bs..].to_vec();
+    Ok(Some((
+        tokens.len(),
+        Prehashed {
+            hasher: hasher.clone(),
+            hashes,
+            tail,
+        },
+    )))
 }
 
 /// Validates a prompt whose block hashes the caller supplies: `(length, hashes of its full
@@ -164,20 +196,29 @@ impl PyRequest {
                 };
                 (len, prehashed, Some(supplied))
             }
-            None => {
-                let tokens = Tokens::extract(prompt_token_ids)?;
-                let prehash = Prehash {
-                    hasher: &hasher,
-                    extra: &extra,
-                };
-                // A long prompt is hashed with the GIL released, as `hash_token_blocks` does.
-                let (len, prehashed) = if tokens.len() >= DETACH_HASH_TOKENS {
-                    tokens.with_slice_detached(prompt_token_ids.py(), prehash)
-                } else {
-                    tokens.with_slice(prehash)
-                }?;
-                (len, prehashed, None)
-            }
+            None => match prompt_token_ids
+                .cast::<PyList>()
+                .ok()
+                .map(|list| hash_list(list, &hasher, &extra))
+                .transpose()?
+                .flatten()
+            {
+                Some((len, prehashed)) => (len, prehashed, None),
+                None => {
+                    let tokens = Tokens::extract(prompt_token_ids)?;
+                    let prehash = Prehash {
+                        hasher: &hasher,
+                        extra: &extra,
+                    };
+                    // A long array is hashed with the GIL released, as `hash_token_blocks` does.
+                    let (len, prehashed) = if tokens.len() >= DETACH_HASH_TOKENS {
+                        tokens.with_slice_detached(prompt_token_ids.py(), prehash)
+                    } else {
+                        tokens.with_slice(prehash)
+                    }?;
+                    (len, prehashed, None)
+                }
+            },
         };
         let request_id = request_id.into_string();
         let mut record = RequestRecord::new(request_id.clone(), len, extra, Some(prehashed))?;
