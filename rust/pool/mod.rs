@@ -741,7 +741,12 @@ impl BlockPool {
             // The first blocks' map slots, key slots and state words are loaded together (a
             // decode step caches one block, whose lines are cold by then); the loop below
             // loads the later ones `PREFETCH_AHEAD` blocks ahead.
-            for (&id, &hash) in blocks.iter().zip(hashes).take(PREFETCH_AHEAD) {
+            // Null blocks (masked by sparse retention) are never keyed: nothing to load.
+            let keyed = blocks
+                .iter()
+                .zip(hashes)
+                .filter(|(&id, _)| id != NULL_BLOCK);
+            for (&id, &hash) in keyed.take(PREFETCH_AHEAD) {
                 self.prefetch_lookup(hash, group);
                 self.prefetch_block(id);
                 if let Some(slot) = self.keys.get(id as usize) {
@@ -764,9 +769,12 @@ impl BlockPool {
         let mut block_indices = Vec::new();
         for (i, (&id, &hash)) in blocks.iter().zip(hashes).enumerate() {
             if let Some(&ahead) = hashes.get(i + PREFETCH_AHEAD) {
-                self.prefetch_lookup(ahead, group);
-                if let Some(slot) = self.keys.get(blocks[i + PREFETCH_AHEAD] as usize) {
-                    crate::sync::prefetch(slot);
+                let ahead_id = blocks[i + PREFETCH_AHEAD];
+                if ahead_id != NULL_BLOCK {
+                    self.prefetch_lookup(ahead, group);
+                    if let Some(slot) = self.keys.get(ahead_id as usize) {
+                        crate::sync::prefetch(slot);
+                    }
                 }
             }
             if id == NULL_BLOCK {
