@@ -475,6 +475,25 @@ const PARAMETERS: [&str; 10] = [
     "skip_zeroing_group_ids",
 ];
 
+/// Where `num_lookahead_tokens` is in [`PARAMETERS`].
+const LOOKAHEAD: usize = 2;
+const _: () = assert!(same(PARAMETERS[LOOKAHEAD], "num_lookahead_tokens"));
+
+const fn same(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
 #[pymethods]
 impl PyRunningSteps {
     #[new]
@@ -548,24 +567,33 @@ impl PyRunningSteps {
             has_scheduled_reqs,
             skip_zeroing_group_ids,
         ];
-        let lookahead = given[2].as_ref();
+        let lookahead = given[LOOKAHEAD].as_ref();
         let only_lookahead = given
             .iter()
             .enumerate()
-            .all(|(i, value)| i == 2 || value.is_none());
+            .all(|(i, value)| i == LOOKAHEAD || value.is_none());
         if only_lookahead {
             if let Some(result) = slf.get().running_step(request, num_new_tokens, lookahead)? {
                 return Ok(result);
             }
         }
-        let _ = py;
         full_call(
             slf,
             request,
             num_new_tokens,
-            PARAMETERS.into_iter().zip(given),
+            parameter_names(py).iter().zip(given),
         )
     }
+}
+
+/// [`PARAMETERS`] as interned Python strings, made once: the keyword arguments an admission
+/// passes on are set with them (a name made from the Rust text on each call was decoded,
+/// allocated and compared by value).
+fn parameter_names(py: Python<'_>) -> &[Py<PyString>; PARAMETERS.len()] {
+    static NAMES: PyOnceLock<[Py<PyString>; PARAMETERS.len()]> = PyOnceLock::new();
+    NAMES.get_or_init(py, || {
+        PARAMETERS.map(|name| PyString::intern(py, name).unbind())
+    })
 }
 
 /// The adapter's `_allocate_slots(request, num_new_tokens, **given)`, the arguments given as
@@ -574,13 +602,13 @@ fn full_call<'py>(
     slf: &Bound<'py, PyRunningSteps>,
     request: &Bound<'py, PyAny>,
     num_new_tokens: &Bound<'py, PyAny>,
-    given: impl IntoIterator<Item = (&'static str, Option<Bound<'py, PyAny>>)>,
+    given: impl IntoIterator<Item = (&'py Py<PyString>, Option<Bound<'py, PyAny>>)>,
 ) -> PyResult<Py<PyAny>> {
     let py = slf.py();
     let kwargs = PyDict::new(py);
     for (name, value) in given {
         if let Some(value) = value {
-            kwargs.set_item(name, value)?;
+            kwargs.set_item(name.bind(py), value)?;
         }
     }
     slf.call_method(
@@ -872,7 +900,7 @@ unsafe fn allocate_slots_call(py: Python<'_>, call: FastCall) -> PyResult<*mut f
                         &steps,
                         &request,
                         &num_new_tokens,
-                        [("num_lookahead_tokens", lookahead)],
+                        [(&parameter_names(py)[LOOKAHEAD], lookahead)],
                     )?
                 }
             };
