@@ -553,11 +553,11 @@ def test_integer_arrays_of_any_width_and_byte_order_are_token_ids() -> None:
 @pytest.mark.parametrize("algo", ["xxh3", "sha256", "blake3"])
 @pytest.mark.parametrize("block_size", [1, 5, 16])
 def test_a_prompt_list_hashes_as_the_same_tokens_in_an_array(algo: str, block_size: int) -> None:
-    # A prompt list is read and hashed in one pass, an array in two: the prefix cache must
-    # not tell them apart (a request from one hits all the full blocks the other cached, and
-    # up to the first changed block when one token differs), whatever the extra keys and
-    # wherever an item is not a plain int (a numpy integer sends the list down the general
-    # path).
+    # A long prompt list (16,384 tokens or more) is read and hashed in one pass, an array in
+    # two: the prefix cache must not tell them apart (a request from one hits all the full
+    # blocks the other cached, and up to the first changed block when one token differs),
+    # whatever the extra keys and wherever an item is not a plain int (a numpy integer sends
+    # the list down the general path). Shorter lists take the two passes.
     rng = np.random.default_rng(block_size)
     extras: list[dict] = [
         {},
@@ -565,7 +565,8 @@ def test_a_prompt_list_hashes_as_the_same_tokens_in_an_array(algo: str, block_si
         {"lora_name": "adapter"},
         {"mm_inputs": [("img", 3, 7), ("img2", 2 * block_size + 1, block_size)]},
     ]
-    for n in [1, block_size, 3 * block_size, 3 * block_size + 2, 40 * block_size + 3]:
+    lengths = [1, block_size, 3 * block_size, 40 * block_size + 3]
+    for n in lengths + [2**14 - 1, 2**14, 2**14 + 2 * block_size + 3]:
         for extra in extras:
             tokens = rng.integers(0, 2**32, n).tolist()
             tokens[: min(n, 4)] = [0, 1, 2**30 - 1, 2**30][: min(n, 4)]  # digit boundaries

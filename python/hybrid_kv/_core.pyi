@@ -312,13 +312,14 @@ class Request:
     """A request as the scheduler sees it: prompt, appended outputs and the scheduler's count
     of computed tokens. Thread-safe.
 
-    The prompt is validated and hashed when the request is made, with `block_size`,
-    `hash_algo` and `hash_seed` (pass the manager's `hash_block_size` for the hashes to be
-    reused): a list in one pass with the GIL held, an array of 16,384 tokens or more with the
-    GIL released. Like vLLM's `Request`, it keeps a reference to the caller's prompt, which must not
-    change length afterwards. A manager keeps a hashed copy of every request it has seen; the
-    copy and the request's blocks go when the `Request` is garbage collected (before any counter
-    of the manager is read again) or `remove_request` is called.
+    The prompt is validated and hashed when the request is made, with `block_size`, `hash_algo`
+    and `hash_seed` (pass the manager's `hash_block_size` for the hashes to be reused). From
+    16,384 tokens, a list is read and hashed in one pass with the GIL held, an array copied and
+    then hashed with the GIL released. Like vLLM's `Request`, it keeps a reference to the
+    caller's prompt, which must not change length afterwards. A manager keeps a hashed copy of
+    every request it has seen; the copy and the request's blocks go when the `Request` is
+    garbage collected (before any counter of the manager is read again) or `remove_request` is
+    called.
 
     With `block_hashes` (vLLM's `Request.block_hashes`: one `bytes` per full block of
     `block_size` tokens, chained, as its engine computes them), those hashes key the request's

@@ -59,8 +59,11 @@ impl TokenFn<CoreResult<(usize, Prehashed)>> for Prehash<'_> {
 
 /// A prompt list read and hashed in one pass (see `read_int_list_in_steps`): `(length,
 /// hashes and tail)`, or `None` if an item is not an `int` (the caller then takes the general
-/// path). The list is read under its critical section, and the hashing with it: a long list
+/// path). The list is read under its critical section, and the hashing with it: the list
 /// keeps the GIL for the pass, where the general path releases it to hash what it copied.
+/// For long lists, whose items are mostly not in the CPU caches: a `Request` made from a
+/// 128k-token list took 310-338 µs reading then hashing, 260-270 µs this way (four alternating
+/// pairs), but one of 2-4k tokens about 10% longer.
 fn hash_list(
     list: &Bound<'_, PyList>,
     hasher: &BlockHasher,
@@ -196,9 +199,13 @@ impl PyRequest {
                 };
                 (len, prehashed, Some(supplied))
             }
+            // A long list is read and hashed in one pass; a shorter one reads faster on its
+            // own (its items are in the caches, so there is no load to overlap the hashing
+            // with), and is hashed after.
             None => match prompt_token_ids
                 .cast::<PyList>()
                 .ok()
+                .filter(|list| list.len() >= DETACH_HASH_TOKENS)
                 .map(|list| hash_list(list, &hasher, &extra))
                 .transpose()?
                 .flatten()
