@@ -63,7 +63,7 @@ impl TokenFn<CoreResult<(usize, Prehashed)>> for Prehash<'_> {
 /// keeps the GIL for the pass, where the general path releases it to hash what it copied.
 /// For long lists, whose items are mostly not in the CPU caches: a `Request` made from a
 /// 128k-token list took 310-338 µs reading then hashing, 260-270 µs this way (four alternating
-/// pairs), but one of 2-4k tokens about 10% longer.
+/// pairs), but one of 2-4k tokens 5-10% longer.
 fn hash_list(
     list: &Bound<'_, PyList>,
     hasher: &BlockHasher,
