@@ -477,22 +477,10 @@ const PARAMETERS: [&str; 10] = [
 
 /// Where `num_lookahead_tokens` is in [`PARAMETERS`].
 const LOOKAHEAD: usize = 2;
-const _: () = assert!(same(PARAMETERS[LOOKAHEAD], "num_lookahead_tokens"));
-
-const fn same(a: &str, b: &str) -> bool {
-    let (a, b) = (a.as_bytes(), b.as_bytes());
-    if a.len() != b.len() {
-        return false;
-    }
-    let mut i = 0;
-    while i < a.len() {
-        if a[i] != b[i] {
-            return false;
-        }
-        i += 1;
-    }
-    true
-}
+const _: () = assert!(matches!(
+    PARAMETERS[LOOKAHEAD].as_bytes(),
+    b"num_lookahead_tokens"
+));
 
 #[pymethods]
 impl PyRunningSteps {
