@@ -622,6 +622,35 @@ def test_an_attention_free_model_has_no_groups_and_no_blocks() -> None:
     assert manager.num_free_blocks == 0
 
 
+def test_block_id_lists_share_one_int_per_id_across_lists_and_pools() -> None:
+    # Lists of block ids take their ints from one table per process (grown as larger ids are
+    # listed): equal to the arrays, the same object for the same id in any list, and each list
+    # its own (changing one changes no other).
+    small = hk.KVCacheManager([{"kind": "full", "block_size": 16}], 600, 8192)
+    large = hk.KVCacheManager([{"kind": "full", "block_size": 16}], 20_000, 1 << 18)
+    lists = []
+    for m, name, tokens in ((small, "s", 16 * 500), (large, "l", 16 * 12_000)):
+        req = hk.Request(name, list(range(tokens)))
+        new = m.allocate_slots(req, tokens)
+        assert new is not None
+        arrays = new.get_block_ids()
+        got = new.get_block_id_lists()
+        assert got == tuple(ids.tolist() for ids in arrays)
+        assert m._get_blocks(name).get_block_id_lists() == got
+        lists.append(got[0])
+    first, second = lists
+    assert max(second) > 10_000, "ids past the first table's size are listed"
+    again = large._get_blocks("l").get_block_id_lists()[0]
+    for a, b in zip(second, again, strict=True):
+        assert a is b
+    shared = set(first) & set(second)
+    assert shared and all(
+        first[first.index(i)] is second[second.index(i)] for i in sorted(shared)[-50:]
+    )
+    again[0] = -1
+    assert second[0] != -1 and large._get_blocks("l").get_block_id_lists()[0][0] != -1
+
+
 def test_get_blocks_holds_a_requests_tables_as_get_block_ids_gives_them() -> None:
     # `_get_blocks` (vLLM's `get_blocks`, read as lists): the same ids as `get_block_ids`, per
     # group, null blocks included; an unknown request raises as `get_block_ids` does.

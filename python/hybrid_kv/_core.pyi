@@ -427,7 +427,8 @@ class KVCacheBlocks:
         of the groups in `group_ids`; None with `allow_none` when they are all empty."""
     def get_block_id_lists(self, allow_none: bool = False) -> tuple[list[int], ...] | None:
         """The block ids per group as lists of ints (made without arrays in between); None with
-        `allow_none` when every group is empty."""
+        `allow_none` when every group is empty. The ints come from one table per process (ids
+        below 2^20): the same id is the same int object in every list."""
     def __add__(self, other: KVCacheBlocks, /) -> KVCacheBlocks:
         """Group-wise concatenation."""
     def __radd__(self, other: KVCacheBlocks, /) -> KVCacheBlocks: ...

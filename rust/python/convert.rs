@@ -214,6 +214,94 @@ fn reject_text(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<()> {
     Ok(())
 }
 
+/// Block ids a table of shared int objects covers at most: 2^20 ids, 36 MB of ints and
+/// pointers at most; lists with a larger id make fresh ints.
+const ID_TABLE_MAX: usize = 1 << 20;
+
+/// The smallest table made (ids below it are covered from the first list on).
+const ID_TABLE_MIN: usize = 1 << 12;
+
+/// Python ints `0..len` for block ids, shared by every list of block ids the process makes
+/// (vLLM's scheduler reads block ids as lists of ints on every step). A list then takes a
+/// reference to an int made once instead of allocating one per id: the ints of a block table
+/// are scattered over the heap by the time it is read, and allocating them was most of a list's
+/// cost. Grown (never shrunk) to cover the largest id listed so far, up to `ID_TABLE_MAX`. The
+/// lock is held only to read or replace the table's pointer, never while Python code runs.
+static ID_INTS: std::sync::RwLock<Option<Py<PyList>>> = std::sync::RwLock::new(None);
+
+/// The shared ints covering ids `0..need`, or None past `ID_TABLE_MAX`.
+fn id_table(py: Python<'_>, need: usize) -> PyResult<Option<Bound<'_, PyList>>> {
+    if need > ID_TABLE_MAX {
+        return Ok(None);
+    }
+    let current = ID_INTS
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .as_ref()
+        .map(|t| t.bind(py).clone());
+    if let Some(table) = &current {
+        if table.len() >= need {
+            return Ok(current);
+        }
+    }
+    // Made outside the lock (making ints may run the collector, and with it any Python code),
+    // keeping the ints already handed out.
+    let len = need.next_power_of_two().clamp(ID_TABLE_MIN, ID_TABLE_MAX);
+    let have = current.as_ref().map_or(0, |t| t.len());
+    let grown = PyList::empty(py);
+    if let Some(table) = &current {
+        for item in table.iter() {
+            grown.append(item)?;
+        }
+    }
+    for id in have..len {
+        grown.append(id)?;
+    }
+    let replaced = {
+        let mut slot = ID_INTS
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Another thread may have grown it meanwhile: the longer table stays.
+        if slot.as_ref().is_none_or(|t| t.bind(py).len() < len) {
+            slot.replace(grown.clone().unbind())
+        } else {
+            None
+        }
+    };
+    drop(replaced);
+    Ok(Some(grown))
+}
+
+/// Block ids per group as Python lists of ints (vLLM's `get_block_ids()` types), the ints
+/// shared (see `ID_INTS`).
+pub(crate) fn id_list_groups<'py, 'a>(
+    py: Python<'py>,
+    groups: impl Iterator<Item = &'a [BlockId]> + Clone,
+) -> PyResult<Vec<Bound<'py, PyList>>> {
+    let top = groups
+        .clone()
+        .filter_map(|ids| ids.iter().max())
+        .max()
+        .map_or(0, |&id| id as usize + 1);
+    let Some(table) = id_table(py, top)? else {
+        return groups.map(|ids| PyList::new(py, ids)).collect();
+    };
+    groups
+        .map(|ids| {
+            // Every id is below the table's length: the fresh int is never made.
+            PyList::new(
+                py,
+                ids.iter().map(|&id| {
+                    table.get_item(id as usize).unwrap_or_else(|_| {
+                        let Ok(int) = id.into_pyobject(py);
+                        int.into_any()
+                    })
+                }),
+            )
+        })
+        .collect()
+}
+
 /// Block ids as a numpy `int32` array (the Vec is moved, not copied).
 pub(crate) fn ids_to_numpy(py: Python<'_>, ids: Vec<BlockId>) -> Bound<'_, PyArray1<i32>> {
     // Pool sizes are capped at i32::MAX, so every id fits.

@@ -53,10 +53,7 @@ pub(crate) fn id_lists<'py, 'a>(
     if allow_none && groups.clone().all(<[BlockId]>::is_empty) {
         return Ok(None);
     }
-    let lists = groups
-        .map(|ids| PyList::new(py, ids))
-        .collect::<PyResult<Vec<_>>>()?;
-    PyTuple::new(py, lists).map(Some)
+    PyTuple::new(py, super::convert::id_list_groups(py, groups)?).map(Some)
 }
 
 #[pymethods]
@@ -1011,7 +1008,8 @@ impl PyKVCacheManager {
     /// `take_new_block_ids` as a list (`hybrid_kv.vllm`'s adapter hands vLLM a list).
     fn _take_new_block_id_list<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let ids = self.inner().manager.take_new_block_ids();
-        PyList::new(py, ids.iter().map(|&id| id as i32))
+        let mut lists = super::convert::id_list_groups(py, std::iter::once(&ids[..]))?;
+        Ok(lists.pop().unwrap_or_else(|| PyList::empty(py)))
     }
 
     /// Records the request's attention blocks from the block-aligned `start_token` on for
