@@ -81,6 +81,8 @@
 //! [`CoreError::OutOfMemory`] naming the array and its size. No count a caller passes
 //! (`get_new_blocks(n)`) sizes an allocation before it is checked against the free blocks, and
 //! no buffer a method allocates is larger than the pool or than an input slice the caller holds.
+//! Frees fill buffers each thread keeps between frees (four, of at most 256 KB each once a free
+//! is done), so that a free allocates only when it is larger than the frees before it.
 
 mod alloc;
 mod free_order;
@@ -289,6 +291,60 @@ impl KeyedBits {
     #[inline]
     fn get(&self, id: BlockId) -> bool {
         self.0[id as usize / 64].load(Ordering::Acquire) & (1 << (id % 64)) != 0
+    }
+}
+
+/// What a free fills before it publishes: the entries that go in front and at the back of the
+/// free order, and for a free in batches where each batch starts and the reordered front. Each
+/// thread reuses its own between frees (a free of a long request's blocks would otherwise
+/// allocate and free tens of KB each time): plain memory no other thread sees. A free made
+/// while another of the same thread is inside (none is today) gets fresh buffers, and so does
+/// every free under loom, whose model threads share one OS thread.
+#[derive(Default)]
+struct FreeBuffers {
+    front: Vec<u64>,
+    back: Vec<u64>,
+    starts: Vec<usize>,
+    ordered: Vec<u64>,
+}
+
+/// Entries each of a thread's buffers keeps room for between frees (256 KB).
+#[cfg(not(loom))]
+const KEEP_FREE_ENTRIES: usize = 1 << 15;
+
+#[cfg(not(loom))]
+std::thread_local! {
+    static FREE_BUFFERS: std::cell::Cell<FreeBuffers> = std::cell::Cell::default();
+}
+
+impl FreeBuffers {
+    /// Runs `f` with this thread's buffers, empty; empties them again afterwards.
+    #[inline]
+    fn with<R>(f: impl FnOnce(&mut FreeBuffers) -> R) -> R {
+        #[cfg(not(loom))]
+        {
+            let mut bufs = FREE_BUFFERS
+                .try_with(std::cell::Cell::take)
+                .unwrap_or_default();
+            let result = f(&mut bufs);
+            bufs.clear();
+            let _ = FREE_BUFFERS.try_with(|cell| cell.set(bufs));
+            result
+        }
+        #[cfg(loom)]
+        f(&mut FreeBuffers::default())
+    }
+
+    #[cfg(not(loom))]
+    fn clear(&mut self) {
+        fn keep<T>(v: &mut Vec<T>) {
+            v.clear();
+            v.shrink_to(KEEP_FREE_ENTRIES);
+        }
+        keep(&mut self.front);
+        keep(&mut self.back);
+        keep(&mut self.starts);
+        keep(&mut self.ordered);
     }
 }
 
@@ -527,19 +583,20 @@ impl BlockPool {
     pub fn free_blocks(&self, ordered: &[BlockId]) -> Result<()> {
         self.check_ids(ordered)?;
         self.check_releasable(ordered)?;
-        // At most one entry per distinct block reaches zero (cached ones are sized on first use).
-        let most = ordered.len().min(self.num_blocks);
-        let mut front = Vec::with_capacity(most);
-        let mut back = Vec::new();
-        let mut failed = None;
-        for &id in ordered {
-            if id == NULL_BLOCK {
-                continue;
+        FreeBuffers::with(|bufs| {
+            // At most one entry per distinct block reaches zero.
+            let most = ordered.len().min(self.num_blocks);
+            bufs.front.reserve(most);
+            let mut failed = None;
+            for &id in ordered {
+                if id == NULL_BLOCK {
+                    continue;
+                }
+                self.release_one(id, most, &mut bufs.front, &mut bufs.back, &mut failed);
             }
-            self.release_one(id, most, &mut front, &mut back, &mut failed);
-        }
-        self.states.publish(&front, &back);
-        failed.map_or(Ok(()), Err)
+            self.states.publish(&bufs.front, &bufs.back);
+            failed.map_or(Ok(()), Err)
+        })
     }
 
     /// Drops one reference to `id` (not the null block); if that was the last, queues its
@@ -586,40 +643,48 @@ impl BlockPool {
         debug_assert!(ends.windows(2).all(|w| w[0] <= w[1]));
         debug_assert_eq!(ends.last().copied().unwrap_or(0), blocks.len());
         let most = blocks.len().min(self.num_blocks);
-        let mut front = Vec::with_capacity(most);
-        let mut back = Vec::new();
-        // Where each batch's uncached entries start in `front`.
-        let mut starts = Vec::with_capacity(if ends.len() > 1 { ends.len() } else { 0 });
-        let mut failed = None;
-        let mut start = 0;
-        for &end in ends {
-            if ends.len() > 1 {
-                starts.push(front.len());
-            }
-            for k in start..end {
-                let id = blocks[k];
-                if let Some(&ahead) = blocks.get(k + PREFETCH_AHEAD) {
-                    self.prefetch_block(ahead);
+        FreeBuffers::with(|bufs| {
+            let FreeBuffers {
+                front,
+                back,
+                starts,
+                ordered,
+            } = bufs;
+            front.reserve(most);
+            let mut failed = None;
+            let mut start = 0;
+            for &end in ends {
+                if ends.len() > 1 {
+                    // Where this batch's uncached entries start in `front`.
+                    starts.push(front.len());
                 }
-                if id == NULL_BLOCK {
-                    continue;
+                for k in start..end {
+                    let id = blocks[k];
+                    if let Some(&ahead) = blocks.get(k + PREFETCH_AHEAD) {
+                        self.prefetch_block(ahead);
+                    }
+                    if id == NULL_BLOCK {
+                        continue;
+                    }
+                    self.release_one(id, most, front, back, &mut failed);
                 }
-                self.release_one(id, most, &mut front, &mut back, &mut failed);
+                start = end;
             }
-            start = end;
-        }
-        if starts.len() > 1 {
-            // Later batches go in front of earlier ones.
-            let mut ordered = Vec::with_capacity(front.len());
-            let mut end = front.len();
-            for &s in starts.iter().rev() {
-                ordered.extend_from_slice(&front[s..end]);
-                end = s;
-            }
-            front = ordered;
-        }
-        self.states.publish(&front, &back);
-        failed.map_or(Ok(()), Err)
+            let front = if starts.len() > 1 {
+                // Later batches go in front of earlier ones.
+                ordered.reserve(front.len());
+                let mut end = front.len();
+                for &s in starts.iter().rev() {
+                    ordered.extend_from_slice(&front[s..end]);
+                    end = s;
+                }
+                &ordered[..]
+            } else {
+                &front[..]
+            };
+            self.states.publish(front, back);
+            failed.map_or(Ok(()), Err)
+        })
     }
 
     /// Every non-null block of `ids` has at least as many references as `ids` lists it;

@@ -822,3 +822,32 @@ fn moving_keys_needs_a_held_unkeyed_destination() {
     assert_eq!(pool.lookup(h(9), 0), Some(1));
     assert_eq!(pool.lookup(h(7), 0), Some(3));
 }
+
+/// A thread's free buffers come back empty after every free and keep room for at most
+/// `KEEP_FREE_ENTRIES` entries each, whatever the size of the frees before.
+#[test]
+fn free_buffers_are_emptied_and_trimmed_after_a_large_free() {
+    let n = 3 * KEEP_FREE_ENTRIES;
+    let pool = BlockPool::new(n + 1).unwrap();
+    let blocks = pool.get_new_blocks(n).unwrap();
+    let hashes: Vec<u128> = (1..=n as u128 / 2).collect();
+    cache(&pool, &blocks[..n / 2], &hashes, 0);
+    let cut = [n / 3, n];
+    pool.free_held(&blocks, &cut).unwrap();
+    assert_eq!(pool.num_free_blocks(), n);
+    let bufs = FREE_BUFFERS.with(std::cell::Cell::take);
+    for (len, capacity) in [
+        (bufs.front.len(), bufs.front.capacity()),
+        (bufs.back.len(), bufs.back.capacity()),
+        (bufs.starts.len(), bufs.starts.capacity()),
+        (bufs.ordered.len(), bufs.ordered.capacity()),
+    ] {
+        assert_eq!(len, 0);
+        assert!(capacity <= KEEP_FREE_ENTRIES, "{capacity} entries kept");
+    }
+    assert!(
+        bufs.front.capacity() > 0,
+        "the buffers are kept for the next free"
+    );
+    FREE_BUFFERS.with(|cell| cell.set(bufs));
+}
