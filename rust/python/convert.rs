@@ -283,23 +283,27 @@ pub(crate) fn id_list_groups<'py, 'a>(
         .filter_map(|ids| ids.iter().max())
         .max()
         .map_or(0, |&id| id as usize + 1);
+    // Sized once (a `Result` collect would grow the vector from empty).
+    let mut lists = Vec::with_capacity(groups.size_hint().0);
     let Some(table) = id_table(py, top)? else {
-        return groups.map(|ids| PyList::new(py, ids)).collect();
+        for ids in groups {
+            lists.push(PyList::new(py, ids)?);
+        }
+        return Ok(lists);
     };
-    groups
-        .map(|ids| {
-            // Every id is below the table's length: the fresh int is never made.
-            PyList::new(
-                py,
-                ids.iter().map(|&id| {
-                    table.get_item(id as usize).unwrap_or_else(|_| {
-                        let Ok(int) = id.into_pyobject(py);
-                        int.into_any()
-                    })
-                }),
-            )
-        })
-        .collect()
+    for ids in groups {
+        // Every id is below the table's length: the fresh int is never made.
+        lists.push(PyList::new(
+            py,
+            ids.iter().map(|&id| {
+                table.get_item(id as usize).unwrap_or_else(|_| {
+                    let Ok(int) = id.into_pyobject(py);
+                    int.into_any()
+                })
+            }),
+        )?);
+    }
+    Ok(lists)
 }
 
 /// Block ids as a numpy `int32` array (the Vec is moved, not copied).

@@ -131,17 +131,22 @@ fn supplied_hash(item: &Bound<'_, PyAny>) -> PyResult<BlockHash> {
 
 /// The items of `hashes` (a sequence of bytes) from index `start` on, as keys.
 pub(crate) fn read_supplied(hashes: &Bound<'_, PyAny>, start: usize) -> PyResult<Vec<BlockHash>> {
+    // Sized once (a `Result` collect would grow the vector from empty).
+    let mut out = Vec::new();
     if let Ok(list) = hashes.cast::<PyList>() {
-        return (start..list.len())
-            .map(|i| supplied_hash(&list.get_item(i)?))
-            .collect();
+        out.reserve(list.len().saturating_sub(start));
+        for i in start..list.len() {
+            out.push(supplied_hash(&list.get_item(i)?)?);
+        }
+        return Ok(out);
     }
     let seq = hashes
         .cast::<PySequence>()
         .map_err(|_| PyTypeError::new_err("block_hashes must be a sequence of bytes"))?;
-    (start..seq.len()?)
-        .map(|i| supplied_hash(&seq.get_item(i)?))
-        .collect()
+    for i in start..seq.len()? {
+        out.push(supplied_hash(&seq.get_item(i)?)?);
+    }
+    Ok(out)
 }
 
 /// Adds to `have` (the hashes of a record's first blocks) those of `new`, the hashes of its
