@@ -583,20 +583,8 @@ impl BlockPool {
     pub fn free_blocks(&self, ordered: &[BlockId]) -> Result<()> {
         self.check_ids(ordered)?;
         self.check_releasable(ordered)?;
-        FreeBuffers::with(|bufs| {
-            // At most one entry per distinct block reaches zero.
-            let most = ordered.len().min(self.num_blocks);
-            bufs.front.reserve(most);
-            let mut failed = None;
-            for &id in ordered {
-                if id == NULL_BLOCK {
-                    continue;
-                }
-                self.release_one(id, most, &mut bufs.front, &mut bufs.back, &mut failed);
-            }
-            self.states.publish(&bufs.front, &bufs.back);
-            failed.map_or(Ok(()), Err)
-        })
+        // Validated: released as one batch of held references.
+        self.free_held(ordered, &[ordered.len()])
     }
 
     /// Drops one reference to `id` (not the null block); if that was the last, queues its

@@ -537,8 +537,9 @@ fn read_int_list_locked(
     // thread holds the GIL (`list` is bound to it). This thread changes it neither: nothing
     // below runs Python code (only `int`s and subclasses are converted, which runs none; a
     // conversion that raises returns at once, before the slice is read again; `on_step` runs
-    // none by its contract), and nothing waits, so the critical section is not suspended. So `ob_item` points to `len` item
-    // pointers for the whole loop, and each item is a reference the list keeps alive.
+    // none by its contract), and nothing waits, so the critical section is not suspended. So
+    // `ob_item` points to `len` item pointers for the whole loop, and each item is a reference
+    // the list keeps alive.
     let items: &[*mut pyo3::ffi::PyObject] = unsafe {
         let list = list.as_ptr().cast::<pyo3::ffi::PyListObject>();
         std::slice::from_raw_parts((*list).ob_item, len)
