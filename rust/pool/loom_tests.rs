@@ -83,9 +83,9 @@ fn check_keys(pool: &BlockPool) {
     for id in 1..pool.num_blocks() as BlockId {
         let key = pool.block_key(id).unwrap();
         assert_eq!(
-            pool.keyed_bit(id),
+            pool.keyed_flag(id),
             key.is_some(),
-            "cached bit of block {id}"
+            "cached flag of block {id}"
         );
         for key in pool.block_keys(id).unwrap() {
             keyed += 1;

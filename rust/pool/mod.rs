@@ -33,7 +33,7 @@
 //!   their shard is mid-update.
 //! - Second keys of a block (`add_block_key` on a block that has a key: vLLM's partial
 //!   prompt-tail keys). They live in a table behind a mutex, taken only for blocks that have
-//!   such keys (a bit per block says which). While a thread adds one, the block's key slot is
+//!   such keys (a flag per block says which). While a thread adds one, the block's key slot is
 //!   held: an eviction or reset of that block waits for the add (one table insert and one map
 //!   insert) to finish, so it removes the new key with the others.
 //!
@@ -91,7 +91,7 @@ pub mod reference;
 pub(crate) mod states;
 
 use crate::error::{CoreError, Result};
-use crate::sync::{spin_wait, AtomicU32, AtomicU64, Mutex, Ordering};
+use crate::sync::{spin_wait, AtomicU32, AtomicU64, AtomicU8, Mutex, Ordering};
 use crate::types::{BlockHash, BlockId, CacheKey, GroupId, KvEvent, StoreInfo, NULL_BLOCK};
 use alloc::AllocFailed;
 use crossbeam_queue::SegQueue;
@@ -242,55 +242,50 @@ impl KeySlot {
     }
 }
 
-/// One bit per block, set while its key slot is not `KEY_NONE` (written, set or being
+/// One flag byte per block, set while its key slot is not `KEY_NONE` (written, set or being
 /// cleared): what a free reads to put a block at the back (cached) or in front. A free reads a
-/// bit among those of 63 other blocks instead of the block's 32-byte slot, so a request's free
-/// touches a few cache lines of bits rather than one slot line per block.
+/// byte among those of 63 other blocks instead of the block's 32-byte slot, so a request's free
+/// touches a few cache lines of flags rather than one slot line per block.
 ///
-/// The bit changes just after a slot leaves `KEY_NONE` and just before it returns to it, by
-/// the thread that owns the slot's transition. So a thread sees the bit as it would see
-/// "the slot is not `KEY_NONE`" after any call it made or synchronized with; a free racing a
-/// concurrent keying or eviction of the same block reads one side of it, as a read of the slot
-/// would.
-struct KeyedBits(Box<[AtomicU64]>);
+/// The flag changes just after a slot leaves `KEY_NONE` and just before it returns to it, by
+/// the thread that owns the slot's transition, and by no other: a plain store (a byte per
+/// block, not a bit: bits shared by 64 blocks would each need a locked read-modify-write).
+/// So a thread sees the flag as it would see "the slot is not `KEY_NONE`" after any call it
+/// made or synchronized with; a free racing a concurrent keying or eviction of the same block
+/// reads one side of it, as a read of the slot would.
+struct KeyedFlags(Box<[AtomicU8]>);
 
-/// The bit of one block, for the slot's transitions to set or clear.
+/// The flag of one block, for the slot's transitions to set or clear.
 #[derive(Clone, Copy)]
-struct Marker<'a> {
-    word: &'a AtomicU64,
-    bit: u64,
-}
+struct Marker<'a>(&'a AtomicU8);
 
 impl Marker<'_> {
     fn set(self) {
-        self.word.fetch_or(self.bit, Ordering::Release);
+        self.0.store(1, Ordering::Release);
     }
 
     fn clear(self) {
-        self.word.fetch_and(!self.bit, Ordering::Release);
+        self.0.store(0, Ordering::Release);
     }
 }
 
-impl KeyedBits {
+impl KeyedFlags {
     fn new(num_blocks: usize) -> Result<Self, AllocFailed> {
-        Ok(KeyedBits(alloc::boxed_slice(
-            "cached-block bits",
-            num_blocks.div_ceil(64),
-            |_| AtomicU64::new(0),
+        Ok(KeyedFlags(alloc::boxed_slice(
+            "cached-block flags",
+            num_blocks,
+            |_| AtomicU8::new(0),
         )?))
     }
 
     #[inline]
     fn marker(&self, id: BlockId) -> Marker<'_> {
-        Marker {
-            word: &self.0[id as usize / 64],
-            bit: 1 << (id % 64),
-        }
+        Marker(&self.0[id as usize])
     }
 
     #[inline]
     fn get(&self, id: BlockId) -> bool {
-        self.0[id as usize / 64].load(Ordering::Acquire) & (1 << (id % 64)) != 0
+        self.0[id as usize].load(Ordering::Acquire) != 0
     }
 }
 
@@ -355,15 +350,15 @@ pub struct BlockPool {
     enable_caching: bool,
     states: BlockStates,
     keys: Box<[KeySlot]>,
-    keyed: KeyedBits,
+    keyed: KeyedFlags,
     map: CacheMap,
     /// The keys a block holds besides the one in its slot (vLLM's
-    /// `cached_block_hashes_by_block`), in the order they were added. Only blocks whose bit in
+    /// `cached_block_hashes_by_block`), in the order they were added. Only blocks whose flag in
     /// `multi` is set have an entry, so blocks with one key never take the mutex. Entries are
     /// added while the block's slot is held ([`KeySlot::hold`]) and removed while it is being
     /// cleared, so they never outlive the key in the slot.
     secondary: Mutex<HashMap<BlockId, Vec<CacheKey>>>,
-    multi: KeyedBits,
+    multi: KeyedFlags,
     events: Option<SegQueue<KvEvent>>,
 }
 
@@ -404,11 +399,11 @@ impl BlockPool {
             states: BlockStates::new(num_blocks).map_err(oom)?,
             keys: alloc::boxed_slice("cache-key slots", num_blocks, |_| KeySlot::new())
                 .map_err(oom)?,
-            keyed: KeyedBits::new(num_blocks).map_err(oom)?,
+            keyed: KeyedFlags::new(num_blocks).map_err(oom)?,
             map: CacheMap::with_capacity(if enable_caching { num_blocks } else { 0 })
                 .map_err(oom)?,
             secondary: Mutex::new(HashMap::new()),
-            multi: KeyedBits::new(num_blocks).map_err(oom)?,
+            multi: KeyedFlags::new(num_blocks).map_err(oom)?,
             events: enable_events.then(SegQueue::new),
         })
     }
@@ -429,7 +424,7 @@ impl BlockPool {
         BlockStates::heap_bytes(num_blocks)
             .saturating_add(keys)
             .saturating_add(map)
-            .saturating_add(2 * num_blocks.div_ceil(8))
+            .saturating_add(2 * num_blocks)
     }
 
     pub fn enable_caching(&self) -> bool {
@@ -479,9 +474,9 @@ impl BlockPool {
         Ok(self.states.ref_count(id))
     }
 
-    /// The cached bit a free reads (tests check it against the key slot).
+    /// The cached flag a free reads (tests check it against the key slot).
     #[cfg(test)]
-    pub(crate) fn keyed_bit(&self, id: BlockId) -> bool {
+    pub(crate) fn keyed_flag(&self, id: BlockId) -> bool {
         self.keyed.get(id)
     }
 
@@ -1036,8 +1031,8 @@ impl BlockPool {
         }
     }
 
-    /// Starts loading the state word a free of block `id` reads and updates (its cached bit
-    /// shares a line with 511 other blocks' and is usually loaded already).
+    /// Starts loading the state word a free of block `id` reads and updates (its cached flag
+    /// shares a line with 63 other blocks' and is usually loaded already).
     #[inline]
     fn prefetch_block(&self, id: BlockId) {
         if let Some(state) = self.states.cell(id) {

@@ -471,8 +471,8 @@ fn a_pool_whose_arrays_cannot_be_allocated_is_an_error_naming_the_size() {
             panic!("{err:?}");
         };
         assert_eq!(*num_blocks, 1000);
-        // Every array has an entry per block, or a bit (the cached bits: 16 words).
-        assert!(*bytes >= 1000 / 8, "{err}");
+        // Every array has an entry of at least a byte per block (the cached flags: one byte).
+        assert!(*bytes >= 1000, "{err}");
         assert!(err.to_string().contains(what), "{err}");
     }
 }
@@ -599,39 +599,39 @@ fn free_held_reports_a_block_already_at_zero_and_releases_the_rest() {
     assert_eq!(sorted.len(), 7, "each free block once: {order:?}");
 }
 
-/// The bit a free reads to place a block follows the block's key through every way a key comes
+/// The flag a free reads to place a block follows the block's key through every way a key comes
 /// and goes: caching, a second caching refused, reuse by an allocation, `evict_blocks` and
-/// `reset_prefix_cache`; and the free order follows the bit.
+/// `reset_prefix_cache`; and the free order follows the flag.
 #[test]
-fn the_cached_bit_follows_the_key_through_every_transition() {
+fn the_cached_flag_follows_the_key_through_every_transition() {
     let pool = BlockPool::new(6).unwrap();
-    let bits = |pool: &BlockPool| -> Vec<bool> { (1..6).map(|id| pool.keyed_bit(id)).collect() };
+    let flags = |pool: &BlockPool| -> Vec<bool> { (1..6).map(|id| pool.keyed_flag(id)).collect() };
     let keys = |pool: &BlockPool| -> Vec<bool> {
         (1..6)
             .map(|id| pool.block_key(id).unwrap().is_some())
             .collect()
     };
     let blocks = pool.get_new_blocks(5).unwrap();
-    assert_eq!(bits(&pool), vec![false; 5]);
+    assert_eq!(flags(&pool), vec![false; 5]);
     cache(&pool, &blocks[..3], &[1, 2, 3], 0);
-    cache(&pool, &blocks[..1], &[9], 0); // already keyed: refused, bit unchanged
-    assert_eq!(bits(&pool), vec![true, true, true, false, false]);
-    assert_eq!(bits(&pool), keys(&pool));
+    cache(&pool, &blocks[..1], &[9], 0); // already keyed: refused, flag unchanged
+    assert_eq!(flags(&pool), vec![true, true, true, false, false]);
+    assert_eq!(flags(&pool), keys(&pool));
     pool.evict_blocks(&blocks[1..2]).unwrap();
-    assert_eq!(bits(&pool), vec![true, false, true, false, false]);
-    assert_eq!(bits(&pool), keys(&pool));
+    assert_eq!(flags(&pool), vec![true, false, true, false, false]);
+    assert_eq!(flags(&pool), keys(&pool));
     // Keyed blocks go to the back, the rest in front.
     pool.free_blocks(&blocks).unwrap();
     assert_eq!(pool.free_order(), vec![2, 4, 5, 1, 3]);
-    // Reuse evicts: taking every block clears every bit.
+    // Reuse evicts: taking every block clears every flag.
     let again = pool.get_new_blocks(5).unwrap();
-    assert_eq!(bits(&pool), vec![false; 5]);
+    assert_eq!(flags(&pool), vec![false; 5]);
     cache(&pool, &again[..2], &[4, 5], 1);
     pool.free_blocks(&again).unwrap();
-    assert_eq!(bits(&pool), keys(&pool));
+    assert_eq!(flags(&pool), keys(&pool));
     assert!(pool.reset_prefix_cache());
-    assert_eq!(bits(&pool), vec![false; 5]);
-    // A pool of more than 64 blocks: bits of different words.
+    assert_eq!(flags(&pool), vec![false; 5]);
+    // A pool of more than 64 blocks: flags on different cache lines.
     let big = BlockPool::new(200).unwrap();
     let ids = big.get_new_blocks(199).unwrap();
     cache(
@@ -642,7 +642,7 @@ fn the_cached_bit_follows_the_key_through_every_transition() {
     );
     for &id in &ids {
         assert_eq!(
-            big.keyed_bit(id),
+            big.keyed_flag(id),
             big.block_key(id).unwrap().is_some(),
             "block {id}"
         );
@@ -731,7 +731,7 @@ fn an_added_key_the_map_has_no_room_for_is_refused_without_waiting() {
     crate::pool::alloc::inject::fail_after(None);
     assert_eq!(added, Ok(false));
     assert_eq!(pool.block_key(ids[1]).unwrap(), None);
-    assert!(!pool.keyed_bit(ids[1]));
+    assert!(!pool.keyed_flag(ids[1]));
     assert_eq!(pool.block_keys(ids[0]).unwrap().len(), 1 + refused as usize);
     assert_eq!(pool.num_cached_keys(), 1 + refused as usize);
     // Evicting the block removes every key it got.
