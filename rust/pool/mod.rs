@@ -591,20 +591,13 @@ impl BlockPool {
     fn release_one(
         &self,
         id: BlockId,
-        most: usize,
         front: &mut Vec<u64>,
         back: &mut Vec<u64>,
         failed: &mut Option<CoreError>,
     ) {
         match self.states.release(id) {
             Ok(None) => {}
-            Ok(Some(entry)) if self.enable_caching && self.keyed.get(id) => {
-                // Sized on first use: many frees release no cached block.
-                if back.capacity() == 0 {
-                    back.reserve_exact(most);
-                }
-                back.push(entry)
-            }
+            Ok(Some(entry)) if self.enable_caching && self.keyed.get(id) => back.push(entry),
             Ok(Some(entry)) => front.push(entry),
             Err(err) => {
                 failed.get_or_insert(err);
@@ -633,7 +626,10 @@ impl BlockPool {
                 starts,
                 ordered,
             } = bufs;
+            // At most one entry per distinct block reaches zero; the buffers keep their room
+            // between frees, so this allocates only for a free larger than those before.
             front.reserve(most);
+            back.reserve(most);
             let mut failed = None;
             let mut start = 0;
             for &end in ends {
@@ -649,7 +645,7 @@ impl BlockPool {
                     if id == NULL_BLOCK {
                         continue;
                     }
-                    self.release_one(id, most, front, back, &mut failed);
+                    self.release_one(id, front, back, &mut failed);
                 }
                 start = end;
             }
