@@ -9,9 +9,11 @@
 //! one cache line) sized from the pool (`2·num_blocks` slots in all), grown only if a shard ever
 //! passes 3/4 full. Inserts go to the first empty slot of the probe sequence, so duplicates of
 //! a key sit in insertion order; removals shift the rest of the cluster back (no tombstones,
-//! nothing to rebuild), which keeps that order. A shard's header (128 bytes) holds its sequence
-//! word and its first table's address in one cache line: until the shard grows, a lookup reads
-//! that line and then the slot, with no other memory access in between.
+//! nothing to rebuild), which keeps that order. The shards' first tables are one array, so a
+//! key's home slot's address follows from its mix alone: a walk's prefetches issue the home
+//! slot and the shard's header (its own 128 bytes: sequence word, live level, counters) without
+//! waiting for any load, and the lookup that follows reads the header and the slot, which do not
+//! depend on each other until the shard grows.
 //!
 //! Concurrency: writers (insert, remove, clear) of one shard serialise on that shard's sequence
 //! word (odd while a writer is inside: a per-shard spin lock; there are up to 256 shards and no
@@ -110,18 +112,17 @@ fn new_table(slots: usize) -> Result<Table, AllocFailed> {
 /// address space holds).
 const LEVELS: usize = 40;
 
-/// `repr(C)`: a lookup reads `seq`, `current` and, while the shard has never grown, `first`
-/// (the table's address and length), all in the struct's first cache line, so that finding the
-/// slot to probe costs one memory access, not two dependent ones. The grown tables live behind
-/// a pointer, which keeps a shard at 128 bytes.
+/// A shard's header: its seqlock word, its live level and counters, in one cache line of its
+/// own (`align(128)`: no two shards' writers share a line, nor the pair the CPU fetches
+/// together). Its first table is not here but in the map's array of first tables (see
+/// [`CacheMap`]), so that finding a key's first slot reads no header; the grown tables live behind
+/// a pointer.
 #[repr(C, align(128))]
 struct Shard {
     /// Seqlock word: odd while a writer is inside.
     seq: AtomicU64,
-    /// Level of the live table: 0 for `first`, `k` for `grown[k - 1]`.
+    /// Level of the live table: 0 for the first table, `k` for `grown[k - 1]`.
     current: AtomicUsize,
-    /// The table the shard starts with.
-    first: OnceLock<Table>,
     /// Entries and distinct keys in this shard (written only under the shard's lock).
     entries: AtomicUsize,
     keys: AtomicUsize,
@@ -130,32 +131,24 @@ struct Shard {
 }
 
 impl Shard {
-    fn new(slots: usize) -> Result<Self, AllocFailed> {
-        let first = OnceLock::new();
-        let _ = first.set(new_table(slots)?);
-        Ok(Shard {
+    fn new() -> Self {
+        Shard {
             seq: AtomicU64::new(0),
             current: AtomicUsize::new(0),
-            first,
             entries: AtomicUsize::new(0),
             keys: AtomicUsize::new(0),
             grown: (1..LEVELS).map(|_| OnceLock::new()).collect(),
-        })
+        }
     }
 
+    /// The live table, given the shard's first table (its part of the map's array).
     #[inline]
-    fn table(&self, ordering: Ordering) -> &[Slot] {
-        self.level(self.current.load(ordering))
-            .get()
-            .expect("the current table is initialised before it is published")
-    }
-
-    /// The table slot of `level` (0: `first`, `k`: `grown[k - 1]`; `level` below `LEVELS`).
-    #[inline]
-    fn level(&self, level: usize) -> &OnceLock<Table> {
-        match level {
-            0 => &self.first,
-            k => &self.grown[k - 1],
+    fn table<'a>(&'a self, first: &'a [Slot], ordering: Ordering) -> &'a [Slot] {
+        match self.current.load(ordering) {
+            0 => first,
+            k => self.grown[k - 1]
+                .get()
+                .expect("a grown table is initialised before it is published"),
         }
     }
 
@@ -203,6 +196,11 @@ fn slot_matches(slot: &Slot, meta: u64, lo: u64, hi: u64, group: u32) -> bool {
 
 pub(crate) struct CacheMap {
     shards: Box<[Shard]>,
+    /// Every shard's first table, one array: shard `i`'s is `first[i * first_len..][..first_len]`,
+    /// so a key's first slot follows from its mix alone (a prefetch reads no shard header).
+    first: Box<[Slot]>,
+    /// Slots of each first table (a power of two).
+    first_len: usize,
     /// The process's `salt()`, read once.
     salt: u64,
     /// `64 - log2(shards)`, or 64 for one shard.
@@ -228,9 +226,9 @@ impl CacheMap {
         let total = (2 * num_blocks.max(1)).next_power_of_two();
         let per_shard = (total / shards).max(MIN_SLOTS);
         Ok(CacheMap {
-            shards: (0..shards)
-                .map(|_| Shard::new(per_shard))
-                .collect::<Result<_, _>>()?,
+            shards: (0..shards).map(|_| Shard::new()).collect(),
+            first: new_table(shards * per_shard)?,
+            first_len: per_shard,
             salt: salt(),
             shard_shift: 64 - shards.trailing_zeros(),
         })
@@ -240,17 +238,36 @@ impl CacheMap {
     #[cfg(test)]
     fn with_table_slots(slots: usize) -> Self {
         CacheMap {
-            shards: vec![Shard::new(slots).unwrap()].into_boxed_slice(),
+            shards: vec![Shard::new()].into_boxed_slice(),
+            first: new_table(slots).unwrap(),
+            first_len: slots,
             salt: salt(),
             shard_shift: 64,
         }
     }
 
+    /// The index of the shard of mix `h`.
     #[inline]
-    fn shard(&self, h: u64) -> &Shard {
+    fn shard_index(&self, h: u64) -> usize {
         // `checked_shr`: one shard gives a shift of 64.
-        let index = h.checked_shr(self.shard_shift).unwrap_or(0) as usize;
-        &self.shards[index]
+        h.checked_shr(self.shard_shift).unwrap_or(0) as usize
+    }
+
+    /// The shard of mix `h` and its first table.
+    #[inline]
+    fn shard(&self, h: u64) -> (&Shard, &[Slot]) {
+        let index = self.shard_index(h);
+        (
+            &self.shards[index],
+            &self.first[index * self.first_len..][..self.first_len],
+        )
+    }
+
+    /// The live table of shard `index`.
+    #[cfg(test)]
+    fn live_table(&self, index: usize) -> &[Slot] {
+        let first = &self.first[index * self.first_len..][..self.first_len];
+        self.shards[index].table(first, Ordering::Acquire)
     }
 
     /// Number of distinct keys (vLLM's `len(cached_block_hash_to_block)`).
@@ -261,18 +278,24 @@ impl CacheMap {
             .sum()
     }
 
-    /// Starts loading the cache line `first(key)` (or `insert(key, _)`) will probe first, so
-    /// that accesses walked in a known order overlap their memory latency. A hint (x86_64's
-    /// prefetch instruction; nothing elsewhere): it changes nothing, and the access itself
-    /// still goes through the seqlock.
+    /// Starts loading the cache lines `first(key)` (or `insert(key, _)`) will read first (the
+    /// shard's header and the key's home slot), so that accesses walked in a known order
+    /// overlap their memory latency. A hint (x86_64's prefetch instruction; nothing elsewhere):
+    /// it changes nothing, and the access itself still goes through the seqlock. It loads
+    /// nothing itself: the home slot's address follows from the key alone, in the first table
+    /// (in a shard that has grown, a rare case, that line is not the one the access reads).
     #[inline]
     pub(crate) fn prefetch(&self, key: &CacheKey) {
         #[cfg(not(loom))]
         {
             let (lo, hi) = key_parts(key);
             let h = mix(self.salt, lo, hi, key.group);
-            let table = self.shard(h).table(Ordering::Acquire);
-            crate::sync::prefetch(&table[h as usize & (table.len() - 1)]);
+            let index = self.shard_index(h);
+            let home = index * self.first_len + (h as usize & (self.first_len - 1));
+            if let (Some(shard), Some(slot)) = (self.shards.get(index), self.first.get(home)) {
+                crate::sync::prefetch(shard);
+                crate::sync::prefetch(slot);
+            }
         }
         #[cfg(loom)]
         let _ = key;
@@ -283,7 +306,7 @@ impl CacheMap {
     pub(crate) fn first(&self, key: &CacheKey) -> Option<BlockId> {
         let (lo, hi) = key_parts(key);
         let h = mix(self.salt, lo, hi, key.group);
-        let shard = self.shard(h);
+        let (shard, first) = self.shard(h);
         let mut spins = 0u32;
         loop {
             let s1 = shard.seq.load(Ordering::Acquire);
@@ -291,7 +314,7 @@ impl CacheMap {
                 backoff(&mut spins);
                 continue;
             }
-            let table = shard.table(Ordering::Acquire);
+            let table = shard.table(first, Ordering::Acquire);
             let mask = table.len() - 1;
             let mut i = h as usize & mask;
             let mut found = None;
@@ -322,16 +345,16 @@ impl CacheMap {
         debug_assert_ne!(id, 0, "the null block is never cached");
         let (lo, hi) = key_parts(&key);
         let h = mix(self.salt, lo, hi, key.group);
-        let shard = self.shard(h);
+        let (shard, first) = self.shard(h);
         let odd = shard.lock();
         let entries = shard.entries.load(Ordering::Relaxed);
-        let len = shard.table(Ordering::Relaxed).len();
-        if (entries + 1) * 4 > len * 3 && !self.grow(shard) && entries + 2 > len {
+        let len = shard.table(first, Ordering::Relaxed).len();
+        if (entries + 1) * 4 > len * 3 && !self.grow(shard, first) && entries + 2 > len {
             // Keep one empty slot: probes end at an empty slot.
             shard.unlock(odd);
             return false;
         }
-        let table = shard.table(Ordering::Relaxed);
+        let table = shard.table(first, Ordering::Relaxed);
         let mask = table.len() - 1;
         let mut i = h as usize & mask;
         let mut duplicate = false;
@@ -366,9 +389,9 @@ impl CacheMap {
     /// Doubles the shard's table (under its lock), keeping each cluster's order. `false` if the
     /// new table cannot be allocated (the shard keeps its table).
     #[cold]
-    fn grow(&self, shard: &Shard) -> bool {
+    fn grow(&self, shard: &Shard, first: &[Slot]) -> bool {
         let level = shard.current.load(Ordering::Relaxed);
-        let old = shard.table(Ordering::Relaxed);
+        let old = shard.table(first, Ordering::Relaxed);
         let Some(slot) = shard.grown.get(level) else {
             return false;
         };
@@ -420,9 +443,9 @@ impl CacheMap {
     pub(crate) fn remove(&self, key: &CacheKey, id: BlockId) -> bool {
         let (lo, hi) = key_parts(key);
         let h = mix(self.salt, lo, hi, key.group);
-        let shard = self.shard(h);
+        let (shard, first) = self.shard(h);
         let odd = shard.lock();
-        let table = shard.table(Ordering::Relaxed);
+        let table = shard.table(first, Ordering::Relaxed);
         let mask = table.len() - 1;
         let mut i = h as usize & mask;
         let mut duplicate = false;
@@ -485,9 +508,9 @@ impl CacheMap {
     /// after).
     #[cfg(test)]
     pub(crate) fn clear(&self) {
-        for shard in self.shards.iter() {
+        for (index, shard) in self.shards.iter().enumerate() {
             let odd = shard.lock();
-            for slot in shard.table(Ordering::Relaxed).iter() {
+            for slot in self.live_table(index).iter() {
                 slot.meta.store(EMPTY, Ordering::Release);
             }
             shard.entries.store(0, Ordering::Relaxed);
@@ -500,8 +523,8 @@ impl CacheMap {
     /// empty slot, counters right). Only while no other thread uses the map.
     #[cfg(test)]
     pub(crate) fn validate(&self) {
-        for shard in self.shards.iter() {
-            let table = shard.table(Ordering::Acquire);
+        for (index, shard) in self.shards.iter().enumerate() {
+            let table = self.live_table(index);
             let mask = table.len() - 1;
             let mut entries = 0;
             let mut keys = std::collections::HashSet::new();
@@ -539,7 +562,7 @@ fn colliding_keys(map: &CacheMap, count: usize) -> Vec<CacheKey> {
         let (lo, hi) = key_parts(k);
         let h = mix(map.salt, lo, hi, k.group);
         let shard = h.checked_shr(map.shard_shift).unwrap_or(0);
-        let slots = map.shards[shard as usize].table(Ordering::Relaxed).len() as u64;
+        let slots = map.live_table(shard as usize).len() as u64;
         (shard, h & (slots - 1))
     };
     let target = place(&key(1));
@@ -577,17 +600,52 @@ mod tests {
         *state
     }
 
-    /// Until a shard grows, finding the slot a key starts at reads one cache line of the shard
-    /// (the sequence word, the live level and the first table's address and length), and a
-    /// grown shard's lookups still find their keys.
+    /// A key's home slot is where its mix alone says in the map's array of first tables (what
+    /// `prefetch` loads without reading a shard's header) until its shard grows; a shard's
+    /// header is one cache line of its own; a grown shard's lookups still find their keys.
     #[test]
-    fn a_lookup_reads_its_table_from_the_shards_first_cache_line() {
-        use std::mem::{align_of, offset_of, size_of};
-        assert_eq!(align_of::<Shard>() % 64, 0);
-        assert!(offset_of!(Shard, seq) < 64);
-        assert!(offset_of!(Shard, current) < 64);
-        assert!(offset_of!(Shard, first) + size_of::<OnceLock<Table>>() <= 64);
+    fn a_keys_home_slot_follows_from_its_mix_and_growth_keeps_every_key() {
+        use std::mem::{align_of, size_of};
+        assert_eq!(align_of::<Shard>(), 128);
         assert_eq!(size_of::<Shard>(), 128);
+        let big = CacheMap::with_capacity(100_000).unwrap();
+        assert!(big.shards.len() > 1);
+        let key = |i: u128| CacheKey {
+            hash: crate::types::BlockHash(
+                i.wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835),
+            ),
+            group: 3,
+        };
+        let mut homes = std::collections::HashSet::new();
+        for i in 1..=2000u32 {
+            let k = key(i as u128);
+            let (lo, hi) = key_parts(&k);
+            let h = mix(big.salt, lo, hi, k.group);
+            let index = big.shard_index(h);
+            let home = index * big.first_len + (h as usize & (big.first_len - 1));
+            if !homes.insert(home) {
+                continue;
+            }
+            // An empty home: the insert lands there, in shard `index`'s part of the array.
+            assert!(big.insert(k, i));
+            let slot = &big.first[home];
+            assert_eq!(meta_id(slot.meta.load(Ordering::Relaxed)), i);
+            assert_eq!(
+                (
+                    slot.lo.load(Ordering::Relaxed),
+                    slot.hi.load(Ordering::Relaxed)
+                ),
+                (lo, hi)
+            );
+            assert_eq!(big.shards[index].entries.load(Ordering::Relaxed), {
+                let first = &big.first[index * big.first_len..][..big.first_len];
+                first
+                    .iter()
+                    .filter(|s| s.meta.load(Ordering::Relaxed) != EMPTY)
+                    .count()
+            });
+        }
+        big.validate();
         let map = CacheMap::with_table_slots(MIN_SLOTS);
         let key = |i: u128| CacheKey {
             hash: crate::types::BlockHash(
@@ -804,7 +862,7 @@ mod loom_tests {
             let writer = thread::spawn(move || assert!(m3.insert(k3, 4)));
             reader.join().unwrap();
             writer.join().unwrap();
-            assert_eq!(map.shards[0].table(Ordering::Acquire).len(), 8, "grown");
+            assert_eq!(map.live_table(0).len(), 8, "grown");
             for (i, key) in keys.iter().enumerate() {
                 assert_eq!(map.first(key), Some(i as BlockId + 1));
             }
