@@ -253,21 +253,23 @@ impl CacheMap {
         h.checked_shr(self.shard_shift).unwrap_or(0) as usize
     }
 
+    /// Shard `index`'s first table (its part of the array).
+    #[inline]
+    fn first_table(&self, index: usize) -> &[Slot] {
+        &self.first[index * self.first_len..][..self.first_len]
+    }
+
     /// The shard of mix `h` and its first table.
     #[inline]
     fn shard(&self, h: u64) -> (&Shard, &[Slot]) {
         let index = self.shard_index(h);
-        (
-            &self.shards[index],
-            &self.first[index * self.first_len..][..self.first_len],
-        )
+        (&self.shards[index], self.first_table(index))
     }
 
     /// The live table of shard `index`.
     #[cfg(test)]
     fn live_table(&self, index: usize) -> &[Slot] {
-        let first = &self.first[index * self.first_len..][..self.first_len];
-        self.shards[index].table(first, Ordering::Acquire)
+        self.shards[index].table(self.first_table(index), Ordering::Acquire)
     }
 
     /// Number of distinct keys (vLLM's `len(cached_block_hash_to_block)`).
@@ -638,7 +640,7 @@ mod tests {
                 (lo, hi)
             );
             assert_eq!(big.shards[index].entries.load(Ordering::Relaxed), {
-                let first = &big.first[index * big.first_len..][..big.first_len];
+                let first = big.first_table(index);
                 first
                     .iter()
                     .filter(|s| s.meta.load(Ordering::Relaxed) != EMPTY)
