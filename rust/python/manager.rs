@@ -332,8 +332,7 @@ impl PyKVCacheManager {
         pack: impl Fn(&[Vec<BlockId>]) -> T + Send + Sync,
     ) -> PyResult<Option<Option<T>>> {
         let slot = slot.get();
-        // Until the call succeeds, no later call is known to be a no-op.
-        slot.drop_horizon();
+        // Drops the horizon first: until the call succeeds, no later call is a known no-op.
         let companion = slot.sync(request, true)?;
         let args = AllocateArgs {
             num_new_tokens: num_new_tokens.get(),
@@ -948,7 +947,7 @@ impl PyKVCacheManager {
         request: &Bound<'py, PyAny>,
         slot: &Bound<'py, PyVllmSlot>,
     ) -> PyResult<Bound<'py, PyRequest>> {
-        slot.get().sync(request, false)
+        slot.get().sync(request, false).cloned()
     }
 
     /// Caches the request's full blocks of its first `num_computed_tokens` tokens (after an

@@ -57,15 +57,24 @@ impl PyVllmSlot {
     /// also sets its counts from the request's `num_computed_tokens` and
     /// `num_in_flight_tokens`. Nothing changes on an error. vLLM's request is read before the
     /// slot is locked (reading it may run Python code); a concurrent sync of the same slot in
-    /// between is taken into account, so each token is taken once.
-    pub(crate) fn sync<'py>(
-        &self,
+    /// between is taken into account, so each token is taken once. A call with `progress`
+    /// first drops the horizon: until the running call that follows succeeds, no later call
+    /// is known to change nothing. The companion comes back borrowed from the slot (taking a
+    /// reference would write its header, a line nothing else on a running step reads).
+    pub(crate) fn sync<'a, 'py>(
+        &'a self,
         request: &Bound<'py, PyAny>,
         progress: bool,
-    ) -> PyResult<Bound<'py, PyRequest>> {
+    ) -> PyResult<&'a Bound<'py, PyRequest>> {
         let py = request.py();
-        let companion = self.companion.bind(py).clone();
-        let from = lock(&self.state).seen;
+        let companion = self.companion.bind(py);
+        let from = {
+            let mut state = lock(&self.state);
+            if progress {
+                state.horizon = None;
+            }
+            state.seen
+        };
         let all = request.getattr(intern!(py, "_all_token_ids"))?;
         let all = all.cast::<PyList>()?;
         let counts = if progress {
