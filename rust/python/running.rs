@@ -41,11 +41,6 @@ pub(crate) struct PyVllmSlot {
 }
 
 impl PyVllmSlot {
-    /// No later call is known to change nothing (until the next running call succeeds).
-    pub(crate) fn drop_horizon(&self) {
-        lock(&self.state).horizon = None;
-    }
-
     /// A running call reached the core and left `horizon`.
     pub(crate) fn ran(&self, horizon: Option<RunningHorizon>) {
         let mut state = lock(&self.state);
@@ -230,9 +225,8 @@ impl PyVllmSlot {
     }
 
     /// Forgets the horizon: the next running call reaches the core.
-    #[pyo3(name = "drop_horizon")]
-    fn py_drop_horizon(&self) {
-        self.drop_horizon();
+    fn drop_horizon(&self) {
+        lock(&self.state).horizon = None;
     }
 }
 
