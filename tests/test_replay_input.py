@@ -119,3 +119,66 @@ def test_a_loop_that_schedules_nothing_with_requests_running_raises(monkeypatch)
         replay(wl, Split(manager()))
     assert isinstance(e.value, ReplayStalledError)
     assert e.value.request_id == "a"
+
+
+def header(*groups: dict[str, Any]) -> dict[str, Any]:
+    return {"kv_cache": {"num_blocks": 100, "groups": list(groups)}}
+
+
+def test_a_header_group_is_built_from_its_vllm_spec_with_every_field_the_core_reads() -> None:
+    # vLLM's coarse `kind` names an RSWA group "full" and a sliding-window MLA group
+    # "sliding_window": the spec decides, and its fields reach the core.
+    manager = replay_module.manager_from_header(
+        header(
+            {"kind": "full", "spec": "RSWASpec", "block_size": 16, "rswa_window": 64},
+            {
+                "kind": "mamba",
+                "spec": "MambaSpec",
+                "block_size": 16,
+                "mamba_cache_mode": "align",
+                "num_speculative_blocks": 2,
+            },
+            {"kind": "full", "spec": "MLAAttentionSpec", "block_size": 16},
+            {
+                "kind": "sliding_window",
+                "spec": "SlidingWindowMLASpec",
+                "block_size": 16,
+                "sliding_window": 32,
+                "bounded_replay": True,
+            },
+            {"kind": "full", "spec": "UniformTypeKVCacheSpecs", "block_size": 16},
+        ),
+        512,
+    )
+    assert manager.groups == [
+        {"kind": "rswa", "block_size": 16, "rswa_window": 64},
+        {
+            "kind": "mamba",
+            "block_size": 16,
+            "mamba_cache_mode": "align",
+            "num_speculative_blocks": 2,
+        },
+        {"kind": "mla", "block_size": 16},
+        {
+            "kind": "sliding_window_mla",
+            "block_size": 16,
+            "sliding_window": 32,
+            "bounded_replay": True,
+        },
+        {"kind": "full", "block_size": 16},
+    ]
+
+
+@pytest.mark.parametrize(
+    "spec", ["SinkFullAttentionSpec", "CrossAttentionSpec", "HiSparseHotSpec", "Bogus"]
+)
+def test_a_header_group_whose_spec_has_no_group_kind_is_refused_by_name(spec: str) -> None:
+    # Replaying such a group as the kind its header names would diverge without saying why.
+    with pytest.raises(ValueError, match=f"header group 1: vLLM spec '{spec}'"):
+        replay_module.manager_from_header(
+            header(
+                {"kind": "full", "spec": "FullAttentionSpec", "block_size": 16},
+                {"kind": "full", "spec": spec, "block_size": 16},
+            ),
+            512,
+        )

@@ -36,27 +36,64 @@ def manager_from_plan(plan: KVCachePlan, **kwargs: Any) -> KVCacheManager:
     return KVCacheManager(groups, plan.num_blocks, plan.max_model_len, **kwargs)
 
 
+# vLLM 0.33 spec class (a trace header's `spec`) -> the core's group kind. A header's `kind` is
+# vLLM's coarser kind name (an RSWASpec group may read "full"): the spec decides when given.
+_SPEC_KINDS = {
+    "FullAttentionSpec": "full",
+    "MLAAttentionSpec": "mla",
+    "RSWASpec": "rswa",
+    "SlidingWindowSpec": "sliding_window",
+    "SlidingWindowMLASpec": "sliding_window_mla",
+    "ChunkedLocalAttentionSpec": "chunked_local",
+    "MambaSpec": "mamba",
+    "CircularBufferSpec": "circular_buffer",
+}
+# Specs whose groups behave as their `kind` says (layers of one kind with different shapes).
+_SPECS_BY_KIND = ("UniformTypeKVCacheSpecs",)
+# A header group's fields the core's group spec reads (vLLM's spec attributes of the same name).
+_GROUP_FIELDS = (
+    "sliding_window",
+    "attention_chunk_size",
+    "rswa_window",
+    "bounded_replay",
+    "mamba_cache_mode",
+    "num_speculative_blocks",
+    "num_prefill_checkpoint_blocks",
+    "prefill_checkpoint_alignment",
+)
+
+
+def _header_group(index: int, g: dict[str, Any]) -> dict[str, Any]:
+    """The core's group spec for group `index` of a trace header. A spec whose manager the core
+    does not implement is a `ValueError` naming it (a replay must not run it as another kind)."""
+    spec = g.get("spec")
+    kind = g["kind"]
+    if spec is not None and spec not in _SPECS_BY_KIND:
+        if spec not in _SPEC_KINDS:
+            raise ValueError(
+                f"header group {index}: vLLM spec {spec!r} has no hybrid-kv group kind (known: "
+                f"{', '.join(sorted([*_SPEC_KINDS, *_SPECS_BY_KIND]))})"
+            )
+        kind = _SPEC_KINDS[spec]
+    group = {"kind": kind, "block_size": g["block_size"]}
+    for key in _GROUP_FIELDS:
+        if g.get(key) is not None:
+            group[key] = g[key]
+    return group
+
+
 def manager_from_header(
     header: dict[str, Any], max_model_len: int, max_in_flight_tokens: int | None = None
 ) -> KVCacheManager:
     """A manager with exactly the KV cache groups, pool size, block sizes (the scheduler's and
     the hash block size, as vLLM resolved them, when the header gives them) and prefix-cache
     retention of a vLLM `kvtrace/1` header. `max_in_flight_tokens` is what vLLM's scheduler
-    passes (its `max_num_batched_tokens` for a synchronous engine)."""
+    passes (its `max_num_batched_tokens` for a synchronous engine). A group is built from its
+    `spec` (vLLM's class name) when the header gives one, with every field of it the core reads
+    (`sliding_window`, `rswa_window`, `num_speculative_blocks`, ...); a spec hybrid-kv has no
+    group kind for is a `ValueError`."""
     kv = header["kv_cache"]
-    groups = []
-    for g in kv["groups"]:
-        group = {"kind": g["kind"], "block_size": g["block_size"]}
-        for key in (
-            "sliding_window",
-            "attention_chunk_size",
-            "mamba_cache_mode",
-            "num_prefill_checkpoint_blocks",
-            "prefill_checkpoint_alignment",
-        ):
-            if g.get(key) is not None:
-                group[key] = g[key]
-        groups.append(group)
+    groups = [_header_group(i, g) for i, g in enumerate(kv["groups"])]
     return KVCacheManager(
         groups,
         kv["num_blocks"],
