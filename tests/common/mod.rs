@@ -116,6 +116,20 @@ pub fn manager_config(trace: &Trace, workload: &Workload) -> ManagerConfig {
         .iter()
         .map(|g| {
             let bs = as_usize(&g["block_size"], "block_size");
+            // A header's `kind` is vLLM's coarse name (an RSWA group reads "full"): a spec
+            // class this test does not build is refused rather than replayed as that kind.
+            if let Some(spec) = g["spec"].as_str() {
+                assert!(
+                    matches!(
+                        spec,
+                        "FullAttentionSpec"
+                            | "SlidingWindowSpec"
+                            | "ChunkedLocalAttentionSpec"
+                            | "MambaSpec"
+                    ),
+                    "unsupported group spec {spec:?} in the conformance test"
+                );
+            }
             match g["kind"].as_str().unwrap() {
                 "full" => GroupSpec::full(bs),
                 "sliding_window" => {
