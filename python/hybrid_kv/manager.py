@@ -41,6 +41,8 @@ def manager_from_plan(plan: KVCachePlan, **kwargs: Any) -> KVCacheManager:
 _SPEC_KINDS = {
     "FullAttentionSpec": "full",
     "MLAAttentionSpec": "mla",
+    # vLLM serves these groups with its full-attention manager.
+    "HiddenStateCacheSpec": "full",
     "RSWASpec": "rswa",
     "SlidingWindowSpec": "sliding_window",
     "SlidingWindowMLASpec": "sliding_window_mla",

@@ -62,6 +62,8 @@ def recorded_events(
     "layout,num_blocks,dense,eagle",
     [
         ("full", 260, True, ""),
+        # MLA groups: events name vLLM's MLA kind.
+        ("deepseek", 260, True, ""),
         ("gpt-oss", 330, True, ""),
         ("gemma3", 1400, True, ""),
         ("gpt-oss", 330, False, ""),

@@ -37,6 +37,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 # Pool blocks at which each layout preempts on the chat workloads below.
 TIGHT_BLOCKS = {
     "full": 260,
+    "deepseek": 260,
     "gpt-oss": 330,
     "gemma3": 1400,
     "llama4": 1200,
@@ -94,7 +95,7 @@ def draw_options(rng: random.Random) -> harness.Options:
         settings["max_model_len"] = rng.choice([512, 1024])
     if layout in harness.MAMBA_LAYOUTS:
         settings["mamba_shared_prefix_checkpoint"] = rng.random() < 0.3
-    if layout not in ("full", "llama4") and not settings["dense_retention"]:
+    if layout not in ("full", "deepseek", "llama4") and not settings["dense_retention"]:
         # vLLM's other retention: a window (or Mamba state) kept every N tokens as well.
         settings["retention_interval"] = rng.choice([0, 0, 64, 128, 512])
     return harness.Options(**settings)

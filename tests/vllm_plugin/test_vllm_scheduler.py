@@ -91,6 +91,7 @@ WORKLOAD = harness.chat_workload(48, seed=1, salts=(None, None, "tenant-a"))
 # (layout, pool blocks under memory pressure); each pool is small enough to force preemptions.
 DENSE_LAYOUTS = [
     ("full", 260),
+    ("deepseek", 260),
     ("gpt-oss", 330),
     ("gemma3", 1400),
     ("llama4", 1200),

@@ -58,6 +58,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheSpec,
     MambaSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
@@ -121,6 +122,11 @@ def _mamba(block_size: int, checkpoint_blocks: int = 0) -> MambaSpec:
 LAYOUTS: dict[str, Callable[[int], list[KVCacheSpec]]] = {
     # 32 full-attention layers: one group.
     "full": lambda bs: [FullAttentionSpec(**_attention(bs))],
+    # DeepSeek-V2/V3-like: multi-head latent attention, one latent "head" of 576 (vLLM's
+    # full-attention manager serves MLA groups).
+    "deepseek": lambda bs: [
+        MLAAttentionSpec(block_size=bs, num_kv_heads=1, head_size=576, dtype=torch.float16)
+    ],
     # gpt-oss: sliding window 128 + full attention, 1:1.
     "gpt-oss": lambda bs: [
         FullAttentionSpec(**_attention(bs)),
