@@ -2,15 +2,15 @@
 configurations and workloads drawn from a seed.
 
 Each case draws a layout, retention (dense, vLLM's default or an interval), prefix caching, pool
-size (from roomy to under pressure), batch budget and concurrency, the scheduling policy (first
-come or by request priority), the scheduler's watermark, whole-prompt fit check and long-prefill
-cap, async scheduling, speculative decoding (n-gram, EAGLE-3 with or without lookahead hashes,
-MTP), a `prefix_match_unit` below the block size, LoRA adapters, prompt embeddings,
-prompt-logprobs requests, KV events, vLLM's prefix-caching hash and a short `max_model_len`; then
-a chat workload with exact duplicates and block-aligned prompts; and, while it runs, client
-aborts and prefix-cache resets (with and without preempting the running requests) at seeded
-steps. Every step's `SchedulerOutput`, engine-core outputs and KV events must be equal on both
-sides.
+size (from roomy to under pressure), batch budget and concurrency, the scheduling policy (first come
+or by request priority), the scheduler's watermark, whole-prompt fit check, long-prefill cap and
+chunked prefill (on, or whole prompts only), async scheduling, speculative decoding (n-gram, EAGLE-3
+with or without lookahead hashes, MTP), a `prefix_match_unit` below the block size, LoRA adapters,
+prompt embeddings, prompt-logprobs requests, KV events, vLLM's prefix-caching hash and a short
+`max_model_len`; then a chat workload with exact duplicates and block-aligned prompts; and, while it
+runs, client aborts and prefix-cache resets (with and without preempting the running requests) at
+seeded steps. Every step's `SchedulerOutput`, engine-core outputs and KV events must be equal on
+both sides.
 
 Mamba layouts also draw hashes finer than their blocks (fine-grained partial hash hits, with
 copy-on-write block copies, which the outputs compare too). The fixed tests elsewhere name each
@@ -98,6 +98,8 @@ def draw_options(rng: random.Random) -> harness.Options:
     if layout not in ("full", "deepseek", "llama4") and not settings["dense_retention"]:
         # vLLM's other retention: a window (or Mamba state) kept every N tokens as well.
         settings["retention_interval"] = rng.choice([0, 0, 64, 128, 512])
+    # Whole prompts only (vLLM's `enable_chunked_prefill=False`).
+    settings["chunked_prefill"] = rng.random() < 0.85
     return harness.Options(**settings)
 
 

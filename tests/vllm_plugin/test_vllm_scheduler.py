@@ -1232,3 +1232,22 @@ def test_the_running_step_entry_passes_every_other_call_on_unchanged() -> None:
     # An error inside the running step propagates from the entry.
     with pytest.raises(hk.OutOfRangeError):
         manager.allocate_slots(request, 1, num_lookahead_tokens=-1)
+
+
+@pytest.mark.parametrize(
+    "layout,num_blocks", [("full", 260), ("gemma3", 1400), ("llama4", 1200), ("jamba", 700)]
+)
+def test_same_outputs_as_vllm_without_chunked_prefill(layout: str, num_blocks: int) -> None:
+    # A prompt is scheduled whole or waits (vLLM's `enable_chunked_prefill=False`), under
+    # memory pressure and default retention.
+    options = harness.Options(
+        layout=layout,
+        num_blocks=num_blocks,
+        dense_retention=False,
+        chunked_prefill=False,
+        max_num_batched_tokens=512,
+        max_model_len=2048,
+    )
+    run = run_both(options, WORKLOAD)
+    assert run.preempted > 0, "the pool should be small enough to preempt"
+    assert run.hits > 0

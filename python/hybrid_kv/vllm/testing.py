@@ -214,6 +214,9 @@ class Options:
     watermark: float = 0.0
     reserve_full_isl: bool = True
     long_prefill_token_threshold: int = 0
+    # SchedulerConfig.enable_chunked_prefill. Off, a prompt is scheduled whole or not at all
+    # (vLLM then needs max_num_batched_tokens >= max_model_len: the larger is used).
+    chunked_prefill: bool = True
     # vLLM's scheduling policy: "fcfs" or "priority" (requests' `priority`, lower first;
     # preemption takes the lowest-priority running request).
     policy: str = "fcfs"
@@ -314,11 +317,13 @@ def vllm_config(options: Options) -> VllmConfig:
     )
     scheduler = SchedulerConfig(
         max_num_seqs=options.max_num_seqs,
-        max_num_batched_tokens=options.max_num_batched_tokens,
+        max_num_batched_tokens=options.max_num_batched_tokens
+        if options.chunked_prefill
+        else max(options.max_num_batched_tokens, options.max_model_len),
         max_model_len=options.max_model_len,
         is_encoder_decoder=False,
         async_scheduling=options.async_scheduling,
-        enable_chunked_prefill=True,
+        enable_chunked_prefill=options.chunked_prefill,
         watermark=options.watermark,
         scheduler_reserve_full_isl=options.reserve_full_isl,
         long_prefill_token_threshold=options.long_prefill_token_threshold,
