@@ -126,8 +126,8 @@ def header(*groups: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_a_header_group_is_built_from_its_vllm_spec_with_every_field_the_core_reads() -> None:
-    # vLLM's coarse `kind` names an RSWA group "full" and a sliding-window MLA group
-    # "sliding_window": the spec decides, and its fields reach the core.
+    # A header's short `kind` is as coarse as vLLM's spec kind (full attention for an RSWA
+    # group): the spec decides, and its fields reach the core.
     manager = replay_module.manager_from_header(
         header(
             {"kind": "full", "spec": "RSWASpec", "block_size": 16, "rswa_window": 64},
