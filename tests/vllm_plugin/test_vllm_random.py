@@ -32,12 +32,14 @@ pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (see .ci/run)")
 
 import hybrid_kv.vllm as hkv  # noqa: E402
 from hybrid_kv.vllm import testing as harness  # noqa: E402
+from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 # Pool blocks at which each layout preempts on the chat workloads below.
 TIGHT_BLOCKS = {
     "full": 260,
     "deepseek": 260,
+    "gpt-oss-unified": 260,
     "gpt-oss": 330,
     "gemma3": 1400,
     "llama4": 1200,
@@ -55,6 +57,13 @@ LORAS = (
 NUM_CASES = int(os.environ.get("HYBRID_KV_RANDOM_CASES", "12"))
 FIRST_SEED = int(os.environ.get("HYBRID_KV_RANDOM_SEED", "0"))
 MAX_STEPS = 20_000
+
+
+def windowed(layout: str) -> bool:
+    """Whether the layout has sliding-window or Mamba groups (vLLM refuses a retention
+    interval for any other)."""
+    specs = harness.LAYOUTS[layout](harness.BLOCK_SIZE)
+    return any(isinstance(s, (SlidingWindowSpec, MambaSpec)) for s in specs)
 
 
 def draw_options(rng: random.Random) -> harness.Options:
@@ -95,7 +104,7 @@ def draw_options(rng: random.Random) -> harness.Options:
         settings["max_model_len"] = rng.choice([512, 1024])
     if layout in harness.MAMBA_LAYOUTS:
         settings["mamba_shared_prefix_checkpoint"] = rng.random() < 0.3
-    if layout not in ("full", "deepseek", "llama4") and not settings["dense_retention"]:
+    if windowed(layout) and not settings["dense_retention"]:
         # vLLM's other retention: a window (or Mamba state) kept every N tokens as well.
         settings["retention_interval"] = rng.choice([0, 0, 64, 128, 512])
     # Whole prompts only (vLLM's `enable_chunked_prefill=False`).

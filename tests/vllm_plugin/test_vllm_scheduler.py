@@ -92,6 +92,7 @@ WORKLOAD = harness.chat_workload(48, seed=1, salts=(None, None, "tenant-a"))
 DENSE_LAYOUTS = [
     ("full", 260),
     ("deepseek", 260),
+    ("gpt-oss-unified", 260),
     ("gpt-oss", 330),
     ("gemma3", 1400),
     ("llama4", 1200),

@@ -127,6 +127,9 @@ LAYOUTS: dict[str, Callable[[int], list[KVCacheSpec]]] = {
     "deepseek": lambda bs: [
         MLAAttentionSpec(block_size=bs, num_kv_heads=1, head_size=576, dtype=torch.float16)
     ],
+    # gpt-oss under `--disable-hybrid-kv-cache-manager`: vLLM's planner turns every layer into
+    # full attention (window layers keep their window as an attribute) in one group.
+    "gpt-oss-unified": lambda bs: [FullAttentionSpec(**_attention(bs), sliding_window=128)],
     # gpt-oss: sliding window 128 + full attention, 1:1.
     "gpt-oss": lambda bs: [
         FullAttentionSpec(**_attention(bs)),
