@@ -75,7 +75,7 @@ def draw_options(rng: random.Random) -> harness.Options:
         "prefix_caching": rng.random() < 0.85,
         "dense_retention": rng.random() < 0.3,
         "num_blocks": int(TIGHT_BLOCKS[layout] * rng.choice([0.6, 0.8, 1.0, 1.3, 3.0])),
-        "max_num_seqs": rng.choice([4, 16, 64]),
+        "max_num_seqs": rng.choice([1, 4, 16, 64]),
         "max_num_batched_tokens": rng.choice([256, 512, 2048, 8192]),
         "lora": rng.random() < 0.15,
         "kv_events": rng.random() < 0.2,
