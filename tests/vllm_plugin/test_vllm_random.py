@@ -6,11 +6,11 @@ size (from roomy to under pressure), batch budget and concurrency, the schedulin
 or by request priority), the scheduler's watermark, whole-prompt fit check, long-prefill cap and
 chunked prefill (on, or whole prompts only), async scheduling, speculative decoding (n-gram, EAGLE-3
 with or without lookahead hashes, MTP), a `prefix_match_unit` below the block size, LoRA adapters,
-prompt embeddings, prompt-logprobs requests, KV events, vLLM's prefix-caching hash and a short
-`max_model_len`; then a chat workload with exact duplicates and block-aligned prompts; and, while it
-runs, client aborts and prefix-cache resets (with and without preempting the running requests) at
-seeded steps. Every step's `SchedulerOutput`, engine-core outputs and KV events must be equal on
-both sides.
+prompt embeddings, prompt-logprobs requests, KV events, stats logging, vLLM's prefix-caching hash
+and a short `max_model_len`; then a chat workload with exact duplicates and block-aligned prompts;
+and, while it runs, client aborts and prefix-cache resets (with and without preempting the running
+requests) at seeded steps. Every step's `SchedulerOutput`, engine-core outputs and KV events must be
+equal on both sides.
 
 Mamba layouts also draw hashes finer than their blocks (fine-grained partial hash hits, with
 copy-on-write block copies, which the outputs compare too). The fixed tests elsewhere name each
@@ -109,6 +109,8 @@ def draw_options(rng: random.Random) -> harness.Options:
         settings["retention_interval"] = rng.choice([0, 0, 64, 128, 512])
     # Whole prompts only (vLLM's `enable_chunked_prefill=False`).
     settings["chunked_prefill"] = rng.random() < 0.85
+    # An engine that logs no stats (the managers then make none).
+    settings["log_stats"] = rng.random() < 0.85
     return harness.Options(**settings)
 
 
