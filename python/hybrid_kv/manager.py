@@ -36,9 +36,10 @@ def manager_from_plan(plan: KVCachePlan, **kwargs: Any) -> KVCacheManager:
     return KVCacheManager(groups, plan.num_blocks, plan.max_model_len, **kwargs)
 
 
-# vLLM 0.33 spec class (a trace header's `spec`) -> the core's group kind. A header's `kind` is
-# vLLM's coarser kind name (an RSWASpec group may read "full"): the spec decides when given.
-_SPEC_KINDS = {
+# vLLM 0.33 spec class (a trace header's `spec`) -> the core's group kind, or None where the
+# header's `kind` says it (layers of one kind with different shapes). A header's `kind` is vLLM's
+# coarser kind name (an RSWASpec group may read "full"): the spec decides when given.
+_SPEC_KINDS: dict[str, str | None] = {
     "FullAttentionSpec": "full",
     "MLAAttentionSpec": "mla",
     # vLLM serves these groups with its full-attention manager.
@@ -49,9 +50,8 @@ _SPEC_KINDS = {
     "ChunkedLocalAttentionSpec": "chunked_local",
     "MambaSpec": "mamba",
     "CircularBufferSpec": "circular_buffer",
+    "UniformTypeKVCacheSpecs": None,
 }
-# Specs whose groups behave as their `kind` says (layers of one kind with different shapes).
-_SPECS_BY_KIND = ("UniformTypeKVCacheSpecs",)
 # A header group's fields the core's group spec reads (vLLM's spec attributes of the same name).
 _GROUP_FIELDS = (
     "sliding_window",
@@ -69,14 +69,12 @@ def _header_group(index: int, g: dict[str, Any]) -> dict[str, Any]:
     """The core's group spec for group `index` of a trace header. A spec whose manager the core
     does not implement is a `ValueError` naming it (a replay must not run it as another kind)."""
     spec = g.get("spec")
-    kind = g["kind"]
-    if spec is not None and spec not in _SPECS_BY_KIND:
-        if spec not in _SPEC_KINDS:
-            raise ValueError(
-                f"header group {index}: vLLM spec {spec!r} has no hybrid-kv group kind (known: "
-                f"{', '.join(sorted([*_SPEC_KINDS, *_SPECS_BY_KIND]))})"
-            )
-        kind = _SPEC_KINDS[spec]
+    if spec is not None and spec not in _SPEC_KINDS:
+        raise ValueError(
+            f"header group {index}: vLLM spec {spec!r} has no hybrid-kv group kind (known: "
+            f"{', '.join(sorted(_SPEC_KINDS))})"
+        )
+    kind = (_SPEC_KINDS[spec] if spec is not None else None) or g["kind"]
     group = {"kind": kind, "block_size": g["block_size"]}
     for key in _GROUP_FIELDS:
         if g.get(key) is not None:
