@@ -98,6 +98,10 @@ def test_replay_stays_identical_while_other_threads_probe(
             probes[0] += 1
 
     threads = [threading.Thread(target=probe, args=(s,)) for s in range(3)]
+    # The GIL hands over every 5 ms by default: a replay of half a second then gives the probing
+    # threads as few as a handful of turns. Finer turns interleave probes with the replay's calls.
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
     for t in threads:
         t.start()
     out = tmp_path / "ours.jsonl"
@@ -116,6 +120,7 @@ def test_replay_stays_identical_while_other_threads_probe(
         stop.set()
         for t in threads:
             t.join()
+        sys.setswitchinterval(interval)
     assert problems == []
     assert probes[0] > 100
     assert "IDENTICAL" in trace_diff(conformance_dir, out, name)
