@@ -378,8 +378,7 @@ impl Registry {
         let removals = self.removals;
         let total = record.num_tokens();
         let num_prompt = record.num_prompt_tokens;
-        let drops = Arc::clone(&self.drops);
-        let me = Arc::as_ptr(&drops);
+        let me = Arc::as_ptr(&self.drops);
         if let Some(reg) = record.registrations.get_mut(me) {
             if reg.removals == removals {
                 let handle = reg.handle;
@@ -419,7 +418,7 @@ impl Registry {
         };
         record.registrations.remove(me);
         record.registrations.push(Registration {
-            drops: Arc::downgrade(&drops),
+            drops: Arc::downgrade(&self.drops),
             handle,
             synced: total,
             removals,
