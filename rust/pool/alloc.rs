@@ -8,8 +8,15 @@
 //! free swap in `/proc/meminfo`, and no more than the room under the memory limit of the
 //! process's cgroup, as a container has), read just before: each array is checked against what
 //! the arrays before it left.
+//!
+//! The arrays are [`PageArray`]s: a large one (from [`HUGE_FROM`] bytes) is aligned to huge pages
+//! and offered to the kernel for transparent huge pages, since lookups and reference-count updates
+//! land all over it.
 
+use std::alloc::Layout;
 use std::fmt;
+use std::ops::Deref;
+use std::ptr::NonNull;
 
 /// An array that could not be allocated.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -52,6 +59,166 @@ pub(crate) fn boxed_slice<T>(
     v.extend((0..len).map(&mut init));
     Ok(v.into_boxed_slice())
 }
+
+/// Arrays from this size on are laid out for transparent huge pages (see [`PageArray`]).
+pub(crate) const HUGE_FROM: usize = 512 << 10;
+
+/// The huge page size of x86-64 and of arm64 with 4 KiB pages.
+const HUGE_PAGE: usize = 2 << 20;
+
+/// Where `len` elements of `T` go: an array of [`HUGE_FROM`] bytes or more starts on a huge-page
+/// boundary and takes whole huge pages; None if the size overflows.
+fn array_layout<T>(len: usize) -> Option<Layout> {
+    let layout = Layout::array::<T>(len).ok()?;
+    if layout.size() < HUGE_FROM {
+        return Some(layout);
+    }
+    let size = layout.size().checked_next_multiple_of(HUGE_PAGE)?;
+    Layout::from_size_align(size, HUGE_PAGE.max(layout.align())).ok()
+}
+
+/// Bytes a [`PageArray`] of `len` elements takes (`usize::MAX` if that overflows).
+pub(crate) fn array_bytes<T>(len: usize) -> usize {
+    array_layout::<T>(len).map_or(usize::MAX, |layout| layout.size())
+}
+
+/// A fixed-length array of the pool's per-block data (reference counts, key slots, the
+/// prefix-cache map's tables), allocated as [`boxed_slice`] does. One of [`HUGE_FROM`] bytes or
+/// more is aligned to and rounded up to whole huge pages and offered to the kernel for
+/// transparent huge pages before it is written (Linux `madvise(MADV_HUGEPAGE)`; the system's
+/// `transparent_hugepage` setting decides): a prefix-cache lookup or a reference-count update
+/// lands anywhere in these arrays, and with 4 KiB pages most such accesses also miss the TLB.
+/// The rounding costs at most one huge page per array (virtual memory only where the kernel
+/// backs the array with small pages).
+pub(crate) struct PageArray<T> {
+    ptr: NonNull<T>,
+    len: usize,
+    layout: Layout,
+}
+
+// SAFETY: a `PageArray<T>` owns its elements as a `Box<[T]>` does (no other pointer to them
+// exists), so it may move to and be shared between threads exactly when `T` may.
+unsafe impl<T: Send> Send for PageArray<T> {}
+// SAFETY: as above: `&PageArray<T>` only hands out `&[T]`.
+unsafe impl<T: Sync> Sync for PageArray<T> {}
+
+impl<T> PageArray<T> {
+    /// `len` elements made by `init(i)`; failure (as [`boxed_slice`]'s) is an error.
+    pub(crate) fn new(
+        what: &'static str,
+        len: usize,
+        mut init: impl FnMut(usize) -> T,
+    ) -> Result<Self, AllocFailed> {
+        let layout = array_layout::<T>(len);
+        let failed = AllocFailed {
+            what,
+            bytes: layout.map_or(usize::MAX, |layout| layout.size()),
+        };
+        #[cfg(test)]
+        if inject::should_fail() {
+            return Err(failed);
+        }
+        let layout = layout.ok_or(failed)?;
+        if !fits(layout.size()) {
+            return Err(failed);
+        }
+        if layout.size() == 0 {
+            // Zero-sized: nothing to allocate; elements of a zero-sized type are still made.
+            let ptr = NonNull::<T>::dangling();
+            for i in 0..len {
+                // SAFETY: writing a zero-sized value through a dangling, aligned pointer is
+                // allowed; nothing is read or freed through it.
+                unsafe { ptr.as_ptr().add(i).write(init(i)) };
+            }
+            return Ok(PageArray { ptr, len, layout });
+        }
+        // SAFETY: `layout` has a non-zero size (checked above).
+        let raw = unsafe { std::alloc::alloc(layout) };
+        let Some(bytes) = NonNull::new(raw) else {
+            return Err(failed);
+        };
+        if layout.align() == HUGE_PAGE {
+            advise_huge_pages(bytes.as_ptr(), layout.size());
+        }
+        let ptr = bytes.cast::<T>();
+        for i in 0..len {
+            // SAFETY: the allocation holds `len` elements of `T` (`layout` is at least
+            // `Layout::array::<T>(len)`, with at least its alignment); element `i` is written
+            // once, before anything reads it. Should `init` panic, the allocation leaks with
+            // nothing dropped: no uninitialised element is ever read.
+            unsafe { ptr.as_ptr().add(i).write(init(i)) };
+        }
+        Ok(PageArray { ptr, len, layout })
+    }
+}
+
+impl<T> Deref for PageArray<T> {
+    type Target = [T];
+
+    #[inline]
+    fn deref(&self) -> &[T] {
+        // SAFETY: `ptr` points to `len` initialised elements owned by `self` (see `new`), which
+        // live as long as `self` and are never handed out mutably.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl<T> Drop for PageArray<T> {
+    fn drop(&mut self) {
+        // SAFETY: the `len` elements were initialised in `new` and are dropped once, here;
+        // the memory was allocated with `self.layout` (unless its size is zero) and is freed
+        // once, after them. `&mut self`: nobody else can reach them.
+        unsafe {
+            std::ptr::drop_in_place(std::ptr::slice_from_raw_parts_mut(
+                self.ptr.as_ptr(),
+                self.len,
+            ));
+            if self.layout.size() != 0 {
+                std::alloc::dealloc(self.ptr.as_ptr().cast(), self.layout);
+            }
+        }
+    }
+}
+
+impl<T: fmt::Debug> fmt::Debug for PageArray<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+/// Asks the kernel to back `[ptr, ptr + len)` (huge-page aligned, whole huge pages, freshly
+/// allocated and not yet written) with transparent huge pages. Advice only: the answer is
+/// ignored, and nothing but how the pages are backed changes.
+#[cfg(all(
+    target_os = "linux",
+    any(target_arch = "x86_64", target_arch = "aarch64"),
+    not(loom)
+))]
+fn advise_huge_pages(ptr: *mut u8, len: usize) {
+    extern "C" {
+        fn madvise(
+            addr: *mut std::ffi::c_void,
+            len: usize,
+            advice: std::ffi::c_int,
+        ) -> std::ffi::c_int;
+    }
+    /// `MADV_HUGEPAGE` (the generic value, used by x86-64 and arm64).
+    const MADV_HUGEPAGE: std::ffi::c_int = 14;
+    // SAFETY: the range is page aligned (huge-page aligned) and lies inside one live allocation
+    // this thread made and alone holds; `MADV_HUGEPAGE` changes no byte of it and no mapping
+    // anyone else relies on (only how the kernel may back the pages), and the call touches no
+    // Rust or Python state, so it needs no lock and holds without the GIL.
+    unsafe {
+        madvise(ptr.cast(), len, MADV_HUGEPAGE);
+    }
+}
+
+#[cfg(not(all(
+    target_os = "linux",
+    any(target_arch = "x86_64", target_arch = "aarch64"),
+    not(loom)
+)))]
+fn advise_huge_pages(_ptr: *mut u8, _len: usize) {}
 
 /// Arrays from this size on are checked against the memory available (smaller ones are not: a
 /// pool of them all takes under a few hundred MiB, and the check reads a file).

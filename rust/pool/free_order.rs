@@ -20,7 +20,7 @@
 //! bounded work. Waits at the gate are `yield`s; the FIFO's mutex may park a waiter while
 //! another thread copies.
 
-use super::alloc::{boxed_slice, AllocFailed};
+use super::alloc::{array_bytes, AllocFailed, PageArray};
 use crate::sync::{spin_wait, AtomicU32, AtomicU64, AtomicUsize, Fifo, Ordering};
 
 const NIL: u32 = u32::MAX;
@@ -44,7 +44,7 @@ pub(crate) fn entry_epoch(entry: u64) -> u32 {
 /// top index, so a head that was popped and pushed again in between fails the CAS.
 pub(crate) struct IndexStack {
     head: AtomicU64,
-    next: Box<[AtomicU32]>,
+    next: PageArray<AtomicU32>,
 }
 
 impl IndexStack {
@@ -56,7 +56,7 @@ impl IndexStack {
         first: usize,
         end: usize,
     ) -> Result<Self, AllocFailed> {
-        let next = boxed_slice(what, capacity, |i| {
+        let next = PageArray::new(what, capacity, |i| {
             AtomicU32::new(if i + 1 < end { i as u32 + 1 } else { NIL })
         })?;
         let head = if first < end {
@@ -138,7 +138,7 @@ impl IndexStack {
 struct Lifo {
     entries: IndexStack,
     spare: IndexStack,
-    payload: Box<[AtomicU64]>,
+    payload: PageArray<AtomicU64>,
 }
 
 impl Lifo {
@@ -148,7 +148,7 @@ impl Lifo {
         Ok(Lifo {
             entries: IndexStack::with_run("free-order stack links", capacity, 0, n)?,
             spare: IndexStack::with_run("free-order spare-slot links", capacity, n, capacity)?,
-            payload: boxed_slice("free-order stack slots", capacity, |i| {
+            payload: PageArray::new("free-order stack slots", capacity, |i| {
                 AtomicU64::new(if i < n { initial(i) } else { 0 })
             })?,
         })
@@ -292,11 +292,12 @@ impl FreeOrder {
     /// slots) and its FIFO.
     pub(crate) fn heap_bytes(num_blocks: usize) -> usize {
         let limit = Self::limit(num_blocks);
-        let stack = 2 * std::mem::size_of::<AtomicU32>() + std::mem::size_of::<AtomicU64>();
+        let links = array_bytes::<AtomicU32>(limit);
+        let stack = links
+            .saturating_add(links)
+            .saturating_add(array_bytes::<AtomicU64>(limit));
         let fifo = limit.saturating_add(num_blocks.saturating_sub(1));
-        limit
-            .saturating_mul(stack)
-            .saturating_add(fifo.saturating_mul(std::mem::size_of::<u64>()))
+        stack.saturating_add(fifo.saturating_mul(std::mem::size_of::<u64>()))
     }
 
     /// [`FreeOrder::new`] with other limits; `lifo_capacity` must be at least

@@ -31,7 +31,7 @@
 //! and once only one empty slot would remain an insert is refused (the block is simply not
 //! cached); lookups and removals need that one empty slot to end their probes.
 
-use super::alloc::{boxed_slice, AllocFailed};
+use super::alloc::{array_bytes, AllocFailed, PageArray};
 use crate::sync::{spin_wait, AtomicU64, AtomicUsize, Ordering};
 use crate::types::{BlockId, CacheKey};
 use std::sync::OnceLock;
@@ -102,10 +102,10 @@ fn key_parts(key: &CacheKey) -> (u64, u64) {
     key.hash.to_parts()
 }
 
-type Table = Box<[Slot]>;
+type Table = PageArray<Slot>;
 
 fn new_table(slots: usize) -> Result<Table, AllocFailed> {
-    boxed_slice("prefix-cache map table", slots, |_| Slot::empty())
+    PageArray::new("prefix-cache map table", slots, |_| Slot::empty())
 }
 
 /// Doublings a shard's table can go through (from at least `MIN_SLOTS` slots: more than any
@@ -198,7 +198,7 @@ pub(crate) struct CacheMap {
     shards: Box<[Shard]>,
     /// Every shard's first table, one array: shard `i`'s is `first[i * first_len..][..first_len]`,
     /// so a key's first slot follows from its mix alone (a prefetch reads no shard header).
-    first: Box<[Slot]>,
+    first: Table,
     /// Slots of each first table (a power of two).
     first_len: usize,
     /// The process's `salt()`, read once.
@@ -210,9 +210,7 @@ pub(crate) struct CacheMap {
 impl CacheMap {
     /// Bytes of the tables [`CacheMap::with_capacity`] allocates for `num_blocks` (at least).
     pub(crate) fn heap_bytes(num_blocks: usize) -> usize {
-        (2 * num_blocks.max(1))
-            .next_power_of_two()
-            .saturating_mul(std::mem::size_of::<Slot>())
+        array_bytes::<Slot>((2 * num_blocks.max(1)).next_power_of_two())
     }
 
     /// A map for a pool of `num_blocks` blocks (each block holds at most one entry).

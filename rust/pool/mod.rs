@@ -253,7 +253,7 @@ impl KeySlot {
 /// So a thread sees the flag as it would see "the slot is not `KEY_NONE`" after any call it
 /// made or synchronized with; a free racing a concurrent keying or eviction of the same block
 /// reads one side of it, as a read of the slot would.
-struct KeyedFlags(Box<[AtomicU8]>);
+struct KeyedFlags(alloc::PageArray<AtomicU8>);
 
 /// The flag of one block, for the slot's transitions to set or clear.
 #[derive(Clone, Copy)]
@@ -271,7 +271,7 @@ impl Marker<'_> {
 
 impl KeyedFlags {
     fn new(num_blocks: usize) -> Result<Self, AllocFailed> {
-        Ok(KeyedFlags(alloc::boxed_slice(
+        Ok(KeyedFlags(alloc::PageArray::new(
             "cached-block flags",
             num_blocks,
             |_| AtomicU8::new(0),
@@ -349,7 +349,7 @@ pub struct BlockPool {
     num_blocks: usize,
     enable_caching: bool,
     states: BlockStates,
-    keys: Box<[KeySlot]>,
+    keys: alloc::PageArray<KeySlot>,
     keyed: KeyedFlags,
     map: CacheMap,
     /// The keys a block holds besides the one in its slot (vLLM's
@@ -397,7 +397,7 @@ impl BlockPool {
             num_blocks,
             enable_caching,
             states: BlockStates::new(num_blocks).map_err(oom)?,
-            keys: alloc::boxed_slice("cache-key slots", num_blocks, |_| KeySlot::new())
+            keys: alloc::PageArray::new("cache-key slots", num_blocks, |_| KeySlot::new())
                 .map_err(oom)?,
             keyed: KeyedFlags::new(num_blocks).map_err(oom)?,
             map: CacheMap::with_capacity(if enable_caching { num_blocks } else { 0 })
@@ -415,7 +415,7 @@ impl BlockPool {
     /// Bytes of the per-block arrays a pool of `num_blocks` allocates (at least: what does not
     /// grow with the pool is left out).
     pub(crate) fn heap_bytes(num_blocks: usize, enable_caching: bool) -> usize {
-        let keys = num_blocks.saturating_mul(std::mem::size_of::<KeySlot>());
+        let keys = alloc::array_bytes::<KeySlot>(num_blocks);
         let map = if enable_caching {
             CacheMap::heap_bytes(num_blocks)
         } else {
@@ -424,7 +424,7 @@ impl BlockPool {
         BlockStates::heap_bytes(num_blocks)
             .saturating_add(keys)
             .saturating_add(map)
-            .saturating_add(2 * num_blocks)
+            .saturating_add(2 * alloc::array_bytes::<AtomicU8>(num_blocks))
     }
 
     pub fn enable_caching(&self) -> bool {

@@ -14,7 +14,7 @@
 //! entry from the order; it only loops again when an entry it popped was stale or a revive won
 //! the block first, that is, when another thread made progress.
 
-use super::alloc::{boxed_slice, AllocFailed};
+use super::alloc::{array_bytes, AllocFailed, PageArray};
 use super::free_order::{entry_epoch, entry_id, pack_entry, FreeOrder};
 use crate::error::{CoreError, Result};
 use crate::sync::{spin_wait, AtomicU64, AtomicUsize, Ordering};
@@ -36,7 +36,7 @@ fn pack(refs: u32, epoch: u32) -> u64 {
 }
 
 pub(crate) struct BlockStates {
-    state: Box<[AtomicU64]>,
+    state: PageArray<AtomicU64>,
     free_count: AtomicUsize,
     order: FreeOrder,
 }
@@ -45,14 +45,12 @@ impl BlockStates {
     /// Block 0 is the null block (never free); blocks `1..num_blocks` start free in id order.
     /// Bytes [`BlockStates::new`] allocates for `num_blocks`.
     pub(crate) fn heap_bytes(num_blocks: usize) -> usize {
-        num_blocks
-            .saturating_mul(std::mem::size_of::<AtomicU64>())
-            .saturating_add(FreeOrder::heap_bytes(num_blocks))
+        array_bytes::<AtomicU64>(num_blocks).saturating_add(FreeOrder::heap_bytes(num_blocks))
     }
 
     pub(crate) fn new(num_blocks: usize) -> Result<Self, AllocFailed> {
         Ok(BlockStates {
-            state: boxed_slice("reference counts", num_blocks, |_| AtomicU64::new(0))?,
+            state: PageArray::new("reference counts", num_blocks, |_| AtomicU64::new(0))?,
             free_count: AtomicUsize::new(num_blocks.saturating_sub(1)),
             order: FreeOrder::new(num_blocks)?,
         })
@@ -62,7 +60,7 @@ impl BlockStates {
     #[cfg(loom)]
     pub(crate) fn with_lifo_capacity(num_blocks: usize, lifo_capacity: usize) -> Self {
         BlockStates {
-            state: boxed_slice("reference counts", num_blocks, |_| AtomicU64::new(0)).unwrap(),
+            state: PageArray::new("reference counts", num_blocks, |_| AtomicU64::new(0)).unwrap(),
             free_count: AtomicUsize::new(num_blocks.saturating_sub(1)),
             order: FreeOrder::with_capacity(num_blocks, lifo_capacity, lifo_capacity).unwrap(),
         }

@@ -851,3 +851,125 @@ fn free_buffers_are_emptied_and_trimmed_after_a_large_free() {
     );
     FREE_BUFFERS.with(|cell| cell.set(bufs));
 }
+
+// ----- page arrays ----------------------------------------------------------------------------
+
+/// The mapping flags (`VmFlags` of `/proc/self/smaps`) of the mapping holding `addr`.
+#[cfg(all(
+    target_os = "linux",
+    any(target_arch = "x86_64", target_arch = "aarch64")
+))]
+fn vm_flags_at(addr: usize) -> Option<String> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+    let mut inside = false;
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if let Some((start, end)) = first.split_once('-') {
+            if let (Ok(start), Ok(end)) = (
+                usize::from_str_radix(start, 16),
+                usize::from_str_radix(end, 16),
+            ) {
+                inside = (start..end).contains(&addr);
+                continue;
+            }
+        }
+        if inside {
+            if let Some(flags) = line.strip_prefix("VmFlags:") {
+                return Some(flags.trim().to_string());
+            }
+        }
+    }
+    None
+}
+
+#[test]
+fn a_large_array_starts_on_a_huge_page_and_is_offered_for_huge_pages() {
+    let len = alloc::HUGE_FROM / 8 + 3;
+    let array = alloc::PageArray::new("test array", len, |i| i as u64 * 3).unwrap();
+    assert_eq!(array.len(), len);
+    assert!(array.iter().enumerate().all(|(i, &v)| v == i as u64 * 3));
+    let addr = array.as_ptr() as usize;
+    assert_eq!(addr % (2 << 20), 0, "{addr:#x}");
+    // Whole huge pages: the rounding is what the pool's size estimate counts.
+    let bytes = alloc::array_bytes::<u64>(len);
+    assert_eq!(bytes % (2 << 20), 0);
+    assert!(bytes >= len * 8 && bytes < len * 8 + (2 << 20), "{bytes}");
+    // The kernel was asked for huge pages for the array's mapping (`hg`: `MADV_HUGEPAGE`);
+    // whether it grants them is the system's setting.
+    #[cfg(all(
+        target_os = "linux",
+        any(target_arch = "x86_64", target_arch = "aarch64")
+    ))]
+    {
+        let flags = vm_flags_at(addr).expect("the array's mapping is in smaps");
+        assert!(flags.split_whitespace().any(|f| f == "hg"), "{flags}");
+    }
+}
+
+#[test]
+fn a_small_array_takes_its_own_size() {
+    let len = alloc::HUGE_FROM / 8 - 1;
+    assert_eq!(alloc::array_bytes::<u64>(len), len * 8);
+    assert_eq!(alloc::array_bytes::<u32>(10), 40);
+    let array = alloc::PageArray::new("test array", len, |i| i as u64).unwrap();
+    assert_eq!(array.len(), len);
+    assert_eq!(array[len - 1], len as u64 - 1);
+}
+
+#[test]
+fn a_page_array_drops_each_element_once() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static DROPS: AtomicUsize = AtomicUsize::new(0);
+    struct Counted(#[allow(dead_code)] u64);
+    impl Drop for Counted {
+        fn drop(&mut self) {
+            DROPS.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    for len in [0, 1, 1000, alloc::HUGE_FROM / 8 + 1] {
+        DROPS.store(0, Ordering::Relaxed);
+        let array = alloc::PageArray::new("test array", len, |i| Counted(i as u64)).unwrap();
+        assert_eq!(array.len(), len);
+        drop(array);
+        assert_eq!(DROPS.load(Ordering::Relaxed), len, "len {len}");
+    }
+    // Zero-sized elements: made and dropped, nothing allocated.
+    DROPS.store(0, Ordering::Relaxed);
+    struct Unit;
+    impl Drop for Unit {
+        fn drop(&mut self) {
+            DROPS.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    let units = alloc::PageArray::new("units", 7, |_| Unit).unwrap();
+    assert_eq!(units.len(), 7);
+    drop(units);
+    assert_eq!(DROPS.load(Ordering::Relaxed), 7);
+}
+
+#[test]
+fn a_page_array_that_cannot_be_allocated_is_an_error_naming_it() {
+    // A size that overflows: refused before anything is allocated.
+    assert_eq!(alloc::array_bytes::<u64>(usize::MAX), usize::MAX);
+    let Err(failed) = alloc::PageArray::new("huge array", usize::MAX, |_| 0u64) else {
+        panic!("allocated usize::MAX elements");
+    };
+    assert_eq!((failed.what, failed.bytes), ("huge array", usize::MAX));
+    // A failed allocation reports the bytes it asked for (whole huge pages when large).
+    let len = alloc::HUGE_FROM / 8 + 1;
+    alloc::inject::fail_after(Some(0));
+    let result = alloc::PageArray::new("large array", len, |_| 0u64);
+    alloc::inject::fail_after(None);
+    let Err(failed) = result else {
+        panic!("the injected failure was ignored");
+    };
+    assert_eq!(
+        (failed.what, failed.bytes),
+        ("large array", alloc::array_bytes::<u64>(len))
+    );
+    // More than the memory available: refused, nothing written.
+    alloc::inject::set_available(Some(0));
+    let result = alloc::PageArray::new("checked array", alloc::CHECKED_BYTES / 8, |_| 0u64);
+    alloc::inject::set_available(None);
+    assert!(result.is_err());
+}
