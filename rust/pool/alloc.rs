@@ -36,7 +36,8 @@ impl fmt::Display for AllocFailed {
     }
 }
 
-/// `len` elements made by `init(i)`, in one allocation that reports failure instead of aborting.
+/// `len` elements made by `init(i)`, in one allocation that reports failure instead of aborting
+/// (the reference pool's arrays; the pool's own are [`PageArray`]s).
 pub(crate) fn boxed_slice<T>(
     what: &'static str,
     len: usize,
@@ -177,12 +178,6 @@ impl<T> Drop for PageArray<T> {
                 std::alloc::dealloc(self.ptr.as_ptr().cast(), self.layout);
             }
         }
-    }
-}
-
-impl<T: fmt::Debug> fmt::Debug for PageArray<T> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_list().entries(self.iter()).finish()
     }
 }
 

@@ -371,7 +371,7 @@ fn a_pool_larger_than_the_memory_available_is_refused_before_its_pages_are_taken
         "{err}"
     );
     // Each large array is checked again as it is allocated (the memory available shrinks as
-    // the ones before it are written): the free order's FIFO, which is not a boxed slice.
+    // the ones before it are written): the free order's FIFO, which is not a page array.
     alloc::inject::set_available(Some(alloc::CHECKED_BYTES));
     let order = super::free_order::FreeOrder::new(n);
     alloc::inject::set_available(None);
