@@ -5,7 +5,8 @@ one after the other) compare the machine's moods as much as the code. This loads
 one process, each as a renamed copy of `python/hybrid_kv` with its own `_core` library, and
 replays each fixture through both in turns (the order flips every round). It prints, per op,
 each build's median total and the median and quartiles of the per-round ratios new/base, with
-how many rounds the new build was faster in.
+how many rounds the new build was faster in; `build` is the time to build the manager (its pool
+included) before the replay.
 
 Build each side the same way, e.g. for the working tree against HEAD:
 
@@ -28,13 +29,14 @@ import statistics
 import sys
 import sysconfig
 import tempfile
+import time
 from pathlib import Path
 from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFORMANCE = ROOT.parent / "shared" / "conformance"
 FIXTURES = (ROOT / "tests" / "conformance_fixtures.txt").read_text().split()
-OPS = ("total", "get_computed_blocks", "allocate_slots", "free", "make_request")
+OPS = ("total", "get_computed_blocks", "allocate_slots", "free", "make_request", "build")
 
 
 def load_side(name: str, library: Path, into: Path) -> ModuleType:
@@ -79,13 +81,17 @@ def main() -> int:
                 order = ("base", "new") if round_ % 2 == 0 else ("new", "base")
                 for side in order:
                     module = sides[side]
+                    gc.collect()
+                    start = time.perf_counter_ns()
                     manager = module.manager_from_header(
                         header, sched["max_model_len"], sched["max_num_batched_tokens"]
                     )
+                    built = time.perf_counter_ns() - start
                     gc.collect()
                     result = module.replay(workload, manager)
                     row = {op: sum(ns) / 1e3 for op, ns in result.timings.items()}
                     row["total"] = result.manager_seconds() * 1e6
+                    row["build"] = built / 1e3
                     totals[side].append(row)
                     del manager, result
             for op in OPS:
