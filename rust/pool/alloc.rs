@@ -123,30 +123,26 @@ impl<T> PageArray<T> {
         if !fits(layout.size()) {
             return Err(failed);
         }
-        if layout.size() == 0 {
-            // Zero-sized: nothing to allocate; elements of a zero-sized type are still made.
-            let ptr = NonNull::<T>::dangling();
-            for i in 0..len {
-                // SAFETY: writing a zero-sized value through a dangling, aligned pointer is
-                // allowed; nothing is read or freed through it.
-                unsafe { ptr.as_ptr().add(i).write(init(i)) };
+        let ptr = if layout.size() == 0 {
+            // Nothing to allocate (no elements, or zero-sized ones, which are still made).
+            NonNull::<T>::dangling()
+        } else {
+            // SAFETY: `layout` has a non-zero size (checked just above).
+            let raw = unsafe { std::alloc::alloc(layout) };
+            let Some(bytes) = NonNull::new(raw) else {
+                return Err(failed);
+            };
+            if layout.align() == HUGE_PAGE {
+                advise_huge_pages(bytes.as_ptr(), layout.size());
             }
-            return Ok(PageArray { ptr, len, layout });
-        }
-        // SAFETY: `layout` has a non-zero size (checked above).
-        let raw = unsafe { std::alloc::alloc(layout) };
-        let Some(bytes) = NonNull::new(raw) else {
-            return Err(failed);
+            bytes.cast::<T>()
         };
-        if layout.align() == HUGE_PAGE {
-            advise_huge_pages(bytes.as_ptr(), layout.size());
-        }
-        let ptr = bytes.cast::<T>();
         for i in 0..len {
             // SAFETY: the allocation holds `len` elements of `T` (`layout` is at least
-            // `Layout::array::<T>(len)`, with at least its alignment); element `i` is written
-            // once, before anything reads it. Should `init` panic, the allocation leaks with
-            // nothing dropped: no uninitialised element is ever read.
+            // `Layout::array::<T>(len)`, with at least its alignment; for a zero size, writes
+            // through a dangling aligned pointer are allowed); element `i` is written once,
+            // before anything reads it. Should `init` panic, the allocation leaks with nothing
+            // dropped: no uninitialised element is ever read.
             unsafe { ptr.as_ptr().add(i).write(init(i)) };
         }
         Ok(PageArray { ptr, len, layout })
