@@ -17,11 +17,17 @@ side's slowest 1%, and cost the faster side relatively more. So the table gives 
 twice: over every kept step, and over the steps that do not open a turn (the same steps on both
 sides). A second, instrumented pass times
 every call the scheduler makes on its `kv_cache_manager`, and on the `KVCacheBlocks` it returns
-(`get_block_ids`), to give the manager's share of the step; what the timers themselves add per
-call (measured on no-ops in the same process) is taken off both the manager's time and the
-step's. `allocate_slots`, made for every running request on every step, has a timer of its own
-that makes the scheduler's call as the scheduler makes it (a generic `*args, **kwargs` wrapper
-costs more inside the scheduler than its no-op calibration measures).
+(`get_block_ids`), to give the manager's share of the step. By default the timers are
+hybrid-kv's `_CallTimer` (`--timers native`): a builtin function that reads the CPU's
+time-stamp counter, passes the call on unchanged as a vectorcall and reads the counter again,
+so that it counts a few nanoseconds beyond the call (nothing is taken off for them: the
+manager's time is if anything overstated), and what it adds to the step outside its clock
+reads (measured on no-ops in the same process) is taken off the step. `--timers python` gives
+the earlier Python wrappers around `time.perf_counter_ns`, whose calibrated cost is taken off
+both the manager's time and the step's; `allocate_slots`, made for every running request on
+every step, then has a wrapper of its own that makes the scheduler's call as the scheduler makes
+it (a generic `*args, **kwargs` wrapper costs more inside the scheduler than its no-op
+calibration measures). The two gave the same shares within a point (one run of each).
 
 Once both schedulers and the workload are built, the heap is frozen (`gc.freeze()`), as vLLM's
 `EngineCore` freezes its startup heap before serving (`freeze_gc_heap`): the collector then scans
@@ -38,7 +44,7 @@ Run (from the repository root):
 
     VLLM_TARGET_DEVICE=cpu VENV/bin/python benches/vllm_scheduler.py [--sizes 32 128 256] \\
         [--layouts full gemma3] [--steps 300] [--turn 25] [--retention default|dense] \\
-        [--per-call] [--no-freeze-gc]
+        [--per-call] [--timers native|python] [--no-freeze-gc]
 """
 
 from __future__ import annotations
@@ -51,11 +57,13 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from types import MethodType
 from typing import Any
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import hybrid_kv.vllm as hkv  # noqa: E402
+from hybrid_kv import _core  # noqa: E402
 from hybrid_kv.vllm import testing as harness  # noqa: E402
 
 MANAGER_CALLS = (
@@ -229,6 +237,82 @@ def instrument(manager: Any) -> tuple[dict[str, int], Callable[[], None]]:
     return totals, restore
 
 
+class NativeTimers:
+    """The manager's calls timed by hybrid-kv's `_CallTimer`: each call passes through a
+    builtin function that reads the CPU's time-stamp counter before and after passing the call
+    on unchanged, so that what is counted beyond the call is a few nanoseconds (a Python wrapper
+    around `time.perf_counter_ns` counts a good part of a microsecond more per call inside the
+    scheduler's step than on a no-op, which a call of about a microsecond cannot afford).
+    `read()` gives the same totals as `instrument`'s dict."""
+
+    def __init__(self) -> None:
+        self.timers: dict[str, list[Any]] = {}
+        self.proxies = 0
+
+    def wrap(self, name: str, target: Callable[..., Any]) -> Callable[..., Any]:
+        timer = _core._CallTimer(target)
+        self.timers.setdefault(name, []).append(timer)
+        return timer.function()
+
+    def read(self) -> dict[str, int]:
+        totals = {"manager": 0, "calls": 0, "proxies": self.proxies}
+        for name, timers in self.timers.items():
+            ns = sum(t.ns for t in timers)
+            calls = sum(t.calls for t in timers)
+            totals[name], totals[f"{name}#calls"] = ns, calls
+            totals["manager"] += ns
+            totals["calls"] += calls
+        return totals
+
+
+class _NativeTimed:
+    """A result of another type than the manager's `KVCacheBlocks` class (see `_Timed`): its
+    `get_block_ids` goes through one shared timer of that type's method."""
+
+    __slots__ = ("get_block_ids",)
+
+    def __init__(self, result: Any, read_ids: Callable[..., Any]) -> None:
+        self.get_block_ids = MethodType(read_ids, result)
+
+
+def instrument_native(manager: Any) -> tuple[NativeTimers, Callable[[], None]]:
+    """`instrument` with `NativeTimers`."""
+    timers = NativeTimers()
+    blocks = tuple(
+        c for c in type(manager.empty_kv_cache_blocks).__mro__ if "get_block_ids" in c.__dict__
+    )
+    # hybrid-kv's native running-step result (`_RunningBlocks`), whose method cannot be
+    # replaced on its class: its results come back in a proxy (made by the timer after its
+    # clock) whose `get_block_ids` goes through one shared timer.
+    native_results = tuple(
+        t for t in (getattr(_core, "_RunningBlocks", None),) if t is not None and t not in blocks
+    )
+    proxy_ids = {t: timers.wrap(READ_IDS, t.get_block_ids) for t in native_results}
+
+    def proxy(result: Any) -> _NativeTimed:
+        timers.proxies += 1
+        return _NativeTimed(result, proxy_ids[type(result)])
+
+    timer = _core._CallTimer(manager.allocate_slots, native_results, proxy)
+    timers.timers.setdefault("allocate_slots", []).append(timer)
+    manager.allocate_slots = timer.function()
+    for name in MANAGER_CALLS[1:]:
+        method = getattr(manager, name, None)
+        if method is not None:
+            setattr(manager, name, timers.wrap(name, method))
+    originals = [(c, c.__dict__["get_block_ids"]) for c in blocks]
+    for c, original in originals:
+        timer = _core._CallTimer(original)
+        timers.timers.setdefault(READ_IDS, []).append(timer)
+        c.get_block_ids = timer.method()
+
+    def restore() -> None:
+        for c, original in originals:
+            c.get_block_ids = original
+
+    return timers, restore
+
+
 def wrapper_bias(samples: int = 200_000) -> dict[str, float]:
     """What the timers add, in ns, measured on no-ops with the scheduler's call shapes: for the
     generic wrapper (`_timed`), what it adds to the manager's total beyond the call itself
@@ -269,6 +353,51 @@ def wrapper_bias(samples: int = 200_000) -> dict[str, float]:
     return bias
 
 
+def native_bias(samples: int = 200_000) -> dict[str, float]:
+    """`wrapper_bias` for `NativeTimers`: what a timer adds to the step, measured on no-ops with
+    the scheduler's call shapes (`step` and `allocate_step`: a timed function in the manager's
+    `__dict__`; `ids_step`: a timed method read from an instance, which binds it; `proxy`: a
+    proxy made after the clock). What a timer counts beyond the call, its clock reads (a few
+    nanoseconds), is not taken off: `counted` and `allocate_counted` are 0, so the manager's
+    time is if anything overstated."""
+
+    class Probe:
+        def allocate_slots(self, request: Any, n: int, num_lookahead_tokens: int = 0) -> None:
+            return None
+
+    class Result:
+        def get_block_ids(self, allow_none: bool = False) -> None:
+            return None
+
+    def per_call(call: Callable[..., Any]) -> float:
+        t0 = time.perf_counter_ns()
+        for _ in range(samples):
+            call(None, 1, num_lookahead_tokens=0)
+        return (time.perf_counter_ns() - t0) / samples
+
+    def per_read(result: Any) -> float:
+        t0 = time.perf_counter_ns()
+        for _ in range(samples):
+            result.get_block_ids(allow_none=True)
+        return (time.perf_counter_ns() - t0) / samples
+
+    probe = Probe()
+    plain = per_call(probe.allocate_slots)
+    timed = per_call(_core._CallTimer(probe.allocate_slots).function())
+    bias = {"counted": 0.0, "allocate_counted": 0.0}
+    bias["step"] = bias["allocate_step"] = timed - plain
+    result = Result()
+    plain = per_read(result)
+    Result.get_block_ids = _core._CallTimer(Result.__dict__["get_block_ids"]).method()
+    bias["ids_step"] = per_read(result) - plain
+    read_ids = _core._CallTimer(Result.__dict__["get_block_ids"]).function()
+    t0 = time.perf_counter_ns()
+    for _ in range(samples):
+        _NativeTimed(result, read_ids)
+    bias["proxy"] = (time.perf_counter_ns() - t0) / samples
+    return bias
+
+
 def freeze_heap(enabled: bool) -> None:
     """What `EngineCore` does once built (vLLM's `freeze_gc_heap`): collect, then freeze."""
     gc.collect()
@@ -277,11 +406,25 @@ def freeze_heap(enabled: bool) -> None:
 
 
 def manager_share(
-    options: harness.Options, workload: Any, cls: Any, steps: int, freeze: bool
+    options: harness.Options,
+    workload: Any,
+    cls: Any,
+    steps: int,
+    freeze: bool,
+    native: bool = True,
 ) -> tuple[float, dict[str, tuple[float, float, float]]]:
-    """The manager's share of the step, and per call: (share, ns per call, calls per step)."""
+    """The manager's share of the step, and per call: (share, ns per call, calls per step);
+    timed by `NativeTimers`, or with `native=False` by Python wrappers (`instrument`)."""
     side = Side("share", options, workload, cls)
-    totals, restore = instrument(side.scheduler.kv_cache_manager)
+    if native:
+        timers, restore = instrument_native(side.scheduler.kv_cache_manager)
+        read = timers.read
+    else:
+        totals, restore = instrument(side.scheduler.kv_cache_manager)
+
+        def read() -> dict[str, int]:
+            return dict(totals)
+
     freeze_heap(freeze)
     step_total = 0
     kept: dict[str, int] = {}
@@ -290,21 +433,27 @@ def manager_share(
         for _ in range(steps):
             if side.driver.done:
                 break
-            before = dict(totals)
+            before = read()
             schedule_ns, update_ns, running = side.driver.timed_step()
             if running == side.size:
                 num_steps += 1
                 step_total += schedule_ns + update_ns
-                for key, value in totals.items():
-                    kept[key] = kept.get(key, 0) + value - before[key]
+                for key, value in read().items():
+                    kept[key] = kept.get(key, 0) + value - before.get(key, 0)
     finally:
         restore()
         gc.unfreeze()
-    bias = wrapper_bias()
+    bias = native_bias() if native else wrapper_bias()
     allocations = kept.get("allocate_slots#calls", 0)
+    # Reads of the results' block ids by a timed method (native timers: they bind apart).
+    reads = kept.get(f"{READ_IDS}#calls", 0) if native else 0
+    # The other calls through a generic timer (`instrument`'s "calls" leave allocate_slots out;
+    # `NativeTimers` count every call).
+    generic = kept.get("calls", 0) - (allocations + reads if native else 0)
     step = (
         step_total
-        - kept.get("calls", 0) * bias["step"]
+        - generic * bias["step"]
+        - reads * bias.get("ids_step", 0.0)
         - allocations * bias["allocate_step"]
         - kept.get("proxies", 0) * bias["proxy"]
     )
@@ -317,11 +466,7 @@ def manager_share(
             counted = bias["allocate_counted" if name == "allocate_slots" else "counted"]
             ns = kept[name] - calls * counted
             per_call[name] = (ns / step, ns / calls, calls / num_steps)
-    manager = (
-        kept["manager"]
-        - kept.get("calls", 0) * bias["counted"]
-        - allocations * bias["allocate_counted"]
-    )
+    manager = kept["manager"] - generic * bias["counted"] - allocations * bias["allocate_counted"]
     return manager / step, per_call
 
 
@@ -331,7 +476,7 @@ def percentile(values: list[int], q: float) -> float:
 
 
 def measure(
-    layout: str, size: int, steps: int, turn: int, dense: bool, freeze: bool
+    layout: str, size: int, steps: int, turn: int, dense: bool, freeze: bool, native: bool = True
 ) -> dict[str, Any]:
     options = options_for(layout, size, dense)
     workload = workload_for(size, steps)
@@ -369,9 +514,11 @@ def measure(
         "stock_mean": statistics.fmean(stock_times) / 1e3,
         "ours_mean": statistics.fmean(our_times) / 1e3,
     }
-    row["stock_share"], row["stock_calls"] = manager_share(options, workload, None, steps, freeze)
+    row["stock_share"], row["stock_calls"] = manager_share(
+        options, workload, None, steps, freeze, native
+    )
     row["ours_share"], row["ours_calls"] = manager_share(
-        options, workload, hkv.Scheduler, steps, freeze
+        options, workload, hkv.Scheduler, steps, freeze, native
     )
     return row
 
@@ -394,6 +541,13 @@ def main(argv: list[str] | None = None) -> None:
         help="also print each manager call's calls per step, time per call and share",
     )
     parser.add_argument(
+        "--timers",
+        choices=["native", "python"],
+        default="native",
+        help="how the instrumented pass times the manager's calls: hybrid-kv's native call "
+        "timer (default) or Python wrappers around time.perf_counter_ns (earlier versions)",
+    )
+    parser.add_argument(
         "--no-freeze-gc",
         action="store_true",
         help="leave the startup heap (workload, modules) in the collector's scans",
@@ -407,6 +561,7 @@ def main(argv: list[str] | None = None) -> None:
             args.turn,
             args.retention == "dense",
             not args.no_freeze_gc,
+            args.timers == "native",
         )
         for layout in args.layouts
         for size in args.sizes

@@ -7,6 +7,7 @@ mod manager;
 mod pool;
 mod request;
 mod running;
+mod timing;
 
 use pyo3::prelude::*;
 
@@ -18,5 +19,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     hashing::register(m)?;
     manager::register(m)?;
     running::register(m)?;
+    timing::register(m)?;
     Ok(())
 }

@@ -1,0 +1,211 @@
+//! `_CallTimer`: the benchmarks' timer of calls made on a callable, with as little as possible
+//! between its two clock reads (a vectorcall passed on unchanged), so that timing a call that
+//! takes about a microsecond inside a scheduler step does not add most of a microsecond to it,
+//! as a Python wrapper around `time.perf_counter_ns` does there.
+
+use pyo3::exceptions::PyTypeError;
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::PyType;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::Instant;
+
+/// A monotonic clock read in ticks: the time-stamp counter on x86-64 (invariant on the
+/// machines this is run on: `constant_tsc`, `nonstop_tsc`), nanoseconds since a fixed instant
+/// elsewhere.
+fn ticks() -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: `rdtsc` has no preconditions; it reads the time-stamp counter.
+        unsafe { core::arch::x86_64::_rdtsc() }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        static START: OnceLock<Instant> = OnceLock::new();
+        START.get_or_init(Instant::now).elapsed().as_nanos() as u64
+    }
+}
+
+/// Nanoseconds per tick, measured once per process against `Instant` over 20 ms.
+fn ns_per_tick() -> f64 {
+    static RATE: OnceLock<f64> = OnceLock::new();
+    *RATE.get_or_init(|| {
+        if cfg!(not(target_arch = "x86_64")) {
+            return 1.0;
+        }
+        let (start, start_ticks) = (Instant::now(), ticks());
+        while start.elapsed().as_millis() < 20 {
+            std::hint::spin_loop();
+        }
+        let (elapsed, elapsed_ticks) = (start.elapsed(), ticks().wrapping_sub(start_ticks));
+        elapsed.as_nanos() as f64 / elapsed_ticks.max(1) as f64
+    })
+}
+
+/// Times the calls made through `function()` on `target`: each is passed on to `target` as the
+/// same vectorcall (arguments, keyword names and exception unchanged) between two reads of the
+/// clock; `ns` and `calls` add up the calls that returned or raised. A result whose type is
+/// exactly one of `wrap_types` is returned as `wrap(result)`, called after the clock (a
+/// benchmark's proxy for a result whose methods it times but cannot replace). Counters are
+/// atomic: calls from several threads are all counted.
+#[pyclass(frozen, name = "_CallTimer", module = "hybrid_kv._core")]
+pub(crate) struct PyCallTimer {
+    target: Py<PyAny>,
+    wrap: Option<(Vec<Py<PyType>>, Py<PyAny>)>,
+    ticks: AtomicU64,
+    calls: AtomicU64,
+}
+
+#[pymethods]
+impl PyCallTimer {
+    #[new]
+    #[pyo3(signature = (target, wrap_types = None, wrap = None))]
+    fn new(
+        target: Bound<'_, PyAny>,
+        wrap_types: Option<Vec<Bound<'_, PyType>>>,
+        wrap: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let not_callable =
+            |what: &str| PyTypeError::new_err(format!("_CallTimer: {what} is not callable"));
+        if !target.is_callable() {
+            return Err(not_callable("the target"));
+        }
+        let wrap = match (wrap_types, wrap) {
+            (None, None) => None,
+            (Some(types), Some(wrap)) => {
+                if !wrap.is_callable() {
+                    return Err(not_callable("wrap"));
+                }
+                Some((
+                    types.into_iter().map(Bound::unbind).collect(),
+                    wrap.unbind(),
+                ))
+            }
+            _ => {
+                return Err(PyTypeError::new_err(
+                    "_CallTimer: wrap_types and wrap go together",
+                ))
+            }
+        };
+        ns_per_tick();
+        Ok(PyCallTimer {
+            target: target.unbind(),
+            wrap,
+            ticks: AtomicU64::new(0),
+            calls: AtomicU64::new(0),
+        })
+    }
+
+    /// The timed callable: a builtin function whose calls go to the target.
+    fn function<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        // SAFETY: `TIMED` is a static CPython only reads; `slf` is a live `_CallTimer`, which
+        // the new function keeps a reference to (its `self`) and passes to `timed_call`. The
+        // call returns a new reference or null with an exception set.
+        unsafe {
+            let function = ffi::PyCFunction_NewEx(
+                std::ptr::addr_of!(TIMED.0).cast_mut(),
+                slf.as_ptr(),
+                std::ptr::null_mut(),
+            );
+            Bound::from_owned_ptr_or_err(slf.py(), function)
+        }
+    }
+
+    /// The timed callable as a method: a class attribute that binds, read from an instance, to
+    /// that instance (its calls get it first), as a function defined in the class does.
+    fn method<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        let function = Self::function(slf)?;
+        // SAFETY: `function` is a live callable; the call returns a new reference (an
+        // `instancemethod` holding its own reference to `function`) or null with an exception
+        // set.
+        unsafe { Bound::from_owned_ptr_or_err(slf.py(), PyInstanceMethod_New(function.as_ptr())) }
+    }
+
+    /// Nanoseconds spent in the calls so far.
+    #[getter]
+    fn ns(&self) -> u64 {
+        (self.ticks.load(Ordering::Relaxed) as f64 * ns_per_tick()).round() as u64
+    }
+
+    /// Calls so far.
+    #[getter]
+    fn calls(&self) -> u64 {
+        self.calls.load(Ordering::Relaxed)
+    }
+
+    /// The callable the calls go to.
+    #[getter]
+    fn target(&self, py: Python<'_>) -> Py<PyAny> {
+        self.target.clone_ref(py)
+    }
+}
+
+extern "C" {
+    /// CPython's `instancemethod` constructor (`Include/cpython/classobject.h`).
+    fn PyInstanceMethod_New(function: *mut ffi::PyObject) -> *mut ffi::PyObject;
+}
+
+struct MethodDef(ffi::PyMethodDef);
+
+// SAFETY: the definition is never written after it is made; CPython only reads it.
+unsafe impl Sync for MethodDef {}
+
+static TIMED: MethodDef = MethodDef(ffi::PyMethodDef {
+    ml_name: c"timed".as_ptr(),
+    ml_meth: ffi::PyMethodDefPointer {
+        PyCFunctionFastWithKeywords: timed_call,
+    },
+    ml_flags: ffi::METH_FASTCALL | ffi::METH_KEYWORDS,
+    ml_doc: c"The target's call, timed by its _CallTimer.".as_ptr(),
+});
+
+/// The function of `_CallTimer.function()`: `slf` is the timer (the function's `self`), the
+/// rest the call's vectorcall arguments, passed on unchanged.
+unsafe extern "C" fn timed_call(
+    slf: *mut ffi::PyObject,
+    args: *const *mut ffi::PyObject,
+    nargs: ffi::Py_ssize_t,
+    kwnames: *mut ffi::PyObject,
+) -> *mut ffi::PyObject {
+    // SAFETY: CPython calls this with the thread attached to the interpreter and `slf` the
+    // `_CallTimer` the function was made with (`function` makes it so, and the function holds
+    // a reference to it for its lifetime); `args`, `nargs` and `kwnames` are the call's live
+    // vectorcall arguments, which `PyObject_Vectorcall` takes as they are (borrowed, without
+    // `PY_VECTORCALL_ARGUMENTS_OFFSET`, so the callee does not write before `args`). The
+    // timer's fields are only read (the counters are atomics), so calls from threads running
+    // without the GIL are sound. A non-null result is a new reference, owned from here on
+    // (returned, or dropped once `wrap` made its replacement).
+    unsafe {
+        let py = Python::assume_attached();
+        let timer = Borrowed::from_ptr(py, slf).cast_unchecked::<PyCallTimer>();
+        let timer = timer.get();
+        let start = ticks();
+        let result = ffi::PyObject_Vectorcall(timer.target.as_ptr(), args, nargs as usize, kwnames);
+        let elapsed = ticks().wrapping_sub(start);
+        timer.ticks.fetch_add(elapsed, Ordering::Relaxed);
+        timer.calls.fetch_add(1, Ordering::Relaxed);
+        match &timer.wrap {
+            Some((types, wrap)) if !result.is_null() => {
+                let result = Bound::from_owned_ptr(py, result);
+                let tp = ffi::Py_TYPE(result.as_ptr()).cast::<ffi::PyObject>();
+                if types.iter().any(|t| t.as_ptr() == tp) {
+                    match wrap.bind(py).call1((result,)) {
+                        Ok(wrapped) => wrapped.into_ptr(),
+                        Err(error) => {
+                            error.restore(py);
+                            std::ptr::null_mut()
+                        }
+                    }
+                } else {
+                    result.into_ptr()
+                }
+            }
+            _ => result,
+        }
+    }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyCallTimer>()
+}
