@@ -313,6 +313,21 @@ def instrument_native(manager: Any) -> tuple[NativeTimers, Callable[[], None]]:
     return timers, restore
 
 
+class _Probe:
+    """A manager whose `allocate_slots` does nothing: the timers' calibration target."""
+
+    def allocate_slots(self, request: Any, n: int, num_lookahead_tokens: int = 0) -> None:
+        return None
+
+
+def _per_call(call: Callable[..., Any], samples: int) -> float:
+    """ns per call of `call` with the scheduler's running-step arguments, in a loop."""
+    t0 = time.perf_counter_ns()
+    for _ in range(samples):
+        call(None, 1, num_lookahead_tokens=0)
+    return (time.perf_counter_ns() - t0) / samples
+
+
 def wrapper_bias(samples: int = 200_000) -> dict[str, float]:
     """What the timers add, in ns, measured on no-ops with the scheduler's call shapes: for the
     generic wrapper (`_timed`), what it adds to the manager's total beyond the call itself
@@ -320,21 +335,14 @@ def wrapper_bias(samples: int = 200_000) -> dict[str, float]:
     (`allocate_counted`, `allocate_step`, its running-step shape); and the making of one
     `_Timed` proxy (`proxy`, outside the timers, inside the step). Each is subtracted per call."""
 
-    class Probe:
-        def allocate_slots(self, request: Any, n: int, num_lookahead_tokens: int = 0) -> None:
-            return None
-
     class Result:
         def get_block_ids(self) -> None:
             return None
 
     def per_call(call: Callable[..., Any]) -> float:
-        t0 = time.perf_counter_ns()
-        for _ in range(samples):
-            call(None, 1, num_lookahead_tokens=0)
-        return (time.perf_counter_ns() - t0) / samples
+        return _per_call(call, samples)
 
-    probe = Probe()
+    probe = _Probe()
     plain = per_call(probe.allocate_slots)
     bias = {}
     totals = {"manager": 0, "calls": 0}
@@ -361,19 +369,12 @@ def native_bias(samples: int = 200_000) -> dict[str, float]:
     nanoseconds), is not taken off: `counted` and `allocate_counted` are 0, so the manager's
     time is if anything overstated."""
 
-    class Probe:
-        def allocate_slots(self, request: Any, n: int, num_lookahead_tokens: int = 0) -> None:
-            return None
-
     class Result:
         def get_block_ids(self, allow_none: bool = False) -> None:
             return None
 
     def per_call(call: Callable[..., Any]) -> float:
-        t0 = time.perf_counter_ns()
-        for _ in range(samples):
-            call(None, 1, num_lookahead_tokens=0)
-        return (time.perf_counter_ns() - t0) / samples
+        return _per_call(call, samples)
 
     def per_read(result: Any) -> float:
         t0 = time.perf_counter_ns()
@@ -381,7 +382,7 @@ def native_bias(samples: int = 200_000) -> dict[str, float]:
             result.get_block_ids(allow_none=True)
         return (time.perf_counter_ns() - t0) / samples
 
-    probe = Probe()
+    probe = _Probe()
     plain = per_call(probe.allocate_slots)
     timed = per_call(_core._CallTimer(probe.allocate_slots).function())
     bias = {"counted": 0.0, "allocate_counted": 0.0}

@@ -651,8 +651,8 @@ fn descriptor<'py>(
     }
 }
 
-/// The method definition behind a direct entry's descriptor.
-struct EntryDef(ffi::PyMethodDef);
+/// The method definition behind a direct entry's descriptor (or function).
+pub(crate) struct EntryDef(pub(crate) ffi::PyMethodDef);
 
 // SAFETY: the definition is never written after it is made; CPython only reads it (its name,
 // flags and function pointer), from any thread.
@@ -719,17 +719,19 @@ macro_rules! direct_entry {
     };
 }
 
+pub(crate) use direct_entry;
+
 direct_entry!(empty_block_ids_entry, empty_block_ids);
 direct_entry!(allocate_slots_entry, allocate_slots_call);
 
 /// The arguments CPython passes a `METH_FASTCALL | METH_KEYWORDS` function (see
 /// `direct_entry!`).
 #[derive(Clone, Copy)]
-struct FastCall {
-    slf: *mut ffi::PyObject,
-    args: *const *mut ffi::PyObject,
-    nargs: ffi::Py_ssize_t,
-    kwnames: *mut ffi::PyObject,
+pub(crate) struct FastCall {
+    pub(crate) slf: *mut ffi::PyObject,
+    pub(crate) args: *const *mut ffi::PyObject,
+    pub(crate) nargs: ffi::Py_ssize_t,
+    pub(crate) kwnames: *mut ffi::PyObject,
 }
 
 impl FastCall {
@@ -782,7 +784,7 @@ impl FastCall {
 ///
 /// # Safety
 /// The calling thread is attached to the interpreter.
-unsafe fn trampoline(
+pub(crate) unsafe fn trampoline(
     body: impl FnOnce(Python<'_>) -> PyResult<*mut ffi::PyObject>,
 ) -> *mut ffi::PyObject {
     // SAFETY: per the contract.

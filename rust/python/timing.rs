@@ -3,6 +3,7 @@
 //! takes about a microsecond inside a scheduler step does not add most of a microsecond to it,
 //! as a Python wrapper around `time.perf_counter_ns` does there.
 
+use super::running::{direct_entry, trampoline, EntryDef, FastCall};
 use pyo3::exceptions::PyTypeError;
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -146,12 +147,7 @@ extern "C" {
     fn PyInstanceMethod_New(function: *mut ffi::PyObject) -> *mut ffi::PyObject;
 }
 
-struct MethodDef(ffi::PyMethodDef);
-
-// SAFETY: the definition is never written after it is made; CPython only reads it.
-unsafe impl Sync for MethodDef {}
-
-static TIMED: MethodDef = MethodDef(ffi::PyMethodDef {
+static TIMED: EntryDef = EntryDef(ffi::PyMethodDef {
     ml_name: c"timed".as_ptr(),
     ml_meth: ffi::PyMethodDefPointer {
         PyCFunctionFastWithKeywords: timed_call,
@@ -160,50 +156,41 @@ static TIMED: MethodDef = MethodDef(ffi::PyMethodDef {
     ml_doc: c"The target's call, timed by its _CallTimer.".as_ptr(),
 });
 
-/// The function of `_CallTimer.function()`: `slf` is the timer (the function's `self`), the
-/// rest the call's vectorcall arguments, passed on unchanged.
-unsafe extern "C" fn timed_call(
-    slf: *mut ffi::PyObject,
-    args: *const *mut ffi::PyObject,
-    nargs: ffi::Py_ssize_t,
-    kwnames: *mut ffi::PyObject,
-) -> *mut ffi::PyObject {
-    // SAFETY: CPython calls this with the thread attached to the interpreter and `slf` the
-    // `_CallTimer` the function was made with (`function` makes it so, and the function holds
-    // a reference to it for its lifetime); `args`, `nargs` and `kwnames` are the call's live
-    // vectorcall arguments, which `PyObject_Vectorcall` takes as they are (borrowed, without
+direct_entry!(timed_call, timed);
+
+/// The body of `_CallTimer.function()`'s function: `call.slf` is the timer (the function's
+/// `self`), the rest the call's vectorcall arguments, passed on unchanged.
+fn timed(py: Python<'_>, call: FastCall) -> PyResult<*mut ffi::PyObject> {
+    // SAFETY: `call.slf` is the `_CallTimer` the function was made with (`function` makes it
+    // so, and the function holds a reference to it for its lifetime); `args`, `nargs` and
+    // `kwnames` are the call's live vectorcall arguments (`direct_entry!`'s contract), which
+    // `PyObject_Vectorcall` takes as they are (borrowed, without
     // `PY_VECTORCALL_ARGUMENTS_OFFSET`, so the callee does not write before `args`). The
     // timer's fields are only read (the counters are atomics), so calls from threads running
-    // without the GIL are sound. A non-null result is a new reference, owned from here on
-    // (returned, or dropped once `wrap` made its replacement).
-    unsafe {
-        let py = Python::assume_attached();
-        let timer = Borrowed::from_ptr(py, slf).cast_unchecked::<PyCallTimer>();
+    // without the GIL are sound. The result is a new reference or null with an exception set,
+    // taken over by `from_owned_ptr_or_err`.
+    let (timer, result) = unsafe {
+        let timer = Borrowed::from_ptr(py, call.slf).cast_unchecked::<PyCallTimer>();
         let timer = timer.get();
         let start = ticks();
-        let result = ffi::PyObject_Vectorcall(timer.target.as_ptr(), args, nargs as usize, kwnames);
+        let result = ffi::PyObject_Vectorcall(
+            timer.target.as_ptr(),
+            call.args,
+            call.nargs as usize,
+            call.kwnames,
+        );
         let elapsed = ticks().wrapping_sub(start);
         timer.ticks.fetch_add(elapsed, Ordering::Relaxed);
         timer.calls.fetch_add(1, Ordering::Relaxed);
-        match &timer.wrap {
-            Some((types, wrap)) if !result.is_null() => {
-                let result = Bound::from_owned_ptr(py, result);
-                let tp = ffi::Py_TYPE(result.as_ptr()).cast::<ffi::PyObject>();
-                if types.iter().any(|t| t.as_ptr() == tp) {
-                    match wrap.bind(py).call1((result,)) {
-                        Ok(wrapped) => wrapped.into_ptr(),
-                        Err(error) => {
-                            error.restore(py);
-                            std::ptr::null_mut()
-                        }
-                    }
-                } else {
-                    result.into_ptr()
-                }
-            }
-            _ => result,
+        (timer, Bound::from_owned_ptr_or_err(py, result)?)
+    };
+    let wrapped = match &timer.wrap {
+        Some((types, wrap)) if types.iter().any(|t| result.get_type().is(t.bind(py))) => {
+            wrap.bind(py).call1((result,))?
         }
-    }
+        _ => result,
+    };
+    Ok(wrapped.into_ptr())
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
