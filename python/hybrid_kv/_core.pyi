@@ -33,6 +33,7 @@ __all__ = [
     "OutOfRangeError",
     "Request",
     "UnknownRequestError",
+    "_CallTimer",
     "_RunningBlocks",
     "_RunningSteps",
     "_VllmSlot",
@@ -814,6 +815,32 @@ class KVCacheManager:
     def new_step_starts(self) -> None:
         """Call once at the start of every scheduler step (Mamba states cached in the previous
         step become usable by hits)."""
+
+@final
+class _CallTimer:
+    """The scheduler benchmark's timer of the calls made on `target` through `function()` (or
+    `method()`): each is passed on unchanged between two reads of the CPU's time-stamp counter;
+    `ns` and `calls` add up the calls that returned or raised. A result whose type is exactly
+    one of `wrap_types` comes back as `wrap(result)`, called after the clock."""
+
+    def __new__(
+        cls,
+        target: Callable[..., Any],
+        wrap_types: Sequence[type] | None = None,
+        wrap: Callable[[Any], Any] | None = None,
+    ) -> _CallTimer: ...
+    def function(self) -> Callable[..., Any]:
+        """The timed callable: a builtin function whose calls go to the target."""
+    def method(self) -> Any:
+        """The timed callable as a class attribute that binds to the instance it is read from."""
+    @property
+    def ns(self) -> int:
+        """Nanoseconds spent in the calls so far."""
+    @property
+    def calls(self) -> int:
+        """Calls so far."""
+    @property
+    def target(self) -> Callable[..., Any]: ...
 
 @final
 class _RunningBlocks:
