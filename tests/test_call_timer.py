@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 from hybrid_kv import _core
@@ -115,7 +116,7 @@ def test_an_error_in_wrap_is_raised() -> None:
         (len, [3], len),
     ],
 )
-def test_bad_arguments_are_refused(args: tuple[object, ...]) -> None:
+def test_bad_arguments_are_refused(args: tuple[Any, ...]) -> None:
     with pytest.raises(TypeError):
         _core._CallTimer(*args)
 
