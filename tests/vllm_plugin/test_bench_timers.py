@@ -115,7 +115,7 @@ def test_manager_share_counts_the_running_steps(native: bool) -> None:
 
 
 def test_native_bias_is_measured() -> None:
-    bias = bench.native_bias(samples=2_000)
+    bias = bench.native_bias(samples=20_000)
     assert bias["counted"] == bias["allocate_counted"] == 0
     assert set(bias) == {
         "counted",
