@@ -249,10 +249,14 @@ class NativeTimers:
         self.timers: dict[str, list[Any]] = {}
         self.proxies = 0
 
-    def wrap(self, name: str, target: Callable[..., Any]) -> Callable[..., Any]:
-        timer = _core._CallTimer(target)
+    def timer(self, name: str, target: Callable[..., Any], *wrap: Any) -> Any:
+        """A `_CallTimer` of `target` (`wrap`: its `wrap_types` and `wrap`), counted as `name`."""
+        timer = _core._CallTimer(target, *wrap)
         self.timers.setdefault(name, []).append(timer)
-        return timer.function()
+        return timer
+
+    def wrap(self, name: str, target: Callable[..., Any]) -> Callable[..., Any]:
+        return self.timer(name, target).function()
 
     def read(self) -> dict[str, int]:
         totals = {"manager": 0, "calls": 0, "proxies": self.proxies}
@@ -284,27 +288,23 @@ def instrument_native(manager: Any) -> tuple[NativeTimers, Callable[[], None]]:
     # hybrid-kv's native running-step result (`_RunningBlocks`), whose method cannot be
     # replaced on its class: its results come back in a proxy (made by the timer after its
     # clock) whose `get_block_ids` goes through one shared timer.
-    native_results = tuple(
-        t for t in (getattr(_core, "_RunningBlocks", None),) if t is not None and t not in blocks
-    )
-    proxy_ids = {t: timers.wrap(READ_IDS, t.get_block_ids) for t in native_results}
+    native = _core._RunningBlocks
+    read_ids = timers.wrap(READ_IDS, native.get_block_ids)
 
     def proxy(result: Any) -> _NativeTimed:
         timers.proxies += 1
-        return _NativeTimed(result, proxy_ids[type(result)])
+        return _NativeTimed(result, read_ids)
 
-    timer = _core._CallTimer(manager.allocate_slots, native_results, proxy)
-    timers.timers.setdefault("allocate_slots", []).append(timer)
-    manager.allocate_slots = timer.function()
+    manager.allocate_slots = timers.timer(
+        "allocate_slots", manager.allocate_slots, (native,), proxy
+    ).function()
     for name in MANAGER_CALLS[1:]:
         method = getattr(manager, name, None)
         if method is not None:
             setattr(manager, name, timers.wrap(name, method))
     originals = [(c, c.__dict__["get_block_ids"]) for c in blocks]
     for c, original in originals:
-        timer = _core._CallTimer(original)
-        timers.timers.setdefault(READ_IDS, []).append(timer)
-        c.get_block_ids = timer.method()
+        c.get_block_ids = timers.timer(READ_IDS, original).method()
 
     def restore() -> None:
         for c, original in originals:
