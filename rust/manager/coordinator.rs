@@ -703,19 +703,13 @@ impl Coordinator {
 
     /// Frees every group's blocks, tail first, group after group (vLLM's order), in one
     /// release of the pool.
-    pub(crate) fn free(
-        &self,
-        pool: &BlockPool,
-        tables: &mut [GroupTable],
-        scratch: &mut Vec<BlockId>,
-    ) -> Result<()> {
-        scratch.clear();
-        let mut ends = Vec::with_capacity(self.groups.len());
-        for (m, t) in self.groups.iter().zip(tables.iter_mut()) {
-            m.collect_for_free(t, scratch);
-            ends.push(scratch.len());
+    pub(crate) fn free(&self, pool: &BlockPool, tables: &mut [GroupTable]) -> Result<()> {
+        let listed = tables.iter().map(|t| t.blocks.len()).sum();
+        let freed = pool.free_held_tail_first(tables.iter().map(|t| &t.blocks[..]), listed);
+        for t in tables.iter_mut() {
+            t.clear();
         }
-        pool.free_held(scratch, &ends)
+        freed
     }
 
     /// Empties every group's table without freeing: the blocks in allocation order, groups

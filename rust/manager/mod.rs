@@ -1116,8 +1116,7 @@ impl KVCacheManager {
     pub fn free<'a>(&mut self, request: impl Into<RequestKey<'a>>) -> Result<()> {
         let state = self.requests.get_mut(request.into())?;
         self.effects.forget_offloads(state.request.id());
-        self.coordinator
-            .free(&self.pool, &mut state.tables, &mut self.scratch)
+        self.coordinator.free(&self.pool, &mut state.tables)
     }
 
     /// Frees the blocks that fell out of the window after `num_computed_tokens` (vLLM's

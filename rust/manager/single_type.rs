@@ -1390,14 +1390,6 @@ impl GroupManager {
         out.extend_from_slice(&table.blocks[lead..]);
         table.clear();
     }
-
-    /// Appends the table's blocks tail first to `out` and forgets them: what freeing the
-    /// request releases in this group. Null blocks are left out (the pool skips them anyway):
-    /// sparse retention leaves windowed groups of long requests mostly null.
-    pub(crate) fn collect_for_free(&self, table: &mut GroupTable, out: &mut Vec<BlockId>) {
-        out.extend(table.blocks.iter().rev().filter(|&&b| b != NULL_BLOCK));
-        table.clear();
-    }
 }
 
 /// The smallest `x` with `f(x) >= target` for a non-decreasing `f`; `usize::MAX` if there is

@@ -618,7 +618,31 @@ impl BlockPool {
     pub(crate) fn free_held(&self, blocks: &[BlockId], ends: &[usize]) -> Result<()> {
         debug_assert!(ends.windows(2).all(|w| w[0] <= w[1]));
         debug_assert_eq!(ends.last().copied().unwrap_or(0), blocks.len());
-        let most = blocks.len().min(self.num_blocks);
+        let batches = ends.iter().scan(0, |start, &end| {
+            let batch = &blocks[*start..end];
+            *start = end;
+            Some(batch)
+        });
+        self.release_batches::<false>(batches, blocks.len())
+    }
+
+    /// [`BlockPool::free_held`] of batches each freed last block first (a request's block tables,
+    /// tail first, group after group), read where they are: `listed` is their total length.
+    pub(crate) fn free_held_tail_first<'a>(
+        &self,
+        batches: impl Iterator<Item = &'a [BlockId]>,
+        listed: usize,
+    ) -> Result<()> {
+        self.release_batches::<true>(batches, listed)
+    }
+
+    /// The release of [`BlockPool::free_held`], each batch walked from its end if `TAIL_FIRST`.
+    fn release_batches<'a, const TAIL_FIRST: bool>(
+        &self,
+        batches: impl Iterator<Item = &'a [BlockId]>,
+        listed: usize,
+    ) -> Result<()> {
+        let most = listed.min(self.num_blocks);
         FreeBuffers::with(|bufs| {
             let FreeBuffers {
                 front,
@@ -631,23 +655,30 @@ impl BlockPool {
             front.reserve(most);
             back.reserve(most);
             let mut failed = None;
-            let mut start = 0;
-            for &end in ends {
-                if ends.len() > 1 {
-                    // Where this batch's uncached entries start in `front`.
-                    starts.push(front.len());
-                }
-                for k in start..end {
-                    let id = blocks[k];
-                    if let Some(&ahead) = blocks.get(k + PREFETCH_AHEAD) {
-                        self.prefetch_block(ahead);
+            for batch in batches {
+                // Where this batch's uncached entries start in `front`.
+                starts.push(front.len());
+                let n = batch.len();
+                let at = |k: usize| {
+                    if TAIL_FIRST {
+                        batch[n - 1 - k]
+                    } else {
+                        batch[k]
                     }
+                };
+                for k in 0..n.min(PREFETCH_AHEAD) {
+                    self.prefetch_block(at(k));
+                }
+                for k in 0..n {
+                    if k + PREFETCH_AHEAD < n {
+                        self.prefetch_block(at(k + PREFETCH_AHEAD));
+                    }
+                    let id = at(k);
                     if id == NULL_BLOCK {
                         continue;
                     }
                     self.release_one(id, front, back, &mut failed);
                 }
-                start = end;
             }
             let front = if starts.len() > 1 {
                 // Later batches go in front of earlier ones.

@@ -575,6 +575,54 @@ fn free_held_in_batches_leaves_the_order_of_one_free_per_batch() {
     }
 }
 
+/// Tables freed tail first where they are (nulls among them) leave the pool as `free_held` of
+/// the same tables reversed with their nulls dropped: the same order, count and references.
+#[test]
+fn free_held_tail_first_is_free_held_of_the_reversed_tables() {
+    let build = || {
+        let pool = BlockPool::new(16).unwrap();
+        let blocks = pool.get_new_blocks(12).unwrap();
+        cache(&pool, &blocks[..6], &[1, 2, 3, 4, 5, 6], 0);
+        pool.touch(&[2, 5, 9]).unwrap();
+        pool
+    };
+    let tables: Vec<Vec<BlockId>> = vec![
+        vec![NULL_BLOCK, 9, 3, NULL_BLOCK, 1],
+        vec![],
+        vec![12, 8, 2, 11, NULL_BLOCK],
+        vec![6, 5, 10, 7, 4],
+    ];
+    let reference = build();
+    let mut flat = Vec::new();
+    let mut ends = Vec::new();
+    for t in &tables {
+        flat.extend(t.iter().rev().filter(|&&b| b != NULL_BLOCK));
+        ends.push(flat.len());
+    }
+    reference.free_held(&flat, &ends).unwrap();
+    let tail_first = build();
+    let listed = tables.iter().map(Vec::len).sum();
+    tail_first
+        .free_held_tail_first(tables.iter().map(|t| &t[..]), listed)
+        .unwrap();
+    assert_eq!(tail_first.free_order(), reference.free_order());
+    assert_eq!(tail_first.num_free_blocks(), reference.num_free_blocks());
+    for id in 1..=12 {
+        assert_eq!(
+            tail_first.ref_count(id).unwrap(),
+            reference.ref_count(id).unwrap()
+        );
+    }
+    // A block already at zero is reported after the rest are released, as `free_held` does.
+    let pool = build();
+    pool.free_blocks(&[7]).unwrap();
+    assert_eq!(
+        pool.free_held_tail_first(tables.iter().map(|t| &t[..]), listed),
+        Err(CoreError::DoubleFree(7))
+    );
+    assert_eq!(pool.num_free_blocks(), reference.num_free_blocks());
+}
+
 /// A block that someone else freed without holding it is found at zero: reported as a double
 /// free, every other block still released, nothing counted twice.
 #[test]
