@@ -199,13 +199,19 @@ pub struct BlockHasher {
 
 pub const MAX_BLOCK_SIZE: usize = 1 << 20;
 
+/// A hash block size hashers accept: 1 to [`MAX_BLOCK_SIZE`] tokens.
+fn check_block_size(block_size: usize) -> Result<()> {
+    if block_size == 0 || block_size > MAX_BLOCK_SIZE {
+        return Err(CoreError::OutOfRange(format!(
+            "block_size must be in 1..={MAX_BLOCK_SIZE}, got {block_size}"
+        )));
+    }
+    Ok(())
+}
+
 impl BlockHasher {
     pub fn new(block_size: usize, algo: HashAlgo, seed: &str) -> Result<Self> {
-        if block_size == 0 || block_size > MAX_BLOCK_SIZE {
-            return Err(CoreError::OutOfRange(format!(
-                "block_size must be in 1..={MAX_BLOCK_SIZE}, got {block_size}"
-            )));
-        }
+        check_block_size(block_size)?;
         let mut seed_bytes = b"hybrid-kv/none-hash/".to_vec();
         seed_bytes.extend_from_slice(seed.as_bytes());
         Ok(BlockHasher {
@@ -222,11 +228,15 @@ impl BlockHasher {
     /// Its hashes are keys from another hasher (vLLM's `Request.block_hashes`), so it equals
     /// no hasher that computes them.
     pub fn supplied(block_size: usize, lookahead: usize) -> Result<Self> {
-        let mut hasher =
-            BlockHasher::new(block_size, HashAlgo::Xxh3, "")?.with_lookahead(lookahead)?;
-        hasher.none_hash = BlockHash(0);
-        hasher.supplied = true;
-        Ok(hasher)
+        check_block_size(block_size)?;
+        BlockHasher {
+            algo: HashAlgo::Xxh3,
+            block_size,
+            none_hash: BlockHash(0),
+            lookahead: 0,
+            supplied: true,
+        }
+        .with_lookahead(lookahead)
     }
 
     /// Whether the caller supplies the hashes (see [`BlockHasher::supplied`]).
