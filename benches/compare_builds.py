@@ -36,7 +36,17 @@ from types import ModuleType
 ROOT = Path(__file__).resolve().parents[1]
 CONFORMANCE = ROOT.parent / "shared" / "conformance"
 FIXTURES = (ROOT / "tests" / "conformance_fixtures.txt").read_text().split()
-OPS = ("total", "get_computed_blocks", "allocate_slots", "free", "make_request", "build")
+OPS = (
+    "total",
+    "get_computed_blocks",
+    "allocate_slots",
+    "allocate_slots.admit",
+    "allocate_slots.chunk",
+    "allocate_slots.decode",
+    "free",
+    "make_request",
+    "build",
+)
 
 
 def load_side(name: str, library: Path, into: Path) -> ModuleType:

@@ -47,12 +47,14 @@ use std::sync::Arc;
 static NEXT_MANAGER_ID: AtomicU64 = AtomicU64::new(1);
 
 /// A prefix-cache hit as returned by [`KVCacheManager::get_computed_blocks`]; pass it back to
-/// [`KVCacheManager::allocate_slots`] unchanged. Two hits are equal when their blocks and
-/// lengths are (whichever manager made them).
+/// [`KVCacheManager::allocate_slots`] unchanged. Its blocks are read-only: a hit made otherwise
+/// ([`ComputedBlocks::new`]) is checked block by block against the prompt when adopted, one the
+/// manager found for the same request is not while no key has left a block since. Two hits are
+/// equal when their blocks and lengths are (whichever manager made them).
 #[derive(Clone, Debug, Default)]
 pub struct ComputedBlocks {
     /// Per group, the hit blocks (null blocks where the group needs none).
-    pub blocks: Vec<Vec<BlockId>>,
+    pub(crate) blocks: Vec<Vec<BlockId>>,
     /// Tokens covered by the hit.
     pub num_computed_tokens: usize,
     /// vLLM's `shared_prefix_boundary`: 0, or the longer prefix some group alone had cached.
@@ -61,6 +63,18 @@ pub struct ComputedBlocks {
     pub(crate) origin: u64,
     /// That manager's allocation count then: blocks can only have been evicted since if it moved.
     pub(crate) epoch: u64,
+    /// The request it was found for and the pool's key removals before the lookup, when it is
+    /// `get_computed_blocks`' result unchanged (`None` otherwise): while neither has moved,
+    /// every block of it still carries the key it was found under.
+    pub(crate) found: Option<Found>,
+}
+
+/// What makes a hit [`ComputedBlocks::found`] for: the request's serial and the pool's
+/// [`BlockPool::key_removals`](crate::pool::BlockPool::key_removals) read before the lookup.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Found {
+    request: u64,
+    key_removals: u64,
 }
 
 impl PartialEq for ComputedBlocks {
@@ -85,6 +99,16 @@ impl ComputedBlocks {
 
     pub fn is_empty(&self) -> bool {
         self.blocks.iter().all(Vec::is_empty)
+    }
+
+    /// Per group, the hit blocks (null blocks where the group needs none).
+    pub fn blocks(&self) -> &[Vec<BlockId>] {
+        &self.blocks
+    }
+
+    /// The hit blocks, per group.
+    pub fn into_blocks(self) -> Vec<Vec<BlockId>> {
+        self.blocks
     }
 }
 
@@ -210,6 +234,8 @@ impl PrefixCacheStats {
 #[derive(Debug)]
 struct RequestState {
     request: Request,
+    /// Unique among the manager's requests, past and present (hits name it).
+    serial: u64,
     tables: Vec<GroupTable>,
     /// The shared-prefix junction its last `get_computed_blocks` found (vLLM's
     /// `request.shared_prefix_boundary`, set by its scheduler from that call).
@@ -293,6 +319,8 @@ pub struct KVCacheManager {
     effects: Effects,
     /// Successful allocations and cache resets so far (only these evict cached blocks).
     epoch: u64,
+    /// The serial of the request registered last.
+    next_serial: u64,
     stats: PrefixCacheStats,
     /// Blocks handed out by [`KVCacheManager::take_kv_cache_block_copies`] as retained and not
     /// yet released: each entry holds one reference until
@@ -344,6 +372,7 @@ impl KVCacheManager {
             requests: Slots::default(),
             effects: Effects::default(),
             epoch: 0,
+            next_serial: 0,
             stats: PrefixCacheStats::default(),
             retained: Vec::new(),
             scratch: Vec::new(),
@@ -506,12 +535,14 @@ impl KVCacheManager {
     }
 
     fn insert_request(&mut self, request: Request) -> RequestHandle {
+        self.next_serial += 1;
         let tables = vec![GroupTable::default(); self.num_groups()];
         let id = request.id().to_owned();
         self.requests.insert(
             id,
             RequestState {
                 request,
+                serial: self.next_serial,
                 tables,
                 shared_prefix_boundary: 0,
             },
@@ -614,6 +645,10 @@ impl KVCacheManager {
         }
         let max_len =
             max_cache_hit_length.unwrap_or_else(|| state.request.num_tokens().saturating_sub(1));
+        let found = Found {
+            request: state.serial,
+            key_removals: self.pool.key_removals(),
+        };
         let hit = self.coordinator.find(
             &self.pool,
             state.request.block_hashes(),
@@ -632,6 +667,7 @@ impl KVCacheManager {
             shared_prefix_boundary,
             origin: self.id,
             epoch: self.epoch,
+            found: Some(found),
         })
     }
 
@@ -695,6 +731,7 @@ impl KVCacheManager {
                 shared_prefix_boundary: 0,
                 origin: self.id,
                 epoch: self.epoch,
+                found: None,
             },
             diverged,
         ))
@@ -1009,6 +1046,18 @@ impl KVCacheManager {
         let evicted_since = args
             .new_computed_blocks
             .is_some_and(|c| c.origin == self.id && c.epoch != self.epoch);
+        // This request's own lookup, with no key taken off any block since: every block still
+        // carries the key it was found under, which is all the check below would confirm. (A
+        // thread sharing the pool that takes keys off blocks during this call may go unseen, as
+        // it may between the check and the adoption.)
+        let unchanged = args.new_computed_blocks.is_some_and(|c| {
+            c.origin == self.id
+                && c.found
+                    == Some(Found {
+                        request: state.serial,
+                        key_removals: self.pool.key_removals(),
+                    })
+        });
         let n = args.num_new_computed_tokens;
         let hashes = state.request.block_hashes();
         for (g, (m, list)) in groups.iter().zip(hits).enumerate() {
@@ -1027,6 +1076,9 @@ impl KVCacheManager {
                      (expected {expected}); pass get_computed_blocks' result unchanged",
                     list.len()
                 ));
+            }
+            if unchanged {
+                continue;
             }
             let view = request::HashView::new(hashes, bs / self.hash_block_size);
             for (i, &b) in list.iter().enumerate() {
@@ -1584,6 +1636,7 @@ impl KVCacheManager {
             shared_prefix_boundary: 0,
             origin: blocks.origin,
             epoch: blocks.epoch,
+            found: None,
         })
     }
 

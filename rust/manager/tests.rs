@@ -730,6 +730,93 @@ fn is_unknown<T: std::fmt::Debug>(r: Result<T>) -> bool {
     matches!(r, Err(CoreError::UnknownRequest(_)))
 }
 
+/// A hit goes without a block-by-block check only while it is its request's own lookup and no
+/// key has left any block since (the pool counts removals, whoever makes them). Otherwise it is
+/// checked, which accepts it when its blocks are still the prompt's and refuses it, changing
+/// nothing, when they are not.
+#[test]
+fn a_hit_is_checked_again_once_a_key_left_a_block_or_its_request_changed() {
+    let groups = vec![GroupSpec::full(16), GroupSpec::sliding_window(16, 32)];
+    let mut m = manager(groups, 64);
+    for (id, start) in [("a", 0), ("y", 7000), ("z", 5000)] {
+        m.add_request(id, &tokens(start, 64), ExtraKeys::default())
+            .unwrap();
+        admit(&mut m, id).unwrap();
+        m.free(id).unwrap();
+    }
+    fn adopt(hit: &ComputedBlocks) -> AllocateArgs<'_> {
+        AllocateArgs {
+            num_new_tokens: 16,
+            num_new_computed_tokens: hit.num_computed_tokens,
+            new_computed_blocks: Some(hit),
+            ..Default::default()
+        }
+    }
+    let z_block = {
+        m.add_request("z2", &tokens(5000, 64), ExtraKeys::default())
+            .unwrap();
+        let hit = m.get_computed_blocks("z2").unwrap();
+        m.remove_request("z2").unwrap();
+        hit.blocks()[0][0]
+    };
+
+    // A key taken off a block outside the hit, behind the manager's back: checked, accepted.
+    m.add_request("b", &tokens(0, 64), ExtraKeys::default())
+        .unwrap();
+    let hit = m.get_computed_blocks("b").unwrap();
+    assert_eq!(hit.num_computed_tokens, 48);
+    let removals = m.pool().key_removals();
+    m.pool().evict_blocks(&[z_block]).unwrap();
+    assert_eq!(m.pool().key_removals(), removals + 1);
+    let new = m.allocate_slots("b", &adopt(&hit)).unwrap().unwrap();
+    assert_eq!(new[0].len(), 1);
+    assert_eq!(&m.block_ids("b", 0).unwrap()[..3], &hit.blocks()[0][..]);
+    m.free("b").unwrap();
+
+    // A key taken off a block of the hit, behind the manager's back: refused, nothing changed.
+    m.add_request("c", &tokens(0, 64), ExtraKeys::default())
+        .unwrap();
+    let hit = m.get_computed_blocks("c").unwrap();
+    m.pool().evict_blocks(&[hit.blocks()[0][1]]).unwrap();
+    let free = m.num_free_blocks();
+    assert!(matches!(
+        m.allocate_slots("c", &adopt(&hit)),
+        Err(CoreError::InvalidArgument(_))
+    ));
+    assert_eq!(m.num_free_blocks(), free);
+    assert!(m.block_ids("c", 0).unwrap().is_empty());
+    m.remove_request("c").unwrap();
+
+    // Keys moved off a block of the hit to a copy: refused.
+    m.add_request("d", &tokens(0, 64), ExtraKeys::default())
+        .unwrap();
+    let hit = m.get_computed_blocks("d").unwrap();
+    let copy = m.pool().get_new_blocks(1).unwrap()[0];
+    assert!(!hit.blocks()[0].contains(&copy));
+    m.pool().move_block_keys(hit.blocks()[0][0], copy).unwrap();
+    assert!(m.allocate_slots("d", &adopt(&hit)).is_err());
+    assert!(m.block_ids("d", 0).unwrap().is_empty());
+    m.remove_request("d").unwrap();
+    m.pool().free_blocks(&[copy]).unwrap();
+
+    // The same id registered again with another prompt, no key removed in between: the old
+    // lookup is not this request's, and its blocks are not this prompt's.
+    m.add_request("e", &tokens(7000, 64), ExtraKeys::default())
+        .unwrap();
+    let hit = m.get_computed_blocks("e").unwrap();
+    assert_eq!(hit.num_computed_tokens, 48);
+    m.remove_request("e").unwrap();
+    m.add_request("e", &tokens(9000, 64), ExtraKeys::default())
+        .unwrap();
+    let removals = m.pool().key_removals();
+    assert!(matches!(
+        m.allocate_slots("e", &adopt(&hit)),
+        Err(CoreError::InvalidArgument(_))
+    ));
+    assert_eq!(m.pool().key_removals(), removals);
+    assert!(m.block_ids("e", 0).unwrap().is_empty());
+}
+
 #[test]
 fn bad_input_is_an_error_and_changes_nothing() {
     let mut m = manager(
@@ -800,17 +887,24 @@ fn bad_input_is_an_error_and_changes_nothing() {
         .unwrap();
     assert!(is_invalid(m.allocate_slots("c", &adopt(&hit, 48))));
     // Forged block ids, nulls in a full-attention group, wrong group count.
-    let mut forged = hit.clone();
-    forged.blocks[0][1] = 60;
+    // (A caller cannot change a hit's blocks: it makes one of its own.)
+    let forge = |edit: &dyn Fn(&mut Vec<Vec<BlockId>>)| {
+        let mut blocks = hit.blocks().to_vec();
+        edit(&mut blocks);
+        ComputedBlocks::new(blocks, 48)
+    };
+    let forged = forge(&|b| b[0][1] = 60);
     assert!(is_invalid(m.allocate_slots("b", &adopt(&forged, 48))));
-    forged.blocks[0][1] = 1_000_000;
+    let forged = forge(&|b| b[0][1] = 1_000_000);
     assert!(m.allocate_slots("b", &adopt(&forged, 48)).is_err());
-    forged.blocks[0][1] = NULL_BLOCK;
+    let forged = forge(&|b| b[0][1] = NULL_BLOCK);
     assert!(is_invalid(m.allocate_slots("b", &adopt(&forged, 48))));
-    let mut swapped = hit.clone();
-    swapped.blocks.swap(0, 1);
+    let swapped = forge(&|b| b.swap(0, 1));
     assert!(is_invalid(m.allocate_slots("b", &adopt(&swapped, 48))));
-    swapped.blocks.pop();
+    let swapped = forge(&|b| {
+        b.swap(0, 1);
+        b.pop();
+    });
     assert!(is_invalid(m.allocate_slots("b", &adopt(&swapped, 48))));
     // Hits from another manager's pool.
     let mut other = manager(

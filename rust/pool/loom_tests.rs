@@ -417,6 +417,46 @@ fn loom_revive_of_a_hit_racing_its_reuse_keeps_keys_and_map_in_step() {
     });
 }
 
+/// `key_removals` against a reuse that takes a found block's key: once the reuse has returned
+/// (its claimer says so), a later read of the count differs from one taken before the lookup,
+/// unless the lookup no longer found the block. So two equal reads around a lookup mean no
+/// removal of what it found had completed by the second.
+#[test]
+fn loom_key_removals_move_before_a_reuse_of_a_found_block_returns() {
+    model("key_removals_vs_reuse", 5, || {
+        // Block 1 is free and cached under hash 5; block 2 is held, so block 1 is the only
+        // free block.
+        let pool = Arc::new(BlockPool::with_options(3, true, false).unwrap());
+        assert_eq!(pool.get_new_blocks(2).unwrap(), vec![1, 2]);
+        pool.cache_full_blocks(&[1], &[BlockHash(5)], 0, StoreInfo::default())
+            .unwrap();
+        pool.free_blocks(&[1]).unwrap();
+        let done = Arc::new(loom::sync::atomic::AtomicBool::new(false));
+        let (p, d) = (pool.clone(), done.clone());
+        let claimer = thread::spawn(move || {
+            assert_eq!(p.get_new_blocks(1).unwrap(), vec![1]);
+            d.store(true, std::sync::atomic::Ordering::Release);
+        });
+        let (p, d) = (pool.clone(), done.clone());
+        let finder = thread::spawn(move || {
+            let before = p.key_removals();
+            let found = p.lookup(BlockHash(5), 0);
+            let reused = d.load(std::sync::atomic::Ordering::Acquire);
+            let after = p.key_removals();
+            if reused && found == Some(1) {
+                assert_ne!(
+                    before, after,
+                    "a completed reuse of the found block is counted"
+                );
+            }
+        });
+        claimer.join().unwrap();
+        finder.join().unwrap();
+        assert_eq!(pool.key_removals(), 1);
+        check_pool(&pool, &[1, 2]);
+    });
+}
+
 /// Key slots through the whole pool: caching a held block while another thread evicts it and a
 /// third looks it up. Slot and map end in agreement; the lookup sees the block or nothing.
 #[test]

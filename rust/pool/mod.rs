@@ -360,6 +360,8 @@ pub struct BlockPool {
     secondary: Mutex<HashMap<BlockId, Vec<CacheKey>>>,
     multi: KeyedFlags,
     events: Option<SegQueue<KvEvent>>,
+    /// Keys taken off blocks so far (see [`BlockPool::key_removals`]).
+    key_removals: AtomicU64,
 }
 
 impl BlockPool {
@@ -405,6 +407,7 @@ impl BlockPool {
             secondary: Mutex::new(HashMap::new()),
             multi: KeyedFlags::new(num_blocks).map_err(oom)?,
             events: enable_events.then(SegQueue::new),
+            key_removals: AtomicU64::new(0),
         })
     }
 
@@ -541,6 +544,7 @@ impl BlockPool {
             // in a large pool. The key slots load `2 * PREFETCH_AHEAD` blocks ahead, the map
             // slots (whose place needs the key) `PREFETCH_AHEAD` ahead.
             let claimed = &out[start..];
+            let mut evicted = 0;
             for (k, &id) in claimed.iter().enumerate() {
                 if let Some(&far) = claimed.get(k + 2 * PREFETCH_AHEAD) {
                     self.prefetch_key_slot(far);
@@ -548,8 +552,9 @@ impl BlockPool {
                 if let Some(&ahead) = claimed.get(k + PREFETCH_AHEAD) {
                     self.prefetch_key_home(ahead);
                 }
-                self.evict_key(id, true);
+                evicted += u64::from(self.evict_key(id, true));
             }
+            self.count_key_removals(evicted);
         }
         // The next claims (often the next request's, one block each) take the entries now at
         // the FIFO's front: start loading their state words and key slots, and the map slot of
@@ -972,12 +977,13 @@ impl BlockPool {
         let mut moved = Vec::new();
         let mut beside = Vec::new();
         let mut covered = 0;
-        self.keys[src as usize].take(self.keyed.marker(src), |key, tokens| {
+        let taken = self.keys[src as usize].take(self.keyed.marker(src), |key, tokens| {
             self.map.remove(&key, src);
             moved.push(key);
             covered = tokens;
             self.remove_secondary(src, |key| beside.push(key));
         });
+        self.count_key_removals(u64::from(taken));
         moved.append(&mut beside);
         // The prefix length goes with the first key, which becomes `dst`'s slot key.
         for key in moved {
@@ -1089,12 +1095,31 @@ impl BlockPool {
         })
     }
 
+    /// How many blocks have had their keys taken off so far: by the reuse of a cached block, an
+    /// eviction, a move of keys to a copy or a reset (a block's keys beside the first go with
+    /// it and count with it). Keys leave blocks only this way, and each removal is counted once
+    /// complete: when two reads of the count agree, no removal completed by the second took a
+    /// key off a block that a lookup between them found under it (one still running may have).
+    pub fn key_removals(&self) -> u64 {
+        self.key_removals.load(Ordering::Acquire)
+    }
+
+    /// Counts `n` completed key removals (after them: see [`BlockPool::key_removals`]).
+    #[inline]
+    fn count_key_removals(&self, n: u64) {
+        if n > 0 {
+            self.key_removals.fetch_add(n, Ordering::AcqRel);
+        }
+    }
+
     /// Removes the cache entries of the given blocks (reference counts untouched).
     pub fn evict_blocks(&self, ids: &[BlockId]) -> Result<()> {
         self.check_ids(ids)?;
+        let mut evicted = 0;
         for &id in ids {
-            self.evict_key(id, false);
+            evicted += u64::from(self.evict_key(id, false));
         }
+        self.count_key_removals(evicted);
         Ok(())
     }
 
@@ -1106,12 +1131,14 @@ impl BlockPool {
         if self.num_free_blocks() != self.num_blocks - 1 {
             return false;
         }
+        let mut taken = 0;
         for (id, slot) in self.keys.iter().enumerate() {
-            slot.take(self.keyed.marker(id as BlockId), |key, _| {
+            taken += u64::from(slot.take(self.keyed.marker(id as BlockId), |key, _| {
                 self.map.remove(&key, id as BlockId);
                 self.remove_secondary(id as BlockId, |_| {});
-            });
+            }));
         }
+        self.count_key_removals(taken);
         if let Some(events) = &self.events {
             events.push(KvEvent::AllBlocksCleared);
         }

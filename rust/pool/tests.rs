@@ -623,6 +623,42 @@ fn free_held_tail_first_is_free_held_of_the_reversed_tables() {
     assert_eq!(pool.num_free_blocks(), reference.num_free_blocks());
 }
 
+/// `key_removals` moves by one for each block whose key is taken off, by whichever path, and
+/// not for blocks that had none or for anything else a pool does.
+#[test]
+fn key_removals_count_each_key_taken_off_a_block() {
+    let pool = BlockPool::new(16).unwrap();
+    let blocks = pool.get_new_blocks(8).unwrap();
+    cache(&pool, &blocks[..4], &[1, 2, 3, 4], 0);
+    assert_eq!(pool.key_removals(), 0);
+    // Frees, touches, lookups and more caching take no key off.
+    pool.free_blocks(&blocks).unwrap();
+    pool.touch(&blocks[..2]).unwrap();
+    assert!(pool.lookup(h(3), 0).is_some());
+    pool.free_blocks(&blocks[..2]).unwrap();
+    assert_eq!(pool.key_removals(), 0);
+    // An eviction of two keyed blocks and one without a key.
+    pool.evict_blocks(&[blocks[0], blocks[1], blocks[6]])
+        .unwrap();
+    assert_eq!(pool.key_removals(), 2);
+    // A move of a key to a copy.
+    pool.touch(&[blocks[2]]).unwrap();
+    let copy = pool.get_new_blocks(1).unwrap()[0];
+    pool.move_block_keys(blocks[2], copy).unwrap();
+    assert_eq!(pool.key_removals(), 3);
+    pool.free_blocks(&[blocks[2], copy]).unwrap();
+    // Allocations that reuse every free block: the one keyed block still there (blocks[3])
+    // loses its key (the copy keeps its own until the reset below).
+    let all = pool.get_new_blocks(pool.num_free_blocks()).unwrap();
+    assert!(all.contains(&blocks[3]));
+    assert_eq!(pool.key_removals(), 5, "blocks[3] and the copy");
+    cache(&pool, &all[..3], &[7, 8, 9], 1);
+    pool.free_blocks(&all).unwrap();
+    assert_eq!(pool.key_removals(), 5);
+    assert!(pool.reset_prefix_cache());
+    assert_eq!(pool.key_removals(), 8);
+}
+
 /// A block that someone else freed without holding it is found at zero: reported as a double
 /// free, every other block still released, nothing counted twice.
 #[test]
