@@ -537,6 +537,33 @@ def test_a_hit_evicted_before_it_is_adopted_names_the_eviction() -> None:
         manager.allocate_slots(b, 1, num_new_computed_tokens=n, new_computed_blocks=hit)
 
 
+def test_a_hit_is_adopted_only_by_the_request_it_was_found_for() -> None:
+    # The lookup of one Request object, passed with another (a second request, or a new
+    # Request under the first one's id after it was removed), is checked against that
+    # request's prompt and refused when it is not that prompt's; nothing changes.
+    manager = hk.KVCacheManager([{"kind": "full", "block_size": 16}], 16, 1024)
+    for rid, start in [("a", 0), ("z", 5000)]:
+        r = hk.Request(rid, list(range(start, start + 64)))
+        manager.allocate_slots(r, 64)
+        manager.free(r)
+    first = hk.Request("x", list(range(64)) + [1])
+    hit, n = manager.get_computed_blocks(first)
+    assert n == 64
+    manager.remove_request("x")
+    free, requests = manager.num_free_blocks, manager.num_requests
+    for other in [
+        hk.Request("x", list(range(5000, 5064)) + [1]),
+        hk.Request("y", list(range(5000, 5064)) + [1]),
+    ]:
+        with pytest.raises(hk.HybridKvError, match="not the cached block"):
+            manager.allocate_slots(other, 1, num_new_computed_tokens=n, new_computed_blocks=hit)
+        assert (manager.num_free_blocks, manager.num_requests) == (free, requests)
+    # The same prompt under another request takes the same blocks, checked.
+    same = hk.Request("w", list(range(64)) + [1])
+    assert manager.allocate_slots(same, 1, num_new_computed_tokens=n, new_computed_blocks=hit)
+    assert manager.get_block_ids("w")[0].tolist()[:4] == hit.get_block_ids()[0].tolist()
+
+
 def test_integer_arrays_of_any_width_and_byte_order_are_token_ids() -> None:
     prompt = list(range(40))
     expected = hk.hash_token_blocks(prompt, 16).tolist()
