@@ -586,7 +586,7 @@ def main(argv: list[str] | None = None) -> None:
             f"| {r['ours_p50']:,.0f} / {r['ours_p99']:,.0f} "
             f"| {r['stock_p50'] / r['ours_p50']:.2f}× / {r['stock_p99'] / r['ours_p99']:.2f}× "
             f"| {r['stock_p99_warm'] / r['ours_p99_warm']:.2f}× "
-            f"| {r['stock_share']:.0%} → {r['ours_share']:.0%} |"
+            f"| {r['stock_share']:.1%} → {r['ours_share']:.1%} |"
         )
     if args.per_call:
         print(
