@@ -36,17 +36,6 @@ from types import ModuleType
 ROOT = Path(__file__).resolve().parents[1]
 CONFORMANCE = ROOT.parent / "shared" / "conformance"
 FIXTURES = (ROOT / "tests" / "conformance_fixtures.txt").read_text().split()
-OPS = (
-    "total",
-    "get_computed_blocks",
-    "allocate_slots",
-    "allocate_slots.admit",
-    "allocate_slots.chunk",
-    "allocate_slots.decode",
-    "free",
-    "make_request",
-    "build",
-)
 
 
 def load_side(name: str, library: Path, into: Path) -> ModuleType:
@@ -81,6 +70,7 @@ def main() -> int:
             "new": load_side("hk_compare_new", args.new, Path(tmp)),
         }
         replay = sides["base"]
+        ops = ("total", *replay.TIMED_OPS, "build")
         print(f"{'fixture':34} {'op':20} {'base µs':>10} {'new µs':>10}  new/base (quartiles)")
         for fixture in args.fixtures:
             workload = replay.load_json(CONFORMANCE / f"{fixture}.workload.json.gz")
@@ -104,7 +94,7 @@ def main() -> int:
                     row["build"] = built / 1e3
                     totals[side].append(row)
                     del manager, result
-            for op in OPS:
+            for op in ops:
                 base = [row.get(op, 0.0) for row in totals["base"]]
                 new = [row.get(op, 0.0) for row in totals["new"]]
                 if not all(base):

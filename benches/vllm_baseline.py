@@ -70,18 +70,6 @@ CONFORMANCE = Path(__file__).resolve().parents[1].parent / "shared" / "conforman
 FIXTURES = (
     (Path(__file__).resolve().parents[1] / "tests" / "conformance_fixtures.txt").read_text().split()
 )
-OPS = ("allocate_slots", "free", "get_computed_blocks", "make_request", "append_token")
-ALL_OPS = (
-    "make_request",
-    "get_computed_blocks",
-    "allocate_slots",
-    "allocate_slots.admit",
-    "allocate_slots.chunk",
-    "allocate_slots.decode",
-    "free",
-    "append_token",
-    "new_step_starts",
-)
 
 
 def _import_hybrid_kv(attempts: int = 10, wait_s: float = 60.0) -> Any:
@@ -102,6 +90,8 @@ def _import_hybrid_kv(attempts: int = 10, wait_s: float = 60.0) -> Any:
 
 
 HK = _import_hybrid_kv()
+OPS = HK.MANAGER_OPS
+ALL_OPS = HK.TIMED_OPS
 
 
 # --------------------------------------------------------------------------- vLLM construction

@@ -36,6 +36,8 @@ __all__ = [
     "ReplayResult",
     "ReplayStalledError",
     "ReplayStuckError",
+    "MANAGER_OPS",
+    "TIMED_OPS",
     "check_workload",
     "load_json",
     "add_arguments",
@@ -45,6 +47,21 @@ __all__ = [
 ]
 
 IMPL = "hybrid-kv-0.1.0"
+
+# The ops whose times make a replay's manager total (the ones vLLM's trace summaries time).
+MANAGER_OPS = ("allocate_slots", "free", "get_computed_blocks", "make_request", "append_token")
+# Every op a replay times, `allocate_slots` also split by kind of call.
+TIMED_OPS = (
+    "make_request",
+    "get_computed_blocks",
+    "allocate_slots",
+    "allocate_slots.admit",
+    "allocate_slots.chunk",
+    "allocate_slots.decode",
+    "free",
+    "append_token",
+    "new_step_starts",
+)
 
 
 def _open(path: str | Path) -> IO[str]:
@@ -355,8 +372,7 @@ class ReplayResult:
 
     def manager_seconds(self) -> float:
         """Total time in manager calls (the ops vLLM's summary also times)."""
-        ops = ("allocate_slots", "free", "get_computed_blocks", "make_request", "append_token")
-        return sum(sum(self.timings.get(op, [])) for op in ops) / 1e9
+        return sum(sum(self.timings.get(op, [])) for op in MANAGER_OPS) / 1e9
 
     def summary(self) -> dict[str, Any]:
         timing = {}

@@ -384,19 +384,24 @@ fn loom_reset_racing_a_cache_keeps_keys_and_map_in_step() {
     });
 }
 
+/// A pool of 3 blocks: block 1 free and cached under hash 5, block 2 held, so block 1 is the
+/// only free block.
+fn one_free_cached_block() -> Arc<BlockPool> {
+    let pool = Arc::new(BlockPool::with_options(3, true, false).unwrap());
+    assert_eq!(pool.get_new_blocks(2).unwrap(), vec![1, 2]);
+    pool.cache_full_blocks(&[1], &[BlockHash(5)], 0, StoreInfo::default())
+        .unwrap();
+    pool.free_blocks(&[1]).unwrap();
+    pool
+}
+
 /// Key slots through the whole pool: a revive (`touch` of a cache hit) racing a claim of the
 /// same free cached block. Exactly one takes it out of the free order; a claim evicts the key
 /// (slot and map together), a revive keeps it.
 #[test]
 fn loom_revive_of_a_hit_racing_its_reuse_keeps_keys_and_map_in_step() {
     model("revive_of_a_hit_racing_its_reuse", 5, || {
-        // Block 1 is free and cached under hash 5; block 2 is held, so block 1 is the only
-        // free block.
-        let pool = Arc::new(BlockPool::with_options(3, true, false).unwrap());
-        assert_eq!(pool.get_new_blocks(2).unwrap(), vec![1, 2]);
-        pool.cache_full_blocks(&[1], &[BlockHash(5)], 0, StoreInfo::default())
-            .unwrap();
-        pool.free_blocks(&[1]).unwrap();
+        let pool = one_free_cached_block();
         let p = pool.clone();
         let reviver = thread::spawn(move || p.touch(&[1]).is_ok());
         let p = pool.clone();
@@ -424,13 +429,7 @@ fn loom_revive_of_a_hit_racing_its_reuse_keeps_keys_and_map_in_step() {
 #[test]
 fn loom_key_removals_move_before_a_reuse_of_a_found_block_returns() {
     model("key_removals_vs_reuse", 5, || {
-        // Block 1 is free and cached under hash 5; block 2 is held, so block 1 is the only
-        // free block.
-        let pool = Arc::new(BlockPool::with_options(3, true, false).unwrap());
-        assert_eq!(pool.get_new_blocks(2).unwrap(), vec![1, 2]);
-        pool.cache_full_blocks(&[1], &[BlockHash(5)], 0, StoreInfo::default())
-            .unwrap();
-        pool.free_blocks(&[1]).unwrap();
+        let pool = one_free_cached_block();
         let done = Arc::new(loom::sync::atomic::AtomicBool::new(false));
         let (p, d) = (pool.clone(), done.clone());
         let claimer = thread::spawn(move || {

@@ -530,18 +530,20 @@ fn a_request_sized_batch_is_validated_block_by_block() {
     assert_eq!(pool.num_free_blocks(), 8999);
 }
 
+/// Blocks 1..=12 held: 1-6 cached, 2, 5 and 9 held twice (a request's "groups" mix them).
+fn twelve_held_blocks() -> BlockPool {
+    let pool = BlockPool::new(16).unwrap();
+    let blocks = pool.get_new_blocks(12).unwrap();
+    cache(&pool, &blocks[..6], &[1, 2, 3, 4, 5, 6], 0);
+    pool.touch(&[2, 5, 9]).unwrap();
+    pool
+}
+
 /// The same blocks freed as `free_blocks` batches in turn and as one `free_held` of the
 /// batches: the same free order, the same free count, for every way of cutting the list.
 #[test]
 fn free_held_in_batches_leaves_the_order_of_one_free_per_batch() {
-    // Blocks 1..=12: 1-6 cached (some held twice), 7-12 not; the request's "groups" mix both.
-    let build = || {
-        let pool = BlockPool::new(16).unwrap();
-        let blocks = pool.get_new_blocks(12).unwrap();
-        cache(&pool, &blocks[..6], &[1, 2, 3, 4, 5, 6], 0);
-        pool.touch(&[2, 5, 9]).unwrap();
-        pool
-    };
+    let build = twelve_held_blocks;
     let all: Vec<BlockId> = vec![9, 3, 1, 12, 8, 2, 11, 6, 5, 10, 7, 4];
     for cuts in [
         vec![12],
@@ -579,13 +581,7 @@ fn free_held_in_batches_leaves_the_order_of_one_free_per_batch() {
 /// the same tables reversed with their nulls dropped: the same order, count and references.
 #[test]
 fn free_held_tail_first_is_free_held_of_the_reversed_tables() {
-    let build = || {
-        let pool = BlockPool::new(16).unwrap();
-        let blocks = pool.get_new_blocks(12).unwrap();
-        cache(&pool, &blocks[..6], &[1, 2, 3, 4, 5, 6], 0);
-        pool.touch(&[2, 5, 9]).unwrap();
-        pool
-    };
+    let build = twelve_held_blocks;
     let tables: Vec<Vec<BlockId>> = vec![
         vec![NULL_BLOCK, 9, 3, NULL_BLOCK, 1],
         vec![],
