@@ -71,7 +71,7 @@ pub struct ComputedBlocks {
 
 /// What makes a hit [`ComputedBlocks::found`] for: the request's serial and the pool's
 /// [`BlockPool::key_removals`](crate::pool::BlockPool::key_removals) read before the lookup.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Found {
     request: u64,
     key_removals: u64,

@@ -360,7 +360,7 @@ pub struct BlockPool {
     secondary: Mutex<HashMap<BlockId, Vec<CacheKey>>>,
     multi: KeyedFlags,
     events: Option<SegQueue<KvEvent>>,
-    /// Keys taken off blocks so far (see [`BlockPool::key_removals`]).
+    /// Blocks whose keys were taken off so far (see [`BlockPool::key_removals`]).
     key_removals: AtomicU64,
 }
 
