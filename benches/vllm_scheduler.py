@@ -339,18 +339,15 @@ def wrapper_bias(samples: int = 200_000) -> dict[str, float]:
         def get_block_ids(self) -> None:
             return None
 
-    def per_call(call: Callable[..., Any]) -> float:
-        return _per_call(call, samples)
-
     probe = _Probe()
-    plain = per_call(probe.allocate_slots)
+    plain = _per_call(probe.allocate_slots, samples)
     bias = {}
     totals = {"manager": 0, "calls": 0}
-    step = per_call(_timed(probe.allocate_slots, totals, "probe"))
+    step = _per_call(_timed(probe.allocate_slots, totals, "probe"), samples)
     bias["counted"] = totals["manager"] / samples - plain
     bias["step"] = step - plain
     totals = {"manager": 0, "calls": 0}
-    step = per_call(_timed_allocate(probe.allocate_slots, Result, totals))
+    step = _per_call(_timed_allocate(probe.allocate_slots, Result, totals), samples)
     bias["allocate_counted"] = totals["manager"] / samples - plain
     bias["allocate_step"] = step - plain
     result = Result()
@@ -373,9 +370,6 @@ def native_bias(samples: int = 200_000) -> dict[str, float]:
         def get_block_ids(self, allow_none: bool = False) -> None:
             return None
 
-    def per_call(call: Callable[..., Any]) -> float:
-        return _per_call(call, samples)
-
     def per_read(result: Any) -> float:
         t0 = time.perf_counter_ns()
         for _ in range(samples):
@@ -383,8 +377,8 @@ def native_bias(samples: int = 200_000) -> dict[str, float]:
         return (time.perf_counter_ns() - t0) / samples
 
     probe = _Probe()
-    plain = per_call(probe.allocate_slots)
-    timed = per_call(_core._CallTimer(probe.allocate_slots).function())
+    plain = _per_call(probe.allocate_slots, samples)
+    timed = _per_call(_core._CallTimer(probe.allocate_slots).function(), samples)
     bias = {"counted": 0.0, "allocate_counted": 0.0}
     bias["step"] = bias["allocate_step"] = timed - plain
     result = Result()
@@ -399,8 +393,10 @@ def native_bias(samples: int = 200_000) -> dict[str, float]:
         made[0] += 1
         return _NativeTimed(result, read_ids)
 
-    plain = per_call(probe.allocate_slots)
-    wrapped = per_call(_core._CallTimer(lambda *a, **k: result, (Result,), proxy).function())
+    plain = _per_call(probe.allocate_slots, samples)
+    wrapped = _per_call(
+        _core._CallTimer(lambda *a, **k: result, (Result,), proxy).function(), samples
+    )
     bias["proxy"] = max(0.0, wrapped - plain - bias["allocate_step"])
     return bias
 
