@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -159,6 +160,15 @@ def test_a_near_miss_suggests_the_preset() -> None:
 def test_a_missing_path_says_no_such_file(path: str) -> None:
     with pytest.raises(CatalogueError, match="no such file or directory"):
         load_model(path)
+
+
+def test_a_path_that_is_neither_a_file_nor_a_directory_is_refused(tmp_path: Path) -> None:
+    fifo = tmp_path / "config.json"
+    os.mkfifo(fifo)
+    # A FIFO nobody writes to would block a read forever: refused before any read.
+    for path in (str(fifo), os.devnull):
+        with pytest.raises(CatalogueError, match="neither a config.json file nor a directory"):
+            load_model(path)
 
 
 def test_a_directory_without_a_config_says_so(tmp_path: Path) -> None:

@@ -133,6 +133,9 @@ def resolve_model(model: str) -> Path:
         return config
     if path.is_file():
         return path
+    if path.exists():
+        # A device, FIFO or socket: reading one can block forever or never end.
+        raise CatalogueError(f"{model} is neither a config.json file nor a directory")
     if _HUB_ID.match(model) and not model.endswith(".json"):
         cached = _from_hub_cache(model)
         if cached is not None:
