@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import gzip
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,44 @@ BAD = [
     ("missing output", workload({"rid": "a", "prompt": [1], "arrival_step": 0}), "'output'"),
     ("max_model_len 1", workload(request("a", 1), max_model_len=1), "at least 2"),
     ("no sched", {"requests": []}, "missing 'sched'"),
+    ("not an object", [1, 2], "a list, not an object"),
+    ("sched not an object", {"sched": [1], "requests": []}, "'sched' is a list"),
+    ("requests not a list", {**workload(), "requests": {"a": 1}}, "'requests' is a dict"),
+    ("request not an object", workload(request("a", 10), 5), "request 1: missing"),
+    ("id a list", workload({**request("a", 10), "rid": [1]}), "id \\[1\\] is not a string"),
+    ("id a bool", workload({**request("a", 10), "rid": True}), "id True is not a string"),
+    ("prompt a string", workload({**request("a", 10), "prompt": "hello"}), "got str"),
+    ("prompt token str", workload({**request("a", 10), "prompt": [1, "2"]}), "token 1 is '2'"),
+    ("prompt token float", workload({**request("a", 10), "prompt": [1.0]}), "token 0 is 1.0"),
+    ("prompt token bool", workload({**request("a", 10), "prompt": [3, True]}), "token 1 is True"),
+    ("prompt token < 0", workload({**request("a", 10), "prompt": [5, -1]}), "token 1 is -1"),
+    ("prompt token 2^32", workload({**request("a", 10), "prompt": [2**32]}), "\\[0, 2\\^32\\)"),
+    ("output an int", workload({**request("a", 10), "output": 3}), "output must be a list"),
+    ("output token < 0", workload({**request("a", 10), "output": [-7]}), "output token 0"),
+]
+
+
+def _sched(**fields: Any) -> dict[str, Any]:
+    wl = workload(request("a", 10))
+    wl["sched"].update(fields)
+    return wl
+
+
+def _without(key: str) -> dict[str, Any]:
+    wl = workload(request("a", 10))
+    del wl["sched"][key]
+    return wl
+
+
+BAD += [
+    ("no max_num_seqs", _without("max_num_seqs"), "missing sched 'max_num_seqs'"),
+    ("no max_model_len", _without("max_model_len"), "missing sched 'max_model_len'"),
+    ("max_num_seqs 0", _sched(max_num_seqs=0), "max_num_seqs must be an integer of at least 1"),
+    ("max_num_seqs str", _sched(max_num_seqs="4"), "max_num_seqs must be an integer"),
+    ("batched 0", _sched(max_num_batched_tokens=0), "max_num_batched_tokens must be"),
+    ("batched float", _sched(max_num_batched_tokens=8.0), "max_num_batched_tokens must be"),
+    ("threshold < 0", _sched(long_prefill_token_threshold=-1), "long_prefill_token_threshold"),
+    ("max_model_len 2^63", _sched(max_model_len=2**63), "max_model_len must be below 2\\^63"),
 ]
 
 
@@ -67,13 +106,19 @@ BAD = [
 def test_a_workload_vllm_would_refuse_is_a_value_error_before_any_step(
     name: str, wl: dict[str, Any], message: str
 ) -> None:
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    pattern = message if "\\" in message else message.replace("(", r"\(")
+    with pytest.raises(ValueError, match=pattern):
         check_workload(wl)
     m = manager()
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    with pytest.raises(ValueError, match=pattern):
         replay(wl, m)
     # Nothing ran: no request reached the manager.
     assert m.num_free_blocks == 199
+
+
+def test_a_long_prefill_threshold_of_none_or_zero_is_accepted() -> None:
+    for threshold in (None, 0):
+        check_workload(_sched(long_prefill_token_threshold=threshold))
 
 
 def test_prompts_up_to_max_model_len_minus_one_run_to_max_model_len() -> None:
@@ -182,3 +227,82 @@ def test_a_header_group_whose_spec_has_no_group_kind_is_refused_by_name(spec: st
             ),
             512,
         )
+
+
+def _run(tmp_path: Path, workload_path: Path, trace: Path, *extra: str) -> int:
+    out = tmp_path / "o.jsonl"
+    return replay_module.main(
+        [str(workload_path), "--groups-from", str(trace), "--out", str(out), *extra]
+    )
+
+
+def test_the_replay_command_names_a_file_it_cannot_read(
+    conformance_dir: Path, tmp_path: Path, capsys
+) -> None:
+    trace = conformance_dir / "full-attn.eviction.vllm.jsonl.gz"
+    real = conformance_dir / "full-attn.eviction.workload.json.gz"
+    not_json = tmp_path / "notes.json"
+    not_json.write_text("hello")
+    not_gzip = tmp_path / "w.json.gz"
+    not_gzip.write_bytes(b"\x1f\x8b not really")
+    truncated = tmp_path / "cut.json.gz"
+    truncated.write_bytes(real.read_bytes()[:300])
+    no_header = tmp_path / "t.jsonl"
+    no_header.write_text("5\n")
+    for workload_path, trace_path, expected in (
+        (not_json, trace, f"workload {not_json}: Expecting value"),
+        (not_gzip, trace, f"workload {not_gzip}:"),
+        (truncated, trace, f"workload {truncated}: Compressed file ended"),
+        (tmp_path, trace, "Is a directory"),
+        (real, not_json, f"trace {not_json}: Expecting value"),
+        (real, no_header, f"{no_header}: no header line"),
+    ):
+        assert _run(tmp_path, workload_path, trace_path) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("replay: error: ") and expected in err, err
+        assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda h: h.pop("kv_cache"), "no 'kv_cache' object"),
+        (lambda h: h["kv_cache"].update(groups=None), "'groups' must be a list of objects"),
+        (lambda h: h["kv_cache"].update(groups=[5]), "'groups' must be a list of objects"),
+        (lambda h: h["kv_cache"].pop("num_blocks"), "missing 'num_blocks'"),
+        (lambda h: h["kv_cache"]["groups"][0].pop("block_size"), "group 0: missing 'block_size'"),
+        (lambda h: h["kv_cache"]["groups"][0].update(spec=["x"]), "vLLM spec \\['x'\\]"),
+        (lambda h: h["kv_cache"].update(num_blocks="many"), "the header of"),
+    ],
+)
+def test_the_replay_command_reports_a_bad_header(
+    conformance_dir: Path, tmp_path: Path, capsys, mutate: Any, message: str
+) -> None:
+    real = conformance_dir / "full-attn.eviction.workload.json.gz"
+    head = replay_module.read_header(conformance_dir / "full-attn.eviction.vllm.jsonl.gz")
+    mutate(head)
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps(head) + "\n")
+    assert _run(tmp_path, real, trace) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("replay: error: the header of") and re.search(message, err), err
+
+
+def test_the_replay_command_reports_an_output_it_cannot_write_and_a_bad_step_limit(
+    conformance_dir: Path, tmp_path: Path, capsys
+) -> None:
+    trace = conformance_dir / "full-attn.eviction.vllm.jsonl.gz"
+    real = conformance_dir / "full-attn.eviction.workload.json.gz"
+    for out in (tmp_path / "no" / "such" / "dir.jsonl", tmp_path):
+        rc = replay_module.main([str(real), "--groups-from", str(trace), "--out", str(out)])
+        assert rc == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"replay: error: cannot write {out}:"), err
+    for steps in ("0", "-3", "two"):
+        with pytest.raises(SystemExit) as exit_:
+            _run(tmp_path, real, trace, "--max-steps", steps)
+        assert exit_.value.code == 2
+        assert "argument --max-steps" in capsys.readouterr().err
+    assert _run(tmp_path, real, trace, "--max-steps", "2") == 0
+    steps = [json.loads(line) for line in (tmp_path / "o.jsonl").open()]
+    assert sum(1 for r in steps if r["kind"] == "step") == 2

@@ -69,12 +69,15 @@ def _header_group(index: int, g: dict[str, Any]) -> dict[str, Any]:
     """The core's group spec for group `index` of a trace header. A spec whose manager the core
     does not implement is a `ValueError` naming it (a replay must not run it as another kind)."""
     spec = g.get("spec")
-    if spec is not None and spec not in _SPEC_KINDS:
+    if spec is not None and (not isinstance(spec, str) or spec not in _SPEC_KINDS):
         raise ValueError(
             f"header group {index}: vLLM spec {spec!r} has no hybrid-kv group kind (known: "
             f"{', '.join(sorted(_SPEC_KINDS))})"
         )
-    kind = (_SPEC_KINDS[spec] if spec is not None else None) or g["kind"]
+    kind = (_SPEC_KINDS[spec] if spec is not None else None) or g.get("kind")
+    for key, value in (("kind", kind), ("block_size", g.get("block_size"))):
+        if value is None:
+            raise ValueError(f"header group {index}: missing {key!r}")
     group = {"kind": kind, "block_size": g["block_size"]}
     for key in _GROUP_FIELDS:
         if g.get(key) is not None:
@@ -91,9 +94,17 @@ def manager_from_header(
     passes (its `max_num_batched_tokens` for a synchronous engine). A group is built from its
     `spec` (vLLM's class name) when the header gives one, with every field of it the core reads
     (`sliding_window`, `rswa_window`, `num_speculative_blocks`, ...); a spec hybrid-kv has no
-    group kind for is a `ValueError`."""
-    kv = header["kv_cache"]
-    groups = [_header_group(i, g) for i, g in enumerate(kv["groups"])]
+    group kind for is a `ValueError`, as is a header without a `kv_cache` object holding
+    `num_blocks` and a list of group objects."""
+    kv = header.get("kv_cache") if isinstance(header, dict) else None
+    if not isinstance(kv, dict):
+        raise ValueError("not a kvtrace/1 header: no 'kv_cache' object")
+    if "num_blocks" not in kv:
+        raise ValueError("header kv_cache: missing 'num_blocks'")
+    raw = kv.get("groups")
+    if not isinstance(raw, list) or not all(isinstance(g, dict) for g in raw):
+        raise ValueError("header kv_cache: 'groups' must be a list of objects")
+    groups = [_header_group(i, g) for i, g in enumerate(raw)]
     return KVCacheManager(
         groups,
         kv["num_blocks"],

@@ -19,6 +19,7 @@ import json
 import statistics
 import sys
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -78,7 +79,7 @@ def read_header(trace_path: str | Path) -> dict[str, Any]:
     with _open(trace_path) as f:
         for line in f:
             record = json.loads(line)
-            if record.get("kind") == "header":
+            if isinstance(record, dict) and record.get("kind") == "header":
                 return record
     raise ValueError(f"{trace_path}: no header line")
 
@@ -248,28 +249,72 @@ class ReplayStuckError(ReplayStalledError):
         self.num_blocks = 0
 
 
+def _count(value: Any, what: str, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{what} must be an integer of at least {least}, got {value!r}")
+    if value >= 1 << 63:
+        raise ValueError(f"{what} must be below 2^63, got {value}")
+
+
+def _check_tokens(rid: Any, what: str, tokens: Any) -> None:
+    """A list of token ids the manager takes (ints in [0, 2^32)), or a `ValueError`."""
+    if not isinstance(tokens, list):
+        raise ValueError(
+            f"request {rid!r}: {what} must be a list of token ids, got {type(tokens).__name__}"
+        )
+    if all(type(t) is int for t in tokens) and (
+        not tokens or (min(tokens) >= 0 and max(tokens) < 1 << 32)
+    ):
+        return
+    for i, t in enumerate(tokens):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 1 << 32:
+            raise ValueError(
+                f"request {rid!r}: {what} token {i} is {t!r}; token ids are integers in [0, 2^32)"
+            )
+
+
 def check_workload(workload: dict[str, Any]) -> None:
-    """Raises `ValueError` naming the first request vLLM would not accept: a prompt of 1 to
-    `max_model_len - 1` tokens (vLLM's input processor refuses an empty prompt, and a prompt of
-    `max_model_len` tokens or more leaves no room for an output token) and at least one output
-    token; request ids unique, arrival steps non-negative integers."""
+    """Raises `ValueError` naming the first field or request the loop or vLLM would not accept:
+    `sched` with integer `max_model_len` (at least 2), `max_num_seqs` and
+    `max_num_batched_tokens` (at least 1) and an optional `long_prefill_token_threshold` (at
+    least 0); each request an object with a unique id (a string or an integer), a prompt of 1 to
+    `max_model_len - 1` token ids (vLLM's input processor refuses an empty prompt, and a prompt
+    of `max_model_len` tokens or more leaves no room for an output token), at least one output
+    token id (token ids are integers in [0, 2^32)) and a non-negative integer arrival step."""
+    if not isinstance(workload, dict):
+        raise ValueError(f"not a workload: a {type(workload).__name__}, not an object")
     try:
         sched = workload["sched"]
         requests = workload["requests"]
-        max_model_len = sched["max_model_len"]
-    except (KeyError, TypeError) as error:
+    except KeyError as error:
         raise ValueError(f"not a workload: missing {error}") from None
-    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 2:
-        raise ValueError(f"max_model_len must be an integer of at least 2, got {max_model_len!r}")
+    if not isinstance(sched, dict):
+        raise ValueError(f"not a workload: 'sched' is a {type(sched).__name__}, not an object")
+    if "max_model_len" not in sched:
+        raise ValueError("not a workload: missing sched 'max_model_len'")
+    max_model_len = sched["max_model_len"]
+    if not isinstance(requests, list):
+        raise ValueError(f"not a workload: 'requests' is a {type(requests).__name__}, not a list")
+    _count(max_model_len, "max_model_len", 2)
+    for key in ("max_num_seqs", "max_num_batched_tokens"):
+        if key not in sched:
+            raise ValueError(f"not a workload: missing sched {key!r}")
+        _count(sched[key], key, 1)
+    if sched.get("long_prefill_token_threshold") is not None:
+        _count(sched["long_prefill_token_threshold"], "long_prefill_token_threshold", 0)
     seen: set[Any] = set()
     for index, r in enumerate(requests):
         try:
             rid, prompt, output, arrival = r["rid"], r["prompt"], r["output"], r["arrival_step"]
         except (KeyError, TypeError) as error:
             raise ValueError(f"request {index}: missing {error}") from None
+        if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+            raise ValueError(f"request {index}: id {rid!r} is not a string or an integer")
         if rid in seen:
             raise ValueError(f"request {index}: id {rid!r} is used twice")
         seen.add(rid)
+        _check_tokens(rid, "prompt", prompt)
+        _check_tokens(rid, "output", output)
         if not 1 <= len(prompt) < max_model_len:
             raise ValueError(
                 f"request {rid!r}: a prompt of {len(prompt)} tokens; vLLM accepts prompts of 1 "
@@ -695,7 +740,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("workload", help="workload JSON (.json or .json.gz)")
     parser.add_argument("--groups-from", required=True, help="vLLM kvtrace/1 file (its header)")
     parser.add_argument("--out", required=True, help="trace to write (kvtrace/1, .jsonl)")
-    parser.add_argument("--max-steps", type=int, default=None, help="stop after N steps")
+    parser.add_argument(
+        "--max-steps", type=_positive_int, default=None, help="stop after N steps (N >= 1)"
+    )
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _load(path: str, what: str, read: Callable[[str], Any]) -> Any:
+    """`read(path)`, its failures (missing, unreadable, not gzip, not JSON) a `ValueError`
+    naming the file."""
+    try:
+        return read(path)
+    except (OSError, EOFError, ValueError, zlib.error) as error:
+        message = str(error)
+        raise ValueError(message if path in message else f"{what} {path}: {message}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -709,14 +776,18 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     """Replays `args.workload` with the groups of `args.groups_from`, writing `args.out`."""
     try:
-        workload = load_json(args.workload)
+        workload = _load(args.workload, "workload", load_json)
         check_workload(workload)
-        vllm_header = read_header(args.groups_from)
+        vllm_header = _load(args.groups_from, "trace", read_header)
         sched = workload["sched"]
-        manager = manager_from_header(
-            vllm_header, sched["max_model_len"], sched["max_num_batched_tokens"]
-        )
-    except (OSError, ValueError, KeyError) as error:
+        try:
+            manager = manager_from_header(
+                vllm_header, sched["max_model_len"], sched["max_num_batched_tokens"]
+            )
+        except (ValueError, TypeError) as error:
+            # TypeError: a header field of the wrong type, as the manager's constructor says.
+            raise ValueError(f"the header of {args.groups_from}: {error}") from None
+    except ValueError as error:
         print(f"replay: error: {error}", file=sys.stderr)
         return 2
     header = {
@@ -733,7 +804,12 @@ def run(args: argparse.Namespace) -> int:
         },
         "kv_cache": vllm_header["kv_cache"],
     }
-    with open(args.out, "w") as out:
+    try:
+        out = open(args.out, "w")  # noqa: SIM115 (closed below; an open error is reported)
+    except OSError as error:
+        print(f"replay: error: cannot write {args.out}: {error}", file=sys.stderr)
+        return 2
+    with out:
         try:
             result = replay(workload, manager, out, header, args.max_steps)
         except ReplayStalledError as error:
