@@ -19,6 +19,9 @@ def test_demo_command_runs_and_rejects_a_too_small_pool(capsys) -> None:
     assert "evicts 1 cached block" in capsys.readouterr().out
     assert main(["demo", "--num-blocks", "3"]) == 2
     assert "at least 10" in capsys.readouterr().err
+    for size in ("0", "-5"):
+        assert main(["demo", "--block-size", size]) == 2
+        assert f"--block-size must be at least 1, got {size}" in capsys.readouterr().err
 
 
 def test_module_entry_point_runs_the_demo() -> None:

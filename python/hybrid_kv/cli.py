@@ -489,6 +489,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     if args.num_blocks < 10:
         raise CommandError("--num-blocks must be at least 10 for the demo")
+    if args.block_size < 1:
+        raise CommandError(f"--block-size must be at least 1, got {args.block_size}")
     run_demo(args.num_blocks, args.block_size)
     return 0
 
