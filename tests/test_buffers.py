@@ -130,6 +130,48 @@ def test_allocate_refuses_what_is_not_a_plan() -> None:
         allocate_kv_cache({"num_blocks": 3}, "meta")  # type: ignore[arg-type]
 
 
+def test_a_cpu_pool_larger_than_the_memory_left_is_refused_before_allocating(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import hybrid_kv.buffers as buffers_module
+
+    plan = _plan(MIXES["sw+full+sharing"])
+    allocated: list[int] = []
+    real_empty = torch.empty
+
+    def empty(*args: object, **kwargs: object) -> torch.Tensor:
+        allocated.append(1)
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(buffers_module.torch, "empty", empty)
+    monkeypatch.setattr(buffers_module._core, "_available_memory", lambda: plan.pool_bytes - 1)
+    with pytest.raises(MemoryError, match="needs .* on the CPU, but only"):
+        allocate_kv_cache(plan, "cpu")
+    assert allocated == []
+    # The meta device takes no memory; a pool that fits, or an unknown amount left, allocates.
+    assert allocate_kv_cache(plan, "meta").pool.numel() == plan.pool_bytes
+    monkeypatch.setattr(buffers_module._core, "_available_memory", lambda: plan.pool_bytes)
+    assert allocate_kv_cache(plan, "cpu").pool.numel() == plan.pool_bytes
+    monkeypatch.setattr(buffers_module._core, "_available_memory", lambda: None)
+    assert allocate_kv_cache(plan, "cpu").pool.numel() == plan.pool_bytes
+
+
+def test_the_memory_left_is_what_the_kernel_reports() -> None:
+    from hybrid_kv import _core
+
+    available = _core._available_memory()
+    if not sys.platform.startswith("linux"):
+        assert available is None
+        return
+    meminfo = dict(
+        (line.split(":")[0], int(line.split()[1]) * 1024)
+        for line in open("/proc/meminfo")  # noqa: SIM115
+        if line.split()[1].isdigit()
+    )
+    assert available is not None
+    assert 0 < available <= meminfo["MemTotal"] + meminfo.get("SwapTotal", 0)
+
+
 def _layout_plans() -> list[tuple[str, str]]:
     cases = []
     for mix, layout in itertools.product(sorted(MIXES), KV_CACHE_LAYOUTS):

@@ -38,6 +38,7 @@ __all__ = [
     "_RunningSteps",
     "_VllmSlot",
     "__version__",
+    "_available_memory",
     "_empty_block_ids_entry",
     "_running_steps_entry",
     "hash_token_blocks",
@@ -248,6 +249,10 @@ class BlockPool:
         while other threads use the pool."""
     def take_events(self) -> list[_KVEvent]:
         """Drains the KV events (empty unless `enable_kv_events`)."""
+
+def _available_memory() -> int | None:
+    """Bytes this process can take without the kernel killing anyone (`MemAvailable` plus
+    `SwapFree`, within its cgroups' memory limits; Linux); None where that is not known."""
 
 def hash_token_blocks(
     token_ids: _TokenIds,

@@ -27,7 +27,9 @@ except ImportError as error:  # pragma: no cover - depends on the environment
         "hybrid_kv.buffers needs torch: pip install 'hybrid-kv[torch]'", name="torch"
     ) from error
 
+from hybrid_kv import _core
 from hybrid_kv.planner import KVCachePlan, LayerPlacement
+from hybrid_kv.planner.memory import format_bytes
 from hybrid_kv.specs import DTYPE_SIZES, MambaSpec
 
 __all__ = ["KVCacheBuffers", "allocate_kv_cache", "default_device", "torch_dtype"]
@@ -76,10 +78,23 @@ def allocate_kv_cache(
 ) -> KVCacheBuffers:
     """Allocate the plan's memory on `device` (default `default_device()`; `"meta"` allocates
     nothing) and build the per-layer views. `zero` fills the pool with zeros (Mamba states
-    must start from zero)."""
+    must start from zero).
+
+    On the CPU, a pool larger than the memory the kernel can hand out (`MemAvailable` plus
+    `SwapFree`, within the process's cgroup limits, where Linux tells) is a `MemoryError`
+    before anything is allocated: the allocation itself would succeed (the kernel overcommits)
+    and filling it would wake the OOM killer. On a GPU, torch's allocator refuses for itself."""
     if not isinstance(plan, KVCachePlan):
         raise TypeError(f"allocate_kv_cache needs a KVCachePlan, got {type(plan).__name__}")
     device = default_device() if device is None else torch.device(device)
+    if device.type == "cpu":
+        available = _core._available_memory()
+        if available is not None and plan.pool_bytes > available:
+            raise MemoryError(
+                f"the KV cache pool needs {format_bytes(plan.pool_bytes)} on the CPU, but only "
+                f"{format_bytes(available)} can be allocated (MemAvailable plus SwapFree, within "
+                "the cgroup's limit): plan a smaller budget or allocate it on a GPU"
+            )
     pool = torch.empty(plan.pool_bytes, dtype=torch.int8, device=device)
     if zero and device.type != "meta":
         pool.zero_()

@@ -224,7 +224,7 @@ pub(crate) fn fits(bytes: usize) -> bool {
 /// Bytes the kernel can hand out without killing anyone: `MemAvailable` plus `SwapFree` from
 /// `/proc/meminfo`, at most the room under each memory limit of the process's cgroups that can
 /// be read (Linux); None where that is not known (the allocation then decides alone).
-fn available_memory() -> Option<usize> {
+pub(crate) fn available_memory() -> Option<usize> {
     #[cfg(test)]
     if let Some(bytes) = inject::available() {
         return Some(bytes);

@@ -84,7 +84,7 @@
 //! Frees fill buffers each thread keeps between frees (four, of at most 256 KB each once a free
 //! is done), so that a free allocates only when it is larger than the frees before it.
 
-mod alloc;
+pub(crate) mod alloc;
 mod free_order;
 mod map;
 pub mod reference;

@@ -315,7 +315,16 @@ fn event_keys_to_py(py: Python<'_>, keys: Vec<EventKey>) -> PyResult<Py<PyTuple>
     Ok(PyTuple::new(py, items)?.unbind())
 }
 
+/// Bytes this process can take without the kernel killing anyone, as the pool checks its own
+/// arrays against: `MemAvailable` plus `SwapFree`, within the memory limits of its cgroups
+/// (Linux); None where that is not known.
+#[pyfunction]
+fn _available_memory() -> Option<usize> {
+    crate::pool::alloc::available_memory()
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(_available_memory, m)?)?;
     m.add_class::<PyBlockPool>()?;
     m.add_class::<BlockStored>()?;
     m.add_class::<BlockRemoved>()?;
