@@ -547,6 +547,8 @@ class Driver:
     step: int = 0
     _next: int = 0
     _in_flight: deque[tuple[SchedulerOutput, set[str]]] = field(default_factory=deque)
+    # The scheduler output of the last `timed_step`.
+    last_output: SchedulerOutput | None = None
 
     def _admit(self) -> None:
         while (
@@ -635,6 +637,7 @@ class Driver:
         t0 = time.perf_counter_ns()
         output = self.scheduler.schedule()
         t1 = time.perf_counter_ns()
+        self.last_output = output
         chunks = {
             rid
             for rid in output.num_scheduled_tokens
