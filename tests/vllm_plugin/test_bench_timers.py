@@ -4,8 +4,6 @@ scheduler makes, and are taken off again afterwards."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,23 +11,11 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (see .ci/run)")
 
 import hybrid_kv.vllm as hkv  # noqa: E402
+from bench_loader import load_bench  # noqa: E402
 from hybrid_kv import _core  # noqa: E402
 from hybrid_kv.vllm import testing as harness  # noqa: E402
 
-BENCH = Path(__file__).resolve().parents[2] / "benches" / "vllm_scheduler.py"
-
-
-def _bench() -> Any:
-    if not BENCH.exists():
-        raise FileNotFoundError(f"{BENCH} is missing")
-    spec = importlib.util.spec_from_file_location("vllm_scheduler_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _bench()
+bench = load_bench("vllm_scheduler.py")
 SIZE = 4
 
 

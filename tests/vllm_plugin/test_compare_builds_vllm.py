@@ -3,7 +3,6 @@ reports per-step ratios and refuses a run in which the two builds scheduled diff
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -11,24 +10,14 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (see .ci/run)")
 
+from bench_loader import load_bench  # noqa: E402
 from hybrid_kv import _core  # noqa: E402
 
-BENCH = Path(__file__).resolve().parents[2] / "benches" / "compare_builds_vllm.py"
 LIBRARY = _core.__file__
 ARGS = ["--layout", "gemma3", "--size", "4", "--steps", "20", "--turn", "5"]
 
 
-def _bench() -> Any:
-    if not BENCH.exists():
-        raise FileNotFoundError(f"{BENCH} is missing")
-    spec = importlib.util.spec_from_file_location("compare_builds_vllm_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _bench()
+bench = load_bench("compare_builds_vllm.py")
 
 
 def test_one_library_against_itself_reports_every_measure(capsys) -> None:
