@@ -285,7 +285,8 @@ def test_the_replay_command_reports_a_bad_header(
     trace.write_text(json.dumps(head) + "\n")
     assert _run(tmp_path, real, trace) == 2
     err = capsys.readouterr().err
-    assert err.startswith("replay: error: the header of") and re.search(message, err), err
+    assert err.startswith(f"replay: error: cannot build a manager from the header of {trace}")
+    assert re.search(message, err), err
 
 
 def test_the_replay_command_reports_an_output_it_cannot_write_and_a_bad_step_limit(

@@ -82,8 +82,9 @@ def allocate_kv_cache(
 
     On the CPU, a pool larger than the memory the kernel can hand out (`MemAvailable` plus
     `SwapFree`, within the process's cgroup limits, where Linux tells) is a `MemoryError`
-    before anything is allocated: the allocation itself would succeed (the kernel overcommits)
-    and filling it would wake the OOM killer. On a GPU, torch's allocator refuses for itself."""
+    before anything is allocated: under Linux's default overcommit a pool that fits the machine
+    but not its free memory would be granted, and filling it could wake the OOM killer. On a
+    GPU, torch's allocator refuses for itself."""
     if not isinstance(plan, KVCachePlan):
         raise TypeError(f"allocate_kv_cache needs a KVCachePlan, got {type(plan).__name__}")
     device = default_device() if device is None else torch.device(device)

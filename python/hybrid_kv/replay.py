@@ -786,7 +786,10 @@ def run(args: argparse.Namespace) -> int:
             )
         except (ValueError, TypeError) as error:
             # TypeError: a header field of the wrong type, as the manager's constructor says.
-            raise ValueError(f"the header of {args.groups_from}: {error}") from None
+            raise ValueError(
+                f"cannot build a manager from the header of {args.groups_from} and the "
+                f"workload's max_model_len {sched['max_model_len']}: {error}"
+            ) from None
     except ValueError as error:
         print(f"replay: error: {error}", file=sys.stderr)
         return 2
