@@ -7,10 +7,11 @@ schedulers are driven through `benches/vllm_scheduler.py`'s chat workload in alt
 (the first side flips every turn). Both must make the same decisions: the requests scheduled
 and their token counts are compared on every step. Kept are the steps with `--size` requests
 running; for each, the ratio new/base of the step time (`schedule()` + `update_from_output()`)
-and of the time in the manager calls below, each timed by its own build's `_CallTimer` (a
-builtin function reading the time-stamp counter around the call). Printed: per side the median
-per step, and per measure the median and quartiles of the per-step ratios, with the number of
-steps the new build was faster in.
+and of the time in `allocate_slots`, `get_computed_blocks` and `free`, each alone and the three
+together ("manager"; the scheduler's other, rarer manager calls are not timed), each call timed
+by its own build's `_CallTimer` (a builtin function reading the time-stamp counter around it).
+Printed: per side the median per step, and per measure the median and quartiles of the per-step
+ratios, with the number of steps the new build was faster in.
 
 The setup has a bias of its own at this size: an A/A run (one library given twice, Gemma-3, 128
 running, 200 steps) put the second side's `allocate_slots` at a median 0.960 of the first's
