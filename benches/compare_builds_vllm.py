@@ -8,7 +8,7 @@ schedulers are driven through `benches/vllm_scheduler.py`'s chat workload in alt
 and their token counts are compared on every step. Kept are the steps with `--size` requests
 running; for each, the ratio new/base of the step time (`schedule()` + `update_from_output()`)
 and of the time in `allocate_slots`, `get_computed_blocks` and `free`, each alone and the three
-together ("manager"; the scheduler's other, rarer manager calls are not timed), each call timed
+together ("manager"; its other manager calls and `get_block_ids` are not timed), each call timed
 by its own build's `_CallTimer` (a builtin function reading the time-stamp counter around it).
 Printed: per side the median per step, and per measure the median and quartiles of the per-step
 ratios, with the number of steps the new build was faster in.
