@@ -50,6 +50,14 @@ def load_side(name: str, library: Path, into: Path) -> ModuleType:
     return importlib.import_module(f"{name}.replay")
 
 
+def ratio_quartiles(base: list[float], new: list[float]) -> tuple[float, float, float, int]:
+    """The first quartile, median and third quartile of the pairwise ratios new/base (nonzero
+    `base`), and how many of them are below 1 (new faster)."""
+    ratios = sorted(n / b for b, n in zip(base, new, strict=True))
+    q = len(ratios) // 4
+    return ratios[q], statistics.median(ratios), ratios[-1 - q], sum(r < 1 for r in ratios)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("base", type=Path, help="the base build's libhybrid_kv.so")
@@ -99,13 +107,11 @@ def main() -> int:
                 new = [row.get(op, 0.0) for row in totals["new"]]
                 if not all(base):
                     continue
-                ratios = sorted(n / b for b, n in zip(base, new, strict=True))
-                q = len(ratios) // 4
-                faster = sum(r < 1 for r in ratios)
+                q1, median, q3, faster = ratio_quartiles(base, new)
                 print(
                     f"{fixture:34} {op:20} {statistics.median(base):10.1f} "
-                    f"{statistics.median(new):10.1f}  {statistics.median(ratios):.3f} "
-                    f"({ratios[q]:.3f}-{ratios[-1 - q]:.3f}; faster in {faster}/{len(ratios)})"
+                    f"{statistics.median(new):10.1f}  {median:.3f} "
+                    f"({q1:.3f}-{q3:.3f}; faster in {faster}/{len(base)})"
                 )
     return 0
 

@@ -63,6 +63,10 @@ class Side:
         self.steps: list[dict[str, int]] = []
         self.decisions: list[dict[str, int]] = []
 
+    def turn(self, steps: int, size: int) -> bool:
+        """Up to `steps` steps; False if the workload ended first."""
+        return all(self.step(size) for _ in range(steps))
+
     def step(self, size: int) -> bool:
         """One step; False once the workload is done."""
         driver = self.side.driver
@@ -79,12 +83,6 @@ class Side:
         else:
             self.steps.append({})
         return True
-
-
-def quartiles(values: list[float]) -> tuple[float, float, float]:
-    ordered = sorted(values)
-    n = len(ordered)
-    return ordered[n // 4], ordered[n // 2], ordered[min(n - 1, 3 * n // 4)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     total = 0
     while total < args.steps:
         order = (base, new) if (total // args.turn) % 2 == 0 else (new, base)
-        if not all([all(side.step(args.size) for _ in range(args.turn)) for side in order]):
+        # Both sides take their turn even if the first one's workload ends.
+        ran = [side.turn(args.turn, args.size) for side in order]
+        if not all(ran):
             break
         total += args.turn
     n = min(len(base.decisions), len(new.decisions))
@@ -127,17 +127,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("|---|---:|---:|---:|---:|")
     for measure in ("step", "manager", *TIMED):
-        ratios = [
-            new.steps[i][measure] / base.steps[i][measure] for i in kept if base.steps[i][measure]
-        ]
-        if not ratios:
+        timed = [i for i in kept if base.steps[i][measure]]
+        if not timed:
             continue
-        q1, median, q3 = quartiles(ratios)
-        faster = sum(r < 1 for r in ratios)
+        q1, median, q3, faster = compare_builds.ratio_quartiles(
+            [base.steps[i][measure] for i in timed], [new.steps[i][measure] for i in timed]
+        )
         print(
             f"| {measure} | {statistics.median(base.steps[i][measure] for i in kept) / 1e3:,.1f} "
             f"| {statistics.median(new.steps[i][measure] for i in kept) / 1e3:,.1f} "
-            f"| {q1:.3f} / {median:.3f} / {q3:.3f} | {faster}/{len(ratios)} |"
+            f"| {q1:.3f} / {median:.3f} / {q3:.3f} | {faster}/{len(timed)} |"
         )
     return 0
 
