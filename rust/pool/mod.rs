@@ -111,6 +111,10 @@ pub const PREFETCH_AHEAD: usize = 8;
 /// prefetch hints of the claims after it.
 const PEEK_AHEAD: usize = 4;
 
+/// Table slots a free checks for null blocks at once: a sliding-window or chunked-local group's
+/// table holds a null block in every slot behind its window, most of a long request's table.
+const NULL_RUN: usize = 16;
+
 /// Buckets of the bitmap `free_blocks` validates with (ids 4096 apart share one).
 const BUCKETS: usize = 4096;
 const _: () = assert!(BUCKETS.is_power_of_two() && BUCKETS % 64 == 0);
@@ -674,15 +678,31 @@ impl BlockPool {
                 for k in 0..n.min(PREFETCH_AHEAD) {
                     self.prefetch_block(at(k));
                 }
-                for k in 0..n {
-                    if k + PREFETCH_AHEAD < n {
-                        self.prefetch_block(at(k + PREFETCH_AHEAD));
+                let mut k = 0;
+                while k < n {
+                    // A window group's table is mostly null blocks: skip them a run at a time.
+                    if k + NULL_RUN <= n {
+                        let run = if TAIL_FIRST {
+                            &batch[n - k - NULL_RUN..n - k]
+                        } else {
+                            &batch[k..k + NULL_RUN]
+                        };
+                        if run.iter().fold(0, |any, &id| any | (id ^ NULL_BLOCK)) == 0 {
+                            k += NULL_RUN;
+                            continue;
+                        }
                     }
-                    let id = at(k);
-                    if id == NULL_BLOCK {
-                        continue;
+                    for k in k..n.min(k + NULL_RUN) {
+                        if k + PREFETCH_AHEAD < n {
+                            self.prefetch_block(at(k + PREFETCH_AHEAD));
+                        }
+                        let id = at(k);
+                        if id == NULL_BLOCK {
+                            continue;
+                        }
+                        self.release_one(id, front, back, &mut failed);
                     }
-                    self.release_one(id, front, back, &mut failed);
+                    k += NULL_RUN;
                 }
             }
             let front = if starts.len() > 1 {

@@ -619,6 +619,82 @@ fn free_held_tail_first_is_free_held_of_the_reversed_tables() {
     assert_eq!(pool.num_free_blocks(), reference.num_free_blocks());
 }
 
+/// Long tables whose null blocks come in runs of every length, at every offset (a free checks
+/// slots for nulls several at a time): freed where they are, tail first or in order, the pool
+/// ends as a free of the same tables with their nulls dropped.
+#[test]
+fn free_held_of_tables_with_null_runs_is_free_held_without_the_nulls() {
+    const BLOCKS: usize = 400;
+    let build = || {
+        let pool = BlockPool::new(BLOCKS + 1).unwrap();
+        let blocks = pool.get_new_blocks(BLOCKS).unwrap();
+        // Every third block cached: those go to the back of the free order.
+        let keyed: Vec<BlockId> = blocks.iter().copied().step_by(3).collect();
+        let hashes: Vec<u128> = (1..=keyed.len() as u128).collect();
+        cache(&pool, &keyed, &hashes, 0);
+        (pool, blocks)
+    };
+    let mut seed = 0x9e37_79b9_u64;
+    let mut next = |bound: u64| {
+        seed = seed
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (seed >> 33) % bound
+    };
+    for round in 0..40 {
+        let (pool, blocks) = build();
+        // Tables alternate runs of nulls (0 to 40 long) and runs of held blocks.
+        let mut tables = vec![Vec::new(); 1 + next(4) as usize];
+        let mut held = blocks.iter().copied();
+        'fill: loop {
+            for t in tables.iter_mut() {
+                t.extend(std::iter::repeat_n(NULL_BLOCK, next(41) as usize));
+                for _ in 0..next(24) {
+                    match held.next() {
+                        Some(b) => t.push(b),
+                        None => break 'fill,
+                    }
+                }
+            }
+        }
+        let tail_first = round % 2 == 0;
+        let (reference, _) = build();
+        let mut flat = Vec::new();
+        let mut ends = Vec::new();
+        for t in &tables {
+            let kept = t.iter().copied().filter(|&b| b != NULL_BLOCK);
+            if tail_first {
+                flat.extend(kept.rev());
+            } else {
+                flat.extend(kept);
+            }
+            ends.push(flat.len());
+        }
+        reference.free_held(&flat, &ends).unwrap();
+        if tail_first {
+            let listed = tables.iter().map(Vec::len).sum();
+            pool.free_held_tail_first(tables.iter().map(|t| &t[..]), listed)
+                .unwrap();
+        } else {
+            let mut all = Vec::new();
+            let mut ends = Vec::new();
+            for t in &tables {
+                all.extend_from_slice(t);
+                ends.push(all.len());
+            }
+            pool.free_held(&all, &ends).unwrap();
+        }
+        assert_eq!(pool.free_order(), reference.free_order(), "round {round}");
+        assert_eq!(pool.num_free_blocks(), reference.num_free_blocks());
+        let released = |p: &BlockPool| {
+            (1..=BLOCKS as BlockId)
+                .filter(|&b| p.ref_count(b).unwrap() == 0)
+                .count()
+        };
+        assert_eq!(released(&pool), released(&reference), "round {round}");
+    }
+}
+
 /// `key_removals` moves by one for each block whose key is taken off, by whichever path, and
 /// not for blocks that had none or for anything else a pool does.
 #[test]
