@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -771,6 +772,64 @@ def test_unsupported_configuration_builds_vllms_own_manager() -> None:
     scheduler = harness.build_scheduler(options, hkv.Scheduler, config)
     assert type(scheduler.kv_cache_manager) is VllmKVCacheManager
     assert not scheduler.uses_hybrid_kv
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def vllm_log() -> Iterator[list[logging.LogRecord]]:
+    """Records that reach the handlers of vLLM's `vllm` logger, with vLLM's logging configured
+    as `vllm serve` configures it (its own handler on `vllm` only, which does not propagate)."""
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging
+
+    root = logging.getLogger("vllm")
+    saved = (root.handlers[:], root.level, root.propagate, logging.getLogRecordFactory())
+    configure_logging(LoggingConfig())
+    assert any(h.name == "vllm" for h in root.handlers) and not root.propagate
+    records = _Records()
+    root.addHandler(records)
+    try:
+        yield records.records
+    finally:
+        root.handlers[:], root.level, root.propagate = saved[:3]
+        logging.setLogRecordFactory(saved[3])
+
+
+def _hybrid_kv_lines(records: list[logging.LogRecord]) -> list[logging.LogRecord]:
+    return [r for r in records if r.getMessage().startswith("hybrid-kv:")]
+
+
+def test_the_fallback_reason_is_one_line_in_vllms_log(vllm_log) -> None:
+    options = harness.Options(layout="gemma3")
+    config = harness.vllm_config(options)
+    config.observability_config.kv_cache_metrics = True
+    scheduler = harness.build_scheduler(options, hkv.Scheduler, config)
+    assert not scheduler.uses_hybrid_kv
+    (line,) = _hybrid_kv_lines(vllm_log)
+    assert line.levelno == logging.WARNING
+    assert line.getMessage().startswith(
+        "hybrid-kv: using vLLM's own KV cache manager: kv_cache_metrics"
+    )
+    assert line.name.startswith("vllm.")
+
+
+def test_a_served_scheduler_says_so_in_vllms_log(vllm_log) -> None:
+    options = harness.Options(layout="gemma3")
+    scheduler = harness.build_scheduler(options, hkv.Scheduler)
+    assert scheduler.uses_hybrid_kv
+    (line,) = _hybrid_kv_lines(vllm_log)
+    assert line.levelno == logging.INFO
+    assert line.getMessage() == (
+        f"hybrid-kv: KV cache manager for 7 group(s), {options.num_blocks} blocks"
+    )
 
 
 def test_kv_connector_falls_back() -> None:

@@ -51,7 +51,8 @@ from hybrid_kv._core import (
 from hybrid_kv.vllm._events import EventTranslator
 from hybrid_kv.vllm._support import GROUP_KINDS
 
-logger = init_logger(__name__)
+# Under vLLM's logger tree: its handler, level and `--log-config-file` apply to these lines.
+logger = init_logger(f"vllm.{__name__}")
 
 _EMPTY_IDS = np.zeros(0, dtype=np.int32)
 

@@ -28,7 +28,8 @@ from vllm.v1.request import Request
 from hybrid_kv.vllm._manager import HybridKVCacheManager, Unsupported
 from hybrid_kv.vllm._support import BuildContext, fallback_reason
 
-logger = init_logger(__name__)
+# Under vLLM's logger tree: its handler, level and `--log-config-file` apply to these lines.
+logger = init_logger(f"vllm.{__name__}")
 
 if _vllm_scheduler_module.KVCacheManager is not VllmKVCacheManager:
     raise ImportError(
