@@ -36,6 +36,14 @@ BAD_COUNTS: list[tuple[Any, type[Exception]]] = [
 ]
 
 
+def unaligned(dtype: Any, count: int) -> np.ndarray:
+    """A writable array of `count` zeros whose data starts one byte past an aligned address."""
+    itemsize = np.dtype(dtype).itemsize
+    array = np.frombuffer(bytearray(itemsize * count + 1), dtype=dtype, offset=1, count=count)
+    assert not array.flags.aligned and array.flags.writeable
+    return array
+
+
 # ----------------------------------------------------------------------------- the manager
 
 
@@ -206,6 +214,11 @@ def _manager_cases() -> list[tuple[str, Callable[[World], Any], type[Exception]]
     add("get_block_ids int", lambda w: w.m.get_block_ids(1), TypeError)
     add("num_blocks_to_admit str blocks", lambda w: w.m.num_blocks_to_admit(w.b, "x"), TypeError)
     add(
+        "num_blocks_to_admit another manager's hit",
+        lambda w: w.m.num_blocks_to_admit(w.b, w.foreign_hit),
+        IA,
+    )
+    add(
         "record_prefix_cache_stats beyond the request's tokens",
         lambda w: w.m.record_prefix_cache_stats(w.b, 10**6),
         OOR,
@@ -226,6 +239,13 @@ def _manager_cases() -> list[tuple[str, Callable[[World], Any], type[Exception]]
     readonly.flags.writeable = False
     add("write_block_table read-only", wbt(["a"], readonly), TypeError)
     add("write_block_table too few rows", wbt(["a", "b"], table(1, 8)), IA)
+    # Data at an odd byte offset of a writable buffer: C-contiguous, and strided.
+    add("write_block_table unaligned", wbt(["a"], unaligned(np.int32, 16).reshape(2, 8)), TypeError)
+    add(
+        "write_block_table unaligned strided",
+        wbt(["a"], unaligned(np.int32, 32).reshape(2, 16)[:, ::2]),
+        TypeError,
+    )
     add("write_block_table short rows", wbt(["a"], table(1, 2)), IA)
     add("write_block_table group past the end", wbt(["a"], table(1, 8), group=2), OOR)
     add("write_block_table unknown id", wbt(["a", "zz"], table(2, 8)), UR)
@@ -323,6 +343,27 @@ def _constructor_cases() -> list[tuple[str, Callable[[], Any], type[Exception]]]
         ),
         ("no chunk", lambda: kvm([{"kind": "chunked_local", "block_size": 16}], 16, 64), IC),
         ("num_blocks 1", lambda: kvm(full, 1, 64), OOR),
+        *(
+            (
+                f"mamba {mode} num_speculative_blocks {n}",
+                lambda mode=mode, n=n: kvm(
+                    [
+                        {
+                            "kind": "mamba",
+                            "block_size": 16,
+                            "mamba_cache_mode": mode,
+                            "num_speculative_blocks": n,
+                        }
+                    ],
+                    16,
+                    64,
+                    enable_caching=mode == "align",
+                ),
+                IC,
+            )
+            for mode in ("align", "none")
+            for n in (2**31, 2**60, 2**63 - 1)
+        ),
         ("num_blocks 2**31", lambda: kvm(full, 2**31, 64), OOR),
         ("max_model_len 0", lambda: kvm(full, 16, 0), IC),
         ("watermark 2", lambda: kvm(full, 16, 64, watermark=2.0), IC),
@@ -532,6 +573,8 @@ def _pool_cases() -> list[tuple[str, Callable[[PoolWorld], Any], type[Exception]
         ("free 2**40", lambda w: w.pool.free_blocks([2**40]), IB),
         ("free -1", lambda w: w.pool.free_blocks([-1]), IB),
         ("free 2**70", lambda w: w.pool.free_blocks([2**70]), IB),
+        ("free uint64 2**64-1", lambda w: w.pool.free_blocks(np.array([2**64 - 1], np.uint64)), IB),
+        ("touch uint64 2**63", lambda w: w.pool.touch(np.array([2**63], np.uint64)), IB),
         ("free a free block", lambda w: w.pool.free_blocks([w.held[0]]), hk.DoubleFreeError),
         (
             "free a batch ending in a double free",
@@ -654,3 +697,41 @@ def test_a_pool_beyond_the_memory_available_is_a_memory_error_before_any_is_take
             hk.KVCacheManager(
                 [{"kind": "full", "block_size": 16}], 2**31 - 1, 64, enable_caching=caching
             )
+
+
+def test_uint64_block_ids_out_of_range_are_named_as_given() -> None:
+    pool = hk.BlockPool(12)
+    for value in (2**64 - 1, 2**63, 2**31):
+        with pytest.raises(hk.InvalidBlockIdError, match=f"block id {value} is out of range"):
+            pool.free_blocks(np.array([value], np.uint64))
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint32, np.uint64])
+def test_unaligned_arrays_are_read_as_their_values(dtype: Any) -> None:
+    # numpy arrays at an odd byte offset (read through an aligned copy): token ids, block ids
+    # and hashes mean what the same values in a list mean.
+    tokens = list(range(3, 43))
+    odd_tokens = unaligned(dtype, len(tokens))
+    odd_tokens[:] = tokens
+    hashes = hk.hash_token_blocks(tokens, 16)
+    assert hk.hash_token_blocks(odd_tokens, 16).tolist() == hashes.tolist()
+    m = hk.KVCacheManager([{"kind": "full", "block_size": 16}], 16, 256)
+    m.allocate_slots(hk.Request("a", tokens), len(tokens))
+    assert m.probe(odd_tokens) == m.probe(tokens) == 32
+    assert hk.Request("b", odd_tokens).num_tokens == len(tokens)
+
+    pool = hk.BlockPool(12)
+    held = pool.get_new_blocks(3)
+    odd_ids = unaligned(dtype, 3)
+    odd_ids[:] = held
+    odd_hashes = unaligned(np.uint64, 4).reshape(2, 2)
+    odd_hashes[:] = hashes
+    pool.cache_full_blocks(odd_ids[:2], odd_hashes)
+    assert [pool.block_hash(b) for b in held] == [
+        (int(lo) | int(hi) << 64, 0) for lo, hi in hashes
+    ] + [None]
+    odd_hash = unaligned(np.uint64, 2)
+    odd_hash[:] = hashes[1]
+    assert pool.get_cached_block(odd_hash, [0]).tolist() == [held[1]]
+    pool.free_blocks(odd_ids)
+    assert [pool.ref_count(b) for b in held] == [0, 0, 0]

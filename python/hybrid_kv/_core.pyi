@@ -786,7 +786,7 @@ class KVCacheManager:
         length are left as they are; nothing is written on error.
 
         Raises:
-            TypeError: `out` is not a writable 2-D int32 numpy array.
+            TypeError: `out` is not a writable, aligned 2-D int32 numpy array.
             InvalidArgumentError: too few rows, or a table longer than a row.
             UnknownRequestError: an unknown request id.
             OutOfRangeError: `group` out of range.

@@ -2,6 +2,7 @@
 
 use crate::error::{bad_config, Result};
 use crate::hashing::HashAlgo;
+use crate::types::MAX_BLOCKS;
 
 /// How a Mamba group keeps its states (vLLM's `mamba_cache_mode`).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
@@ -124,9 +125,17 @@ impl AttentionKind {
                     (MambaMode::Align, 1) => alignment.unwrap_or(0),
                     _ => 0,
                 };
+                let speculative_blocks = params.num_speculative_blocks.unwrap_or(0);
+                if speculative_blocks > MAX_BLOCKS {
+                    // More than any pool holds; larger counts would overflow block arithmetic.
+                    return bad_config(format!(
+                        "num_speculative_blocks {speculative_blocks} is more than a pool can \
+                         hold ({MAX_BLOCKS})"
+                    ));
+                }
                 AttentionKind::Mamba {
                     mode,
-                    speculative_blocks: params.num_speculative_blocks.unwrap_or(0),
+                    speculative_blocks,
                     prefill_checkpoint_alignment,
                 }
             }

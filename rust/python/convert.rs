@@ -7,7 +7,8 @@ use super::errors::{InvalidArgumentError, InvalidBlockIdError, OutOfRangeError};
 use crate::hashing::MmInput;
 use crate::types::{BlockHash, BlockId};
 use numpy::{
-    PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods,
+    PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArray,
+    PyUntypedArrayMethods,
 };
 use pyo3::exceptions::{PyOverflowError, PyTypeError, PyUnicodeError, PyValueError};
 use pyo3::prelude::*;
@@ -314,6 +315,11 @@ pub(crate) fn ids_to_numpy(py: Python<'_>, ids: Vec<BlockId>) -> Bound<'_, PyArr
 }
 
 pub(crate) fn id_from_i64(v: i64) -> PyResult<BlockId> {
+    id_from_i128(v.into())
+}
+
+/// A block id in `[0, 2**31)`, from any integer width; the error names the value given.
+fn id_from_i128(v: i128) -> PyResult<BlockId> {
     u32::try_from(v)
         .ok()
         .filter(|&id| id <= i32::MAX as u32)
@@ -328,6 +334,16 @@ pub(crate) fn block_id_arg(obj: &Bound<'_, PyAny>) -> PyResult<BlockId> {
             InvalidBlockIdError::new_err(format!("block id {} is out of range", obj.str()?)),
         ),
         Err(e) => Err(e),
+    }
+}
+
+/// `obj` itself, or an aligned copy of a numpy array whose data is not aligned for its dtype
+/// (a view at an odd byte offset of a buffer): arrays are read in place through Rust slices and
+/// references, which must be aligned.
+pub(crate) fn aligned<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    match obj.cast::<PyUntypedArray>() {
+        Ok(array) if !array.is_aligned() => obj.call_method0(pyo3::intern!(obj.py(), "copy")),
+        _ => Ok(obj.clone()),
     }
 }
 
@@ -346,6 +362,7 @@ fn check_1d(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<()> {
 pub(crate) fn extract_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
     reject_text(obj, "block ids")?;
     check_1d(obj, "block ids")?;
+    let obj = &aligned(obj)?;
     if let Ok(arr) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
         return match arr.as_slice() {
             Ok(s) => s.iter().map(|&v| id_from_i64(v as i64)).collect(),
@@ -378,7 +395,7 @@ fn extract_native_ids(native: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
     let arr = native.extract::<PyReadonlyArray1<'_, u64>>()?;
     arr.as_array()
         .iter()
-        .map(|&v| id_from_i64(i64::try_from(v).unwrap_or(i64::MAX)))
+        .map(|&v| id_from_i128(v.into()))
         .collect()
 }
 
@@ -625,6 +642,7 @@ impl<'py> Tokens<'py> {
         }
         reject_text(obj, "token ids")?;
         check_1d(obj, "token ids")?;
+        let obj = &aligned(obj)?;
         if let Some(tokens) = Self::typed(obj)? {
             return Ok(tokens);
         }
@@ -786,6 +804,7 @@ pub(crate) fn hashes_to_numpy<'py>(
 
 /// Hashes from an `(n, 2)` uint64 array or a sequence of Python ints.
 pub(crate) fn extract_hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockHash>> {
+    let obj = &aligned(obj)?;
     if let Ok(arr) = obj.extract::<PyReadonlyArray2<'_, u64>>() {
         let shape = arr.shape();
         if shape[1] != 2 {
@@ -837,6 +856,7 @@ fn int_hash(obj: &Bound<'_, PyAny>) -> PyResult<BlockHash> {
 
 /// One hash: a Python int in `[0, 2^128)` or a length-2 uint64 array.
 pub(crate) fn extract_hash(obj: &Bound<'_, PyAny>) -> PyResult<BlockHash> {
+    let obj = &aligned(obj)?;
     if let Ok(arr) = obj.extract::<PyReadonlyArray1<'_, u64>>() {
         if let [lo, hi] = arr.as_array().to_vec()[..] {
             return Ok(BlockHash::from_parts(lo, hi));

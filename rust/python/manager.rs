@@ -1191,6 +1191,13 @@ impl PyKVCacheManager {
         request: &PyRequest,
         new_computed_blocks: Option<&PyKVCacheBlocks>,
     ) -> PyResult<usize> {
+        if let Some(b) = new_computed_blocks {
+            if b.manager_id != self.shared.id {
+                return Err(InvalidArgumentError::new_err(
+                    "new_computed_blocks come from another KVCacheManager",
+                ));
+            }
+        }
         self.with_request(py, request, false, |inner, r| {
             Ok(inner
                 .manager
@@ -1256,6 +1263,12 @@ impl PyKVCacheManager {
         let out = out.cast::<PyArray2<i32>>().map_err(|_| {
             PyTypeError::new_err("out must be a writable 2-D numpy array of dtype int32")
         })?;
+        if !out.is_aligned() {
+            // Written through Rust slices and references, which must be aligned.
+            return Err(PyTypeError::new_err(
+                "out must be aligned for int32 (its data is at an odd byte offset)",
+            ));
+        }
         let mut rw = out.try_readwrite().map_err(|_| {
             PyTypeError::new_err("out must be a writable 2-D numpy array of dtype int32")
         })?;
@@ -1270,7 +1283,9 @@ impl PyKVCacheManager {
         let ids: Vec<&str> = request_ids.iter().map(|id| &**id).collect();
         let inner = self.inner();
         if rw.is_c_contiguous() {
-            let slice = rw.as_slice_mut().expect("C-contiguous");
+            let slice = rw
+                .as_slice_mut()
+                .map_err(|e| PyTypeError::new_err(format!("out cannot be written: {e}")))?;
             return Ok(inner
                 .manager
                 .write_block_table(&ids, group.get(), slice, shape[1])?);
