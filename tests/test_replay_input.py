@@ -307,3 +307,108 @@ def test_the_replay_command_reports_an_output_it_cannot_write_and_a_bad_step_lim
     assert _run(tmp_path, real, trace, "--max-steps", "2") == 0
     steps = [json.loads(line) for line in (tmp_path / "o.jsonl").open()]
     assert sum(1 for r in steps if r["kind"] == "step") == 2
+
+
+def test_integer_request_ids_replay_as_their_decimal_strings(
+    conformance_dir: Path, tmp_path: Path
+) -> None:
+    trace = conformance_dir / "full-attn.eviction.vllm.jsonl.gz"
+    with gzip.open(conformance_dir / "full-attn.eviction.workload.json.gz", "rt") as f:
+        real = json.load(f)
+    real["requests"] = real["requests"][:40]
+    numbered = copy.deepcopy(real)
+    for index, r in enumerate(numbered["requests"]):
+        r["rid"] = index * 7 + (2**70 if index % 2 else 0)
+        real["requests"][index]["rid"] = str(r["rid"])
+    calls = {}
+    for name, document in (("str", real), ("int", numbered)):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(document))
+        out = tmp_path / f"{name}.jsonl"
+        argv = [str(path), "--groups-from", str(trace), "--out", str(out)]
+        assert replay_module.main(argv) == 0
+        calls[name] = [
+            {**r, "rid": str(r["rid"]), "ns": 0}
+            for r in map(json.loads, out.open())
+            if r["kind"] == "call"
+        ]
+    assert calls["int"] == calls["str"] and calls["int"]
+
+
+@pytest.mark.parametrize(("first", "second"), [(1, "1"), ("12", 12), (2**70, str(2**70))])
+def test_an_integer_id_and_its_string_are_one_id(first: Any, second: Any) -> None:
+    bad = workload({**request("a", 10), "rid": first}, {**request("b", 10), "rid": second})
+    with pytest.raises(ValueError, match="is used twice"):
+        check_workload(bad)
+
+
+def test_deeply_nested_json_is_not_valid_json(
+    conformance_dir: Path, tmp_path: Path, capsys
+) -> None:
+    trace = conformance_dir / "full-attn.eviction.vllm.jsonl.gz"
+    real = conformance_dir / "full-attn.eviction.workload.json.gz"
+    for opening, closing in (("[", "]"), ('{"a":', "}")):
+        deep = tmp_path / "deep.json"
+        deep.write_text(opening * 100_000 + "1" + closing * 100_000)
+        for workload_path, trace_path, what in ((deep, trace, "workload"), (real, deep, "trace")):
+            assert _run(tmp_path, workload_path, trace_path) == 2
+            err = capsys.readouterr().err
+            assert err == f"replay: error: {what} {deep}: not valid JSON (nested too deeply)\n"
+
+
+def _stalling_inputs(conformance_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A workload whose second request can never be admitted to the trace header's pool."""
+    head = replay_module.read_header(conformance_dir / "full-attn.eviction.vllm.jsonl.gz")
+    head["kv_cache"]["num_blocks"] = 12
+    trace = tmp_path / "small.jsonl"
+    trace.write_text(json.dumps(head) + "\n")
+    path = tmp_path / "stall.json"
+    path.write_text(json.dumps(workload(request("a", 20), request("b", 250), max_model_len=300)))
+    return path, trace
+
+
+def test_a_stalled_replay_leaves_its_trace_beside_the_output_not_in_it(
+    conformance_dir: Path, tmp_path: Path, capsys
+) -> None:
+    stall, trace = _stalling_inputs(conformance_dir, tmp_path)
+    out = tmp_path / "o.jsonl"
+    out.write_text("an earlier trace\n")
+    assert _run(tmp_path, stall, trace) == 1
+    partial = tmp_path / "o.jsonl.partial"
+    err = capsys.readouterr().err
+    assert err.startswith("replay: error: ") and f"the trace so far is in {partial}" in err, err
+    assert out.read_text() == "an earlier trace\n"
+    records = [json.loads(line) for line in partial.open()]
+    assert records[0]["kind"] == "header"
+    assert any(r["kind"] == "call" and r["rid"] == "a" for r in records)
+    # A replay that completes replaces the output and leaves no partial trace.
+    real = conformance_dir / "full-attn.eviction.workload.json.gz"
+    full = conformance_dir / "full-attn.eviction.vllm.jsonl.gz"
+    assert _run(tmp_path, real, full, "--max-steps", "3") == 0
+    assert not partial.exists()
+    assert json.loads(out.open().readline())["kind"] == "header"
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full")
+def test_a_write_error_during_the_replay_is_one_line(
+    conformance_dir: Path, tmp_path: Path, capsys
+) -> None:
+    real = conformance_dir / "full-attn.eviction.workload.json.gz"
+    trace = conformance_dir / "full-attn.eviction.vllm.jsonl.gz"
+    argv = [str(real), "--groups-from", str(trace), "--out", "/dev/full"]
+    assert replay_module.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("replay: error: cannot write /dev/full: ") and err.count("\n") == 1
+
+
+def test_hybrid_kv_replay_names_its_command_in_errors(
+    conformance_dir: Path, tmp_path: Path, capsys
+) -> None:
+    from hybrid_kv.cli import main
+
+    stall, trace = _stalling_inputs(conformance_dir, tmp_path)
+    out = tmp_path / "o.jsonl"
+    assert main(["replay", str(stall), "--groups-from", str(trace), "--out", str(out)]) == 1
+    assert capsys.readouterr().err.startswith("hybrid-kv replay: error: ")
+    assert main(["replay", str(tmp_path), "--groups-from", str(trace), "--out", str(out)]) == 2
+    assert capsys.readouterr().err.startswith("hybrid-kv replay: error: ")

@@ -605,7 +605,7 @@ def _add_replay_parser(subparsers: Any) -> None:
 def _cmd_replay(args: argparse.Namespace) -> int:
     from hybrid_kv import replay
 
-    return replay.run(args)
+    return replay.run(args, prog=f"hybrid-kv {args.command}")
 
 
 _SUBCOMMANDS: list[Callable[[Any], None]] = [

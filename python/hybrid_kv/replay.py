@@ -16,6 +16,7 @@ import gc
 import gzip
 import hashlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -277,7 +278,8 @@ def check_workload(workload: dict[str, Any]) -> None:
     """Raises `ValueError` naming the first field or request the loop or vLLM would not accept:
     `sched` with integer `max_model_len` (at least 2), `max_num_seqs` and
     `max_num_batched_tokens` (at least 1) and an optional `long_prefill_token_threshold` (at
-    least 0); each request an object with a unique id (a string or an integer), a prompt of 1 to
+    least 0); each request an object with a unique id (a string or an integer; an integer is
+    the request id of its decimal string, so `1` and `"1"` are the same id), a prompt of 1 to
     `max_model_len - 1` token ids (vLLM's input processor refuses an empty prompt, and a prompt
     of `max_model_len` tokens or more leaves no room for an output token), at least one output
     token id (token ids are integers in [0, 2^32)) and a non-negative integer arrival step."""
@@ -310,9 +312,9 @@ def check_workload(workload: dict[str, Any]) -> None:
             raise ValueError(f"request {index}: missing {error}") from None
         if isinstance(rid, bool) or not isinstance(rid, (str, int)):
             raise ValueError(f"request {index}: id {rid!r} is not a string or an integer")
-        if rid in seen:
+        if str(rid) in seen:
             raise ValueError(f"request {index}: id {rid!r} is used twice")
-        seen.add(rid)
+        seen.add(str(rid))
         _check_tokens(rid, "prompt", prompt)
         _check_tokens(rid, "output", output)
         if not 1 <= len(prompt) < max_model_len:
@@ -334,7 +336,8 @@ class HybridKvEngine:
         self.hash_block_size = manager.hash_block_size
 
     def request_maker(self, r: dict[str, Any]) -> Callable[[], Any]:
-        rid, prompt, bs = r["rid"], r["prompt"], self.hash_block_size
+        # Request ids are strings (an integer id is its decimal string, as `check_workload` says).
+        rid, prompt, bs = str(r["rid"]), r["prompt"], self.hash_block_size
 
         # As vLLM's make_request, this times `Request(...)` alone; the manager registers the
         # request (taking over its prompt hashes) in its first call, get_computed_blocks.
@@ -763,6 +766,8 @@ def _load(path: str, what: str, read: Callable[[str], Any]) -> Any:
     except (OSError, EOFError, ValueError, zlib.error) as error:
         message = str(error)
         raise ValueError(message if path in message else f"{what} {path}: {message}") from None
+    except RecursionError:
+        raise ValueError(f"{what} {path}: not valid JSON (nested too deeply)") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -773,8 +778,19 @@ def main(argv: list[str] | None = None) -> int:
     return run(parser.parse_args(argv))
 
 
-def run(args: argparse.Namespace) -> int:
-    """Replays `args.workload` with the groups of `args.groups_from`, writing `args.out`."""
+def run(args: argparse.Namespace, prog: str = "replay") -> int:
+    """Replays `args.workload` with the groups of `args.groups_from`, writing `args.out`; errors
+    are one line on stderr starting with `prog`.
+
+    The trace is written to `OUT.partial` and renamed to `OUT` when the replay completes, so
+    `OUT` is never a trace cut short: a replay that stalls leaves its trace so far in
+    `OUT.partial` (the message says so), any other failure leaves nothing. An `OUT` that exists
+    and is not a regular file (a device such as /dev/stdout, a FIFO) is written directly."""
+
+    def error(message: object, code: int) -> int:
+        print(f"{prog}: error: {message}", file=sys.stderr)
+        return code
+
     try:
         workload = _load(args.workload, "workload", load_json)
         check_workload(workload)
@@ -784,15 +800,14 @@ def run(args: argparse.Namespace) -> int:
             manager = manager_from_header(
                 vllm_header, sched["max_model_len"], sched["max_num_batched_tokens"]
             )
-        except (ValueError, TypeError) as error:
+        except (ValueError, TypeError) as failure:
             # TypeError: a header field of the wrong type, as the manager's constructor says.
             raise ValueError(
                 f"cannot build a manager from the header of {args.groups_from} and the "
-                f"workload's max_model_len {sched['max_model_len']}: {error}"
+                f"workload's max_model_len {sched['max_model_len']}: {failure}"
             ) from None
-    except ValueError as error:
-        print(f"replay: error: {error}", file=sys.stderr)
-        return 2
+    except ValueError as failure:
+        return error(failure, 2)
     header = {
         "kind": "header",
         "format": "kvtrace/1",
@@ -807,17 +822,28 @@ def run(args: argparse.Namespace) -> int:
         },
         "kv_cache": vllm_header["kv_cache"],
     }
+    target = Path(args.out)
+    direct = target.exists() and not target.is_file()
+    partial = target if direct else target.with_name(target.name + ".partial")
     try:
-        out = open(args.out, "w")  # noqa: SIM115 (closed below; an open error is reported)
-    except OSError as error:
-        print(f"replay: error: cannot write {args.out}: {error}", file=sys.stderr)
-        return 2
-    with out:
-        try:
+        out = open(partial, "w")  # noqa: SIM115 (closed below; an open error is reported)
+    except OSError as failure:
+        return error(f"cannot write {args.out}: {failure}", 2)
+    keep = False
+    try:
+        with out:
             result = replay(workload, manager, out, header, args.max_steps)
-        except ReplayStalledError as error:
-            print(f"replay: error: {error}", file=sys.stderr)
-            return 1
+        if not direct:
+            os.replace(partial, target)
+    except ReplayStalledError as failure:
+        keep = not direct
+        where = f" (the trace so far is in {partial})" if keep else ""
+        return error(f"{failure}{where}", 1)
+    except OSError as failure:
+        return error(f"cannot write {args.out}: {failure}", 2)
+    finally:
+        if not direct and not keep:
+            partial.unlink(missing_ok=True)
     print(
         f"{result.num_steps} steps, {result.num_finished} finished, "
         f"{result.num_preemptions} preemptions; manager time {result.manager_seconds():.4f} s"
