@@ -222,3 +222,103 @@ def test_python_dash_m_runs_the_cli() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["plan"]["groups"][0]["kind"] == "sliding_window"
+
+
+def test_plot_without_an_extension_writes_and_names_a_png(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    assert main(["plan", "gpt-oss-20b", "--memory", "8GiB", "--plot", str(tmp_path / "l")]) == 0
+    written = tmp_path / "l.png"
+    assert written.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert capsys.readouterr().out.endswith(f"memory layout written to {written}\n")
+    assert [p.name for p in tmp_path.iterdir()] == ["l.png"]
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("x.txt", "matplotlib cannot write .txt files"),
+        ("missing/x.png", "no such directory"),
+        (".", "not a file name"),
+        ("dir.png", "is a directory"),
+    ],
+)
+@pytest.mark.parametrize("command", ["plan", "simulate"])
+def test_a_plot_target_that_cannot_be_written_fails_before_any_work(
+    command: str,
+    target: str,
+    message: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    pytest.importorskip("matplotlib")
+    from hybrid_kv import simulate as simulate_module
+
+    (tmp_path / "dir.png").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli_module, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr(simulate_module, "simulate", lambda *a, **k: pytest.fail("simulated"))
+    argv = [command, "gpt-oss-20b", "--memory", "8GiB", "--plot", target]
+    assert main([*argv, "--no-progress"] if command == "simulate" else argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"hybrid-kv {command}: error: --plot ")
+    assert message in captured.err
+
+
+@pytest.mark.parametrize("memory", ["99999999999999999999PiB", "4096PiB"])
+def test_a_budget_of_more_blocks_than_int32_ids_is_refused(
+    memory: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", "llama-3.1-8b", "--memory", memory, "--max-model-len", "4096"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hybrid-kv plan: error: ") and "block ids are 32-bit" in err
+    assert "at most 2,147,483,647 blocks" in err
+
+
+def test_a_plan_just_below_the_block_limit_is_made() -> None:
+    from hybrid_kv import load_model, plan_kv_cache
+
+    layers = load_model("llama-3.1-8b").layers
+    block_bytes = plan_kv_cache(layers, 2**34, 4096, strategy="vllm").block_bytes
+    plan = plan_kv_cache(layers, (2**31 - 1) * block_bytes, 4096, strategy="vllm")
+    assert plan.num_blocks == 2**31 - 1
+    with pytest.raises(cli_module.PlanError, match="32-bit"):
+        plan_kv_cache(layers, 2**31 * block_bytes, 4096, strategy="vllm")
+
+
+def test_a_lengths_file_that_is_not_a_regular_file_or_is_broken_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    cut = tmp_path / "cut.json.gz"
+    cut.write_bytes(gzip.compress(json.dumps({"requests": []}).encode() * 50)[:40])
+    for lengths, message in (
+        (os.devnull, f"--lengths {os.devnull} is not a regular file"),
+        (str(tmp_path), f"--lengths {tmp_path} is a directory"),
+        (str(deep), f"{deep}: not valid JSON (nested too deeply)"),
+        (str(cut), f"cannot read {cut}"),
+    ):
+        argv = ["plan", "llama-3.1-8b", "--memory", "8GiB", "--lengths", lengths]
+        assert main(argv) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1
+        assert captured.err.startswith("hybrid-kv plan: error: ") and message in captured.err
+
+
+def test_a_max_model_len_above_the_models_is_used_with_a_note(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["plan", "llama-3.1-8b", "--memory", "80GiB", "--max-model-len", "262144", "--json"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["plan"]["max_model_len"] == 262144
+    assert captured.err == (
+        "hybrid-kv: note: --max-model-len 262,144 is above llama-3.1-8b's 131,072 "
+        "(max_position_embeddings); vLLM refuses that unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1\n"
+    )
+    assert main(["plan", "llama-3.1-8b", "--memory", "80GiB", "--max-model-len", "131072"]) == 0
+    assert capsys.readouterr().err == ""

@@ -17,11 +17,16 @@ def test_demo_hits_the_shared_prefix_and_evicts_in_lru_order() -> None:
 def test_demo_command_runs_and_rejects_a_too_small_pool(capsys) -> None:
     assert main(["demo"]) == 0
     assert "evicts 1 cached block" in capsys.readouterr().out
-    assert main(["demo", "--num-blocks", "3"]) == 2
-    assert "at least 10" in capsys.readouterr().err
-    for size in ("0", "-5"):
+    for blocks in ("3", "-1", str(2**31), "99999999999999999999"):
+        assert main(["demo", "--num-blocks", blocks]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        assert f"--num-blocks must be in 10..2147483647 for the demo, got {blocks}" in captured.err
+    for size in ("0", "-5", str(2**20 + 1), "99999999999999999999"):
         assert main(["demo", "--block-size", size]) == 2
-        assert f"--block-size must be at least 1, got {size}" in capsys.readouterr().err
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        assert f"--block-size must be in 1..1048576, got {size}" in captured.err
 
 
 def test_module_entry_point_runs_the_demo() -> None:

@@ -7,12 +7,19 @@ import json
 from pathlib import Path
 
 import pytest
+from hybrid_kv import cli as cli_module
 from hybrid_kv import load_model, manager_from_plan, plan_kv_cache
 from hybrid_kv import simulate as simulate_module
 from hybrid_kv.cli import main
 from hybrid_kv.planner import InsufficientMemoryError
 from hybrid_kv.replay import ReplayStalledError
-from hybrid_kv.simulate import ProgressBar, SimulationError, make_workload, simulate
+from hybrid_kv.simulate import (
+    MAX_REQUESTS,
+    ProgressBar,
+    SimulationError,
+    make_workload,
+    simulate,
+)
 
 GIB = 2**30
 
@@ -112,7 +119,8 @@ def test_simulate_json(capsys) -> None:
     argv = ["simulate", "gpt-oss-20b", "--requests", "6", "--memory", "2GiB", "--json"]
     assert main([*argv, "--no-progress", "--max-num-seqs", "3"]) == 0
     document = json.loads(capsys.readouterr().out)
-    assert document["schema_version"] >= 1
+    assert document["schema_version"] == cli_module.JSON_SCHEMA_VERSION
+    assert list(document)[0] == "schema_version"
     assert document["num_requests_finished"] == 6
     assert document["scheduler"] == {"max_num_seqs": 3, "max_num_batched_tokens": 8192}
     assert document["kv_cache_tokens"] > 0 and document["max_concurrency"] > 1
@@ -266,3 +274,53 @@ def test_a_max_model_len_without_room_for_an_output_token_is_refused() -> None:
     with pytest.raises(ValueError, match="max_model_len must be at least 2"):
         make_workload("chat", 3, 1)
     assert main(["simulate", "--max-model-len", "1", "--requests", "3", "--no-progress"]) == 2
+
+
+def test_the_report_dict_has_the_command_lines_schema_version() -> None:
+    report = simulate("gpt-oss-20b", "chat", 2 * GIB, num_requests=3, max_model_len=4096)
+    assert report.to_dict()["schema_version"] == cli_module.JSON_SCHEMA_VERSION
+
+
+def test_a_max_model_len_above_the_models_is_used_as_given(capsys) -> None:
+    # As `plan` takes it; the command line adds a note that vLLM refuses it.
+    spec = load_model("gpt-oss-20b")
+    longer = spec.max_model_len * 2
+    report = simulate(spec, "chat", 40 * GIB, num_requests=2, max_model_len=longer)
+    assert report.plan.max_model_len == longer
+    argv = ["simulate", "gpt-oss-20b", "--memory", "40GiB", "--requests", "2", "--json"]
+    assert main([*argv, "--max-model-len", str(longer), "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["max_model_len"] == longer
+    assert captured.err.startswith(f"hybrid-kv: note: --max-model-len {longer:,} is above")
+
+
+@pytest.mark.parametrize("requests", [MAX_REQUESTS + 1, 10**20])
+def test_more_requests_than_a_simulation_takes_are_refused_before_any_work(
+    requests: int, monkeypatch, capsys
+) -> None:
+    with pytest.raises(ValueError, match=f"at most {MAX_REQUESTS:,}"):
+        make_workload("chat", requests, 4096)
+    monkeypatch.setattr(cli_module, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    assert main(["simulate", "--requests", str(requests), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hybrid-kv simulate: error: --requests must be at most 100,000")
+
+
+def test_an_empty_memory_error_still_says_out_of_memory(monkeypatch, capsys) -> None:
+    def exhausted(*args: object, **kwargs: object) -> None:
+        raise MemoryError
+
+    monkeypatch.setattr(simulate_module, "simulate", exhausted)
+    assert main(["simulate", "gpt-oss-20b", "--memory", "2GiB", "--no-progress"]) == 1
+    assert capsys.readouterr().err == (
+        "hybrid-kv simulate: error: out of memory "
+        "(fewer --requests or a smaller KV cache budget need less)\n"
+    )
+
+
+@pytest.mark.parametrize("seed", ["-1", "1.5", str(2**128)])
+def test_a_bad_seed_is_named(seed: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["simulate", "--seed", seed, "--no-progress"])
+    assert exit_.value.code == 2
+    assert "argument --seed:" in capsys.readouterr().err

@@ -14,6 +14,7 @@ import os
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from hybrid_kv import __version__
@@ -37,6 +38,7 @@ from hybrid_kv.planner import (
     parse_memory,
     plan_kv_cache,
 )
+from hybrid_kv.planner.entry import MAX_BLOCKS
 
 __all__ = ["VLLM_SEMANTICS_VERSION", "format_plan_report", "main"]
 
@@ -90,13 +92,22 @@ def _run(argv: list[str]) -> int:
         return 2
     except MemoryError as error:
         # A pool whose bookkeeping does not fit this machine's memory (the core refuses it
-        # before taking any).
+        # before taking any), or a simulation's requests.
+        advice = _MEMORY_ADVICE.get(args.command, "a smaller KV cache budget makes fewer blocks")
         print(
-            f"hybrid-kv {args.command}: error: {error or 'out of memory'} "
-            "(a smaller KV cache budget makes fewer blocks)",
+            f"hybrid-kv {args.command}: error: {str(error) or 'out of memory'} ({advice})",
             file=sys.stderr,
         )
         return 1
+
+
+MAX_BLOCK_SIZE = 2**20
+"""Largest block the core takes (tokens)."""
+
+_MEMORY_ADVICE = {
+    "demo": "fewer --num-blocks need less",
+    "simulate": "fewer --requests or a smaller KV cache budget need less",
+}
 
 
 def _join_negative_values(argv: Sequence[str]) -> list[str]:
@@ -292,13 +303,33 @@ def _add_plan_parser(subparsers: Any) -> None:
     parser.set_defaults(handler=_cmd_plan)
 
 
-def _cmd_plan(args: argparse.Namespace) -> int:
-    if args.plot:
-        from hybrid_kv.plot import require_matplotlib
+def _plot_target(args: argparse.Namespace) -> Path | None:
+    """Where `--plot` writes (checked before any work), or None without `--plot`."""
+    if not args.plot:
+        return None
+    from hybrid_kv.plot import plot_target, require_matplotlib
 
-        require_matplotlib()
+    require_matplotlib()
+    return plot_target(args.plot)
+
+
+def _note_long_max_model_len(model: ModelSpec, max_model_len: int | None) -> None:
+    """A line on stderr when `--max-model-len` exceeds the model's context length: it is used
+    as given, but vLLM refuses it unless told to allow it."""
+    if max_model_len is not None and max_model_len > model.max_model_len:
+        print(
+            f"hybrid-kv: note: --max-model-len {max_model_len:,} is above {model.name}'s "
+            f"{model.max_model_len:,} (max_position_embeddings); vLLM refuses that unless "
+            "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1",
+            file=sys.stderr,
+        )
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    plot = _plot_target(args)
     model = _model(args)
     memory, budget_line = _budget(args, model)
+    _note_long_max_model_len(model, args.max_model_len)
     max_model_len = model.max_model_len if args.max_model_len is None else args.max_model_len
     lengths = LengthDistribution.parse(args.lengths) if args.lengths is not None else None
     in_flight = args.max_num_batched_tokens
@@ -346,12 +377,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(document, indent=2))
     else:
         print(format_plan_report(model, plan, baseline, baseline_error, budget_line))
-    if args.plot:
+    if plot is not None:
         from hybrid_kv.plot import plot_plan
 
-        plot_plan(plan, args.plot, baseline=baseline, title=model.name)
+        plot_plan(plan, plot, baseline=baseline, title=model.name)
         if not args.json:
-            print(f"\nmemory layout written to {args.plot}")
+            print(f"\nmemory layout written to {plot}")
     return 0
 
 
@@ -487,10 +518,12 @@ def _add_demo_parser(subparsers: Any) -> None:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from hybrid_kv.demo import run_demo
 
-    if args.num_blocks < 10:
-        raise CommandError("--num-blocks must be at least 10 for the demo")
-    if args.block_size < 1:
-        raise CommandError(f"--block-size must be at least 1, got {args.block_size}")
+    if not 10 <= args.num_blocks <= MAX_BLOCKS:
+        raise CommandError(
+            f"--num-blocks must be in 10..{MAX_BLOCKS} for the demo, got {args.num_blocks}"
+        )
+    if not 1 <= args.block_size <= MAX_BLOCK_SIZE:
+        raise CommandError(f"--block-size must be in 1..{MAX_BLOCK_SIZE}, got {args.block_size}")
     run_demo(args.num_blocks, args.block_size)
     return 0
 
@@ -532,7 +565,10 @@ def _add_simulate_parser(subparsers: Any) -> None:
         "--requests", type=int, default=200, help="number of requests to simulate (default 200)"
     )
     parser.add_argument(
-        "--seed", type=int, default=0, help="random seed of the synthetic workload (default 0)"
+        "--seed",
+        type=_seed,
+        default=0,
+        help="random seed of the synthetic workload (default 0)",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="plot usage and hit rate over time")
@@ -540,19 +576,38 @@ def _add_simulate_parser(subparsers: Any) -> None:
     parser.set_defaults(handler=_cmd_simulate)
 
 
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= value < 2**128:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**128), got {value}")
+    return value
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from hybrid_kv.simulate import ProgressBar, SimulationError, plot_report, simulate
+    from hybrid_kv.simulate import (
+        MAX_REQUESTS,
+        ProgressBar,
+        SimulationError,
+        plot_report,
+        simulate,
+    )
 
-    if args.plot:
-        from hybrid_kv.plot import require_matplotlib
-
-        require_matplotlib()
+    plot = _plot_target(args)
     for name in ("requests", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise CommandError(f"--{name.replace('_', '-')} must be positive")
+    if args.requests > MAX_REQUESTS:
+        raise CommandError(
+            f"--requests must be at most {MAX_REQUESTS:,} (every request's tokens are made "
+            f"before the replay starts), got {args.requests:,}"
+        )
     model = _model(args)
     memory, _ = _budget(args, model)
+    _note_long_max_model_len(model, args.max_model_len)
     progress = None if args.no_progress else ProgressBar(args.requests)
     try:
         report = simulate(
@@ -576,14 +631,15 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if progress is not None:
         progress.close()
     if args.json:
-        print(json.dumps({"schema_version": JSON_SCHEMA_VERSION, **report.to_dict()}, indent=2))
+        document = report.to_dict()
+        print(json.dumps({**document, "schema_version": JSON_SCHEMA_VERSION}, indent=2))
     else:
         for line in report.lines():
             print(line)
-    if args.plot:
-        plot_report(report, args.plot)
+    if plot is not None:
+        plot_report(report, str(plot))
         if not args.json:
-            print(f"plot written to {args.plot}")
+            print(f"plot written to {plot}")
     return 0
 
 

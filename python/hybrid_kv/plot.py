@@ -4,12 +4,13 @@ by attention type and padding hatched. Imports matplotlib lazily."""
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 from hybrid_kv.planner import KVCachePlan, PlanError, format_bytes
 
-__all__ = ["plan_figure", "plot_plan", "require_matplotlib"]
+__all__ = ["plan_figure", "plot_plan", "plot_target", "require_matplotlib"]
 
 _COLOURS = {
     "full": "#4c72b0",
@@ -32,6 +33,33 @@ def require_matplotlib() -> None:
         import matplotlib  # noqa: F401
     except ImportError:
         raise PlanError("--plot needs matplotlib: pip install 'hybrid-kv[plot]'") from None
+
+
+def plot_target(path: str | Path) -> Path:
+    """Where `--plot path` writes, checked before any work: `path` itself, or `path.png` when it
+    has no extension (where matplotlib would write it). Raises `PlanError` for a file type
+    matplotlib cannot write, a missing or unwritable directory, or a path that is a directory."""
+    import matplotlib.figure
+
+    target = Path(path)
+    if not target.name or target.name in (".", ".."):
+        raise PlanError(f"--plot {path}: not a file name")
+    if not target.suffix:
+        target = target.with_name(target.name + ".png")
+    formats = matplotlib.figure.Figure().canvas.get_supported_filetypes()
+    if target.suffix[1:].lower() not in formats:
+        raise PlanError(
+            f"--plot {path}: matplotlib cannot write {target.suffix} files "
+            f"(it writes {', '.join('.' + f for f in sorted(formats))})"
+        )
+    if target.is_dir():
+        raise PlanError(f"--plot {target} is a directory")
+    parent = target.parent
+    if not parent.is_dir():
+        raise PlanError(f"--plot {target}: no such directory {parent}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PlanError(f"--plot {target}: cannot write in {parent}")
+    return target
 
 
 def plot_plan(

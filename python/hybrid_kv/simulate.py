@@ -26,6 +26,7 @@ from hybrid_kv.replay import ReplayResult, ReplayStalledError, replay
 
 __all__ = [
     "DEFAULT_MAX_MODEL_LEN",
+    "MAX_REQUESTS",
     "SCHEDULER_DEFAULTS",
     "WORKLOADS",
     "ProgressBar",
@@ -38,6 +39,9 @@ __all__ = [
 WORKLOADS = ("chat", "long-context", "eviction")
 VOCAB = 150_000
 DEFAULT_MAX_MODEL_LEN = 32_768
+MAX_REQUESTS = 100_000
+"""Most requests a simulation takes: every request's tokens are made before the replay starts
+(a chat request holds a few thousand; 100,000 take a few GiB as Python lists)."""
 SCHEDULER_DEFAULTS: dict[str, dict[str, int]] = {
     "chat": {"max_num_seqs": 64, "max_num_batched_tokens": 8192},
     "long-context": {"max_num_seqs": 16, "max_num_batched_tokens": 16_384},
@@ -74,6 +78,11 @@ def make_workload(
             raise ValueError(f"{name} must be an int, got {value!r}")
         if value is not None and value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
+    if num_requests > MAX_REQUESTS:
+        raise ValueError(
+            f"num_requests must be at most {MAX_REQUESTS:,} (every request's tokens are made "
+            f"before the replay starts), got {num_requests:,}"
+        )
     if max_model_len < 2:
         raise ValueError(
             f"max_model_len must be at least 2 (a prompt token and an output token), "
@@ -181,7 +190,7 @@ class SimulationReport:
         r = self.result
         plan = self.plan
         return {
-            "schema_version": 1,
+            "schema_version": 2,  # hybrid_kv.cli.JSON_SCHEMA_VERSION
             "model": self.model,
             "workload": self.workload,
             "memory_bytes": plan.memory_bytes,
@@ -223,14 +232,18 @@ def simulate(
     """Plan the model's KV cache for `memory_bytes`, build a manager from the plan, and
     replay a synthetic workload through it.
 
-    `max_model_len` defaults to min(the model's, 32768). The planner reserves blocks for the
+    `max_model_len` defaults to min(the model's, 32768); one given is used as given, above the
+    model's too (as `plan_kv_cache` takes it). The planner reserves blocks for the
     workload's `max_num_batched_tokens` in flight (the replay runs one batch at a time) and the
     manager admits with the same figure. `progress(step, finished, total)` is called after every
     step. Raises `InsufficientMemoryError` when one `max_model_len` request cannot be admitted
     and `SimulationError` when the replay stops without finishing.
     """
     spec = model if isinstance(model, ModelSpec) else load_model(model)
-    max_len = min(spec.max_model_len, max_model_len or DEFAULT_MAX_MODEL_LEN)
+    if max_model_len is None:
+        max_len = min(spec.max_model_len, DEFAULT_MAX_MODEL_LEN)
+    else:
+        max_len = max_model_len
     wl = make_workload(
         workload,
         num_requests,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import gzip
 import json
+import zlib
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -117,13 +118,17 @@ class LengthDistribution:
     def load(cls, path: str | Path) -> LengthDistribution:
         """Prompt + output lengths of a workload JSON or a kvtrace/1 trace."""
         path = Path(path)
-        if not path.is_file():
+        if not path.exists():
             raise PlanError(f"no such file: {path}")
+        if not path.is_file():
+            what = "a directory" if path.is_dir() else "not a regular file"
+            raise PlanError(f"--lengths {path} is {what}")
         opener = gzip.open if path.suffix == ".gz" else open
         try:
             with opener(path, "rt") as f:  # type: ignore[operator]
                 text = f.read()
-        except (OSError, UnicodeDecodeError) as error:
+        except (OSError, EOFError, UnicodeDecodeError, zlib.error) as error:
+            # EOFError: a gzip file cut short.
             raise PlanError(f"cannot read {path}: {error}") from None
         lengths = _lengths_from_text(text, path)
         return cls.from_lengths(lengths, f"{path.name} ({len(lengths)} requests)")
@@ -188,12 +193,15 @@ def _quantile_bins(items: list[tuple[int, int]], bins: int) -> list[tuple[int, i
 
 def _lengths_from_text(text: str, path: Path) -> list[int]:
     try:
-        documents = [json.loads(text)]
-    except json.JSONDecodeError:
         try:
-            documents = [json.loads(line) for line in text.splitlines() if line.strip()]
-        except json.JSONDecodeError as error:
-            raise PlanError(f"{path} is neither JSON nor JSON lines: {error}") from None
+            documents = [json.loads(text)]
+        except json.JSONDecodeError:
+            try:
+                documents = [json.loads(line) for line in text.splitlines() if line.strip()]
+            except json.JSONDecodeError as error:
+                raise PlanError(f"{path} is neither JSON nor JSON lines: {error}") from None
+    except RecursionError:
+        raise PlanError(f"{path}: not valid JSON (nested too deeply)") from None
     lengths: list[int] = []
     for document in documents:
         if not isinstance(document, dict):
