@@ -269,24 +269,30 @@ def test_a_plot_target_that_cannot_be_written_fails_before_any_work(
 
 
 @pytest.mark.parametrize("memory", ["99999999999999999999PiB", "4096PiB"])
-def test_a_budget_of_more_blocks_than_int32_ids_is_refused(
+def test_a_budget_of_more_blocks_than_int32_ids_makes_a_pool_of_the_most_blocks(
     memory: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["plan", "llama-3.1-8b", "--memory", memory, "--max-model-len", "4096"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("hybrid-kv plan: error: ") and "block ids are 32-bit" in err
-    assert "at most 2,147,483,647 blocks" in err
+    argv = ["plan", "llama-3.1-8b", "--memory", memory, "--max-model-len", "4096", "--json"]
+    assert main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert plan["num_blocks"] == 2**31 - 1
+    assert any(r.startswith("pool capped at 2,147,483,647 blocks") for r in plan["reasons"])
 
 
-def test_a_plan_just_below_the_block_limit_is_made() -> None:
+def test_a_pool_is_capped_at_the_most_blocks_int32_ids_number() -> None:
     from hybrid_kv import load_model, plan_kv_cache
+    from hybrid_kv.buffers import allocate_kv_cache
 
     layers = load_model("llama-3.1-8b").layers
     block_bytes = plan_kv_cache(layers, 2**34, 4096, strategy="vllm").block_bytes
-    plan = plan_kv_cache(layers, (2**31 - 1) * block_bytes, 4096, strategy="vllm")
-    assert plan.num_blocks == 2**31 - 1
-    with pytest.raises(cli_module.PlanError, match="32-bit"):
-        plan_kv_cache(layers, 2**31 * block_bytes, 4096, strategy="vllm")
+    for blocks, capped in ((2**31 - 1, False), (2**31, True), (2**70, True)):
+        plan = plan_kv_cache(layers, blocks * block_bytes, 4096, strategy="vllm")
+        assert plan.num_blocks == 2**31 - 1
+        assert any("pool capped" in r for r in plan.reasons) == capped
+    # The capped pool's buffers are within what torch can size.
+    pytest.importorskip("torch")
+    buffers = allocate_kv_cache(plan, "meta")
+    assert buffers
 
 
 def test_a_lengths_file_that_is_not_a_regular_file_or_is_broken_is_named(

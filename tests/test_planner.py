@@ -32,7 +32,7 @@ from hybrid_kv.specs import (
     SpecError,
 )
 
-HUGE = 2**50
+HUGE = 2**40  # budgets that bind nothing (block counts stay within int32 ids)
 GIB = 2**30
 
 

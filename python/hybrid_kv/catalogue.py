@@ -13,8 +13,13 @@ Falcon-H1 and Nemotron-H (Mamba-2), Qwen3-Next (gated DeltaNet + full). Layers a
 `model.layers.{i}`; Falcon-H1, whose layers hold both attention and Mamba, names them
 `model.layers.{i}.self_attn` and `model.layers.{i}.mamba`.
 
+Fields a config leaves out take the defaults of transformers' config class for its
+`model_type` (head_dim 256 and 8 heads / 4 KV heads for Gemma-3, ...), as vLLM reads them.
+
 With `tensor_parallel_size`, specs are those of one rank, as vLLM shards them: KV heads
-`max(1, heads // tp)`, MLA's latent vector whole, Mamba widths and heads split.
+`max(1, heads // tp)`, MLA's latent vector whole, Mamba widths and heads split. Head counts
+vLLM cannot load are refused: heads the ranks do not divide, KV heads that do not divide the
+heads, and KV heads neither divisible by the ranks nor dividing them.
 """
 
 from __future__ import annotations
@@ -108,7 +113,11 @@ def _from_hub_cache(model_id: str) -> Path | None:
         return None
     ref = repo / "refs" / "main"
     if ref.is_file():
-        candidate = snapshots / ref.read_text().strip() / "config.json"
+        try:
+            revision = ref.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as error:
+            raise CatalogueError(f"cannot read the hub cache ref {ref}: {error}") from None
+        candidate = snapshots / revision / "config.json"
         if candidate.is_file():
             return candidate
     found = [p / "config.json" for p in snapshots.iterdir() if (p / "config.json").is_file()]
@@ -125,7 +134,10 @@ def resolve_model(model: str) -> Path:
     """The `config.json` a model name refers to (see the module docstring)."""
     if not isinstance(model, str) or not model.strip():
         raise CatalogueError(f"a model name must be a non-empty string, got {model!r}")
-    path = Path(model).expanduser()
+    try:
+        path = Path(model).expanduser()
+    except RuntimeError:  # `~user` with no such user, or no home directory
+        raise CatalogueError(f"no such file or directory: {model}") from None
     if path.is_dir():
         config = path / "config.json"
         if not config.is_file():
@@ -168,6 +180,8 @@ def load_config(model: str) -> dict[str, Any]:
         raise CatalogueError(f"cannot read {path}: {error}") from None
     except json.JSONDecodeError as error:
         raise CatalogueError(f"{path} is not valid JSON: {error}") from None
+    except RecursionError:
+        raise CatalogueError(f"{path} is not valid JSON: nested too deeply") from None
     if not isinstance(config, dict):
         raise CatalogueError(f"{path} must hold a JSON object, got {type(config).__name__}")
     return config
@@ -224,7 +238,7 @@ def layer_specs_from_config(
     """
     if not isinstance(config, Mapping):
         raise CatalogueError(f"a config must be a JSON object, got {type(config).__name__}")
-    text, model_type = _text_config(config)
+    text, model_type, source_type = _config_types(config)
     builder = _BUILDERS.get(model_type)
     if builder is None:
         raise CatalogueError(_unsupported(text, model_type))
@@ -234,14 +248,21 @@ def layer_specs_from_config(
         canonical_dtype(kv_dtype)
     except SpecError as error:
         raise CatalogueError(str(error)) from None
-    heads = text.get("num_attention_heads")
+    context = _Context(
+        text,
+        model_type,
+        kv_dtype,
+        model_dtype,
+        tensor_parallel_size,
+        _TRANSFORMERS_DEFAULTS.get(source_type, {}),
+    )
+    heads = context.lookup("num_attention_heads")
     if isinstance(heads, int) and heads > 0 and heads % tensor_parallel_size:
         # vLLM's ModelConfig.verify_with_parallel_config refuses the same.
         raise CatalogueError(
             f"{model_type} config: num_attention_heads ({heads}) must be divisible by "
             f"tensor_parallel_size ({tensor_parallel_size}), as vLLM requires"
         )
-    context = _Context(text, model_type, kv_dtype, model_dtype, tensor_parallel_size)
     try:
         return builder(context)
     except SpecError as error:
@@ -267,6 +288,66 @@ _MODEL_TYPE_ALIASES = {
 }
 
 
+# transformers' config-class defaults, by `model_type` as the config writes it, for the fields
+# real checkpoints leave out (multimodal Gemma-3 omits heads, KV heads, head_dim and vocab).
+# vLLM reads config.json through these classes, so an omitted field takes this value. Checked
+# against transformers 5.20 (the version vLLM 0.33 runs with). Where a class has no head_dim
+# default, head_dim is hidden_size // num_attention_heads; with no KV-head default, the KV
+# heads are the heads (also when the config writes null). `phi4` and `kimi_k2` have no class.
+_TRANSFORMERS_DEFAULTS: dict[str, dict[str, int]] = {
+    "llama": {"num_attention_heads": 32},
+    "granite": {"num_attention_heads": 32},
+    "mistral": {"num_attention_heads": 32, "num_key_value_heads": 8},
+    "ministral": {"num_attention_heads": 32, "num_key_value_heads": 8},
+    "mixtral": {"num_attention_heads": 32, "num_key_value_heads": 8},
+    "qwen2": {"num_attention_heads": 32, "num_key_value_heads": 32},
+    "qwen2_moe": {"num_attention_heads": 16, "num_key_value_heads": 16},
+    "qwen3": {"num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128},
+    "qwen3_moe": {"num_attention_heads": 32, "num_key_value_heads": 4},
+    "phi3": {"num_attention_heads": 32},
+    "gemma2": {
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "vocab_size": 256000,
+    },
+    "gemma3_text": {
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "vocab_size": 262208,
+    },
+    "gemma3n_text": {
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "vocab_size": 262400,
+    },
+    "cohere2": {"num_attention_heads": 64},
+    "gpt_oss": {"num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64},
+    "llama4_text": {"num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128},
+    "deepseek_v2": {"num_attention_heads": 32},
+    "deepseek_v3": {"num_attention_heads": 128, "num_key_value_heads": 128},
+    "jamba": {"num_attention_heads": 32, "num_key_value_heads": 8},
+    "bamba": {"num_attention_heads": 32, "num_key_value_heads": 8},
+    "granitemoehybrid": {"num_attention_heads": 32},
+    "falcon_h1": {"num_attention_heads": 32, "num_key_value_heads": 8},
+    "nemotron_h": {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128},
+    "qwen3_next": {"num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256},
+}
+# A multimodal config's text_config without a model_type is read as its text model's class.
+_TRANSFORMERS_DEFAULTS.update(
+    {
+        outer: _TRANSFORMERS_DEFAULTS[inner]
+        for outer, inner in (
+            ("gemma3", "gemma3_text"),
+            ("gemma3n", "gemma3n_text"),
+            ("llama4", "llama4_text"),
+        )
+    }
+)
+
+
 @dataclass(frozen=True)
 class _Context:
     text: Config
@@ -274,20 +355,31 @@ class _Context:
     dtype: str
     model_dtype: str
     tp: int
+    defaults: Mapping[str, int] = field(default_factory=dict)
+
+    def lookup(self, key: str) -> Any:
+        """`key` of the text config; transformers' default when the config leaves it out."""
+        return self.text[key] if key in self.text else self.defaults.get(key)
 
     def kv_heads(self, heads: int) -> int:
         """KV heads on one rank (vLLM replicates heads when there are fewer than ranks)."""
         return max(1, heads // self.tp)
 
 
-def _text_config(config: Config) -> tuple[Config, str]:
+def _config_types(config: Config) -> tuple[Config, str, str]:
+    """The text config, its model type as the builders know it, and as the config writes it."""
     text = config.get("text_config", config)
     if not isinstance(text, Mapping):
         raise CatalogueError("text_config must be a JSON object")
     model_type = text.get("model_type", config.get("model_type"))
     if not isinstance(model_type, str):
         raise CatalogueError("config is missing 'model_type'")
-    return text, _MODEL_TYPE_ALIASES.get(model_type, model_type)
+    return text, _MODEL_TYPE_ALIASES.get(model_type, model_type), model_type
+
+
+def _text_config(config: Config) -> tuple[Config, str]:
+    text, model_type, _ = _config_types(config)
+    return text, model_type
 
 
 _KIND_HINTS = (
@@ -364,15 +456,58 @@ def _get_int(ctx: _Context, key: str, default: int | None = None) -> int:
     return _int(ctx.text, key, ctx.model_type, value)
 
 
-def _attention_shape(ctx: _Context) -> tuple[int, int, int]:
-    text, model_type = ctx.text, ctx.model_type
-    layers = _int(text, "num_hidden_layers", model_type)
-    heads = _int(text, "num_attention_heads", model_type)
-    kv_heads = _int(text, "num_key_value_heads", model_type, text.get("num_key_value_heads", heads))
-    head_dim = text.get("head_dim")
+def _attention_dims(ctx: _Context) -> tuple[int, int, int]:
+    """`(num_attention_heads, num_key_value_heads, head_dim)` of the whole model, as vLLM reads
+    them (transformers' defaults for omitted fields). Refuses KV heads vLLM cannot load: GQA
+    needs the KV heads to divide the heads, and tensor parallelism shards the KV heads
+    (`kv % tp == 0`) or replicates them (`tp % kv == 0`)."""
+    text, model_type, tp = ctx.text, ctx.model_type, ctx.tp
+    heads = _int(text, "num_attention_heads", model_type, ctx.lookup("num_attention_heads"))
+    kv_value = ctx.lookup("num_key_value_heads")
+    kv_heads = (
+        heads if kv_value is None else _int(text, "num_key_value_heads", model_type, kv_value)
+    )
+    head_dim = ctx.lookup("head_dim")
     if head_dim is None:
-        head_dim = _int(text, "hidden_size", model_type) // heads
-    return layers, ctx.kv_heads(kv_heads), _int(text, "head_dim", model_type, head_dim)
+        hidden = _get_int(ctx, "hidden_size")
+        if hidden < heads:
+            raise CatalogueError(
+                f"{model_type} config has no 'head_dim', and the head_dim derived in its "
+                f"place, hidden_size ({hidden}) // num_attention_heads ({heads}), is 0: "
+                "give 'head_dim'"
+            )
+        head_dim = hidden // heads
+    head_dim = _int(text, "head_dim", model_type, head_dim)
+
+    def shown(key: str, value: int) -> str:
+        return f"{value}, transformers' default" if key not in text else str(value)
+
+    kv_shown = shown("num_key_value_heads", kv_heads) if kv_value is not None else str(kv_heads)
+    heads_shown = shown("num_attention_heads", heads)
+    if kv_heads > heads:
+        raise CatalogueError(
+            f"{model_type} config: num_key_value_heads ({kv_shown}) is more than "
+            f"num_attention_heads ({heads_shown}); vLLM cannot load it"
+        )
+    if heads % kv_heads:
+        raise CatalogueError(
+            f"{model_type} config: num_key_value_heads ({kv_shown}) must divide "
+            f"num_attention_heads ({heads_shown}) (grouped-query attention), as vLLM requires"
+        )
+    if kv_heads % tp and tp % kv_heads:
+        raise CatalogueError(
+            f"{model_type} config: num_key_value_heads ({kv_shown}) must be divisible by "
+            f"tensor_parallel_size ({tp}), or divide it (each rank then holds a replica), "
+            "as vLLM requires"
+        )
+    return heads, kv_heads, head_dim
+
+
+def _attention_shape(ctx: _Context) -> tuple[int, int, int]:
+    """`(layers, KV heads of one rank, head_dim)`."""
+    layers = _int(ctx.text, "num_hidden_layers", ctx.model_type)
+    _, kv_heads, head_dim = _attention_dims(ctx)
+    return layers, ctx.kv_heads(kv_heads), head_dim
 
 
 def _name(index: int) -> str:
@@ -384,12 +519,12 @@ def _attention(
 ) -> LayerSpec:
     if kind == "full":
         return FullAttentionSpec(num_kv_heads=kv_heads, head_size=head_dim, dtype=ctx.dtype)
-    if kind == "sliding_window":
-        assert window is not None
+    if kind == "sliding_window" and window is not None:
         return SlidingWindowSpec(
             num_kv_heads=kv_heads, head_size=head_dim, dtype=ctx.dtype, sliding_window=window
         )
-    assert kind == "chunked_local" and chunk is not None
+    if kind != "chunked_local" or chunk is None:
+        raise CatalogueError(f"{ctx.model_type} config: no {kind} attention in {ctx.model_type}")
     return ChunkedLocalAttentionSpec(
         num_kv_heads=kv_heads, head_size=head_dim, dtype=ctx.dtype, attention_chunk_size=chunk
     )
@@ -410,7 +545,10 @@ def _build(
         name = _name(index)
         with layer_context(name):
             if kind == "mamba":
-                assert mamba is not None
+                if mamba is None:
+                    raise CatalogueError(
+                        f"{ctx.model_type} config: {ctx.model_type} has no Mamba layers"
+                    )
                 layers[name] = mamba
             elif kind != "none":
                 layers[name] = _attention(ctx, kind, kv_heads, head_dim, window, chunk)
@@ -427,7 +565,14 @@ _LAYER_TYPES = {
 }
 
 
-def _kinds_from_layer_types(ctx: _Context, num_layers: int) -> list[str] | None:
+_ATTENTION_KINDS = frozenset({"full", "sliding_window"})
+_LINEAR_KINDS = frozenset({"full", "mamba"})
+
+
+def _kinds_from_layer_types(
+    ctx: _Context, num_layers: int, allowed: frozenset[str]
+) -> list[str] | None:
+    """Layer kinds from `layer_types`, each one of the `allowed` kinds of the model type."""
     layer_types = ctx.text.get("layer_types")
     if layer_types is None:
         return None
@@ -435,11 +580,26 @@ def _kinds_from_layer_types(ctx: _Context, num_layers: int) -> list[str] | None:
         raise CatalogueError(
             f"{ctx.model_type} config: 'layer_types' must list {num_layers} entries"
         )
+    names = [name for name, kind in _LAYER_TYPES.items() if kind in allowed]
     kinds = []
-    for value in layer_types:
-        if value not in _LAYER_TYPES:
-            raise CatalogueError(f"{ctx.model_type} config: unknown layer type {value!r}")
-        kinds.append(_LAYER_TYPES[value])
+    for index, value in enumerate(layer_types):
+        if not isinstance(value, str):
+            raise CatalogueError(
+                f"{ctx.model_type} config: layer_types[{index}] must be a string, got {value!r}"
+            )
+        kind = _LAYER_TYPES.get(value)
+        if kind is None:
+            raise CatalogueError(
+                f"{ctx.model_type} config: unknown layer type {value!r} at layer_types[{index}]"
+                f" (a {ctx.model_type} layer is one of {', '.join(names)})"
+            )
+        if kind not in allowed:
+            raise CatalogueError(
+                f"{ctx.model_type} config: layer_types[{index}] is {value!r}, but "
+                f"{ctx.model_type} has no such layers (a {ctx.model_type} layer is one of "
+                f"{', '.join(names)})"
+            )
+        kinds.append(kind)
     return kinds
 
 
@@ -457,7 +617,7 @@ def _sliding_pattern(pattern_default: int | None) -> Callable[[_Context], dict[s
 
     def build(ctx: _Context) -> dict[str, LayerSpec]:
         num_layers, kv_heads, head_dim = _attention_shape(ctx)
-        kinds = _kinds_from_layer_types(ctx, num_layers)
+        kinds = _kinds_from_layer_types(ctx, num_layers, _ATTENTION_KINDS)
         if kinds is None:
             pattern = _get_int(ctx, "sliding_window_pattern", pattern_default)
             kinds = [
@@ -470,7 +630,7 @@ def _sliding_pattern(pattern_default: int | None) -> Callable[[_Context], dict[s
 
 def _gemma3n(ctx: _Context) -> dict[str, LayerSpec]:
     num_layers, kv_heads, head_dim = _attention_shape(ctx)
-    kinds = _kinds_from_layer_types(ctx, num_layers)
+    kinds = _kinds_from_layer_types(ctx, num_layers, _ATTENTION_KINDS)
     if kinds is None:
         kinds = ["full" if (i + 1) % 5 == 0 else "sliding_window" for i in range(num_layers)]
     layers = _build(ctx, kinds, kv_heads, head_dim, window=_window(ctx, kinds))
@@ -496,7 +656,7 @@ def _mistral(ctx: _Context) -> dict[str, LayerSpec]:
     """Mistral, Ministral, Mixtral, Phi-3/4: `layer_types`, a per-layer window pattern, or
     one window on every layer (none: full attention)."""
     num_layers, kv_heads, head_dim = _attention_shape(ctx)
-    kinds = _kinds_from_layer_types(ctx, num_layers)
+    kinds = _kinds_from_layer_types(ctx, num_layers, _ATTENTION_KINDS)
     window = ctx.text.get("sliding_window")
     if kinds is not None:
         return _build(ctx, kinds, kv_heads, head_dim, window=_window(ctx, kinds))
@@ -524,7 +684,7 @@ def _qwen2(ctx: _Context) -> dict[str, LayerSpec]:
     """Qwen2/2.5/3 (dense and MoE): full attention; with `use_sliding_window`, layers from
     `max_window_layers` on slide (transformers' rule), unless `layer_types` says otherwise."""
     num_layers, kv_heads, head_dim = _attention_shape(ctx)
-    kinds = _kinds_from_layer_types(ctx, num_layers)
+    kinds = _kinds_from_layer_types(ctx, num_layers, _ATTENTION_KINDS)
     if kinds is None:
         if ctx.text.get("use_sliding_window") and ctx.text.get("sliding_window") is not None:
             first = ctx.text.get("max_window_layers", num_layers)
@@ -589,17 +749,29 @@ def _jamba(ctx: _Context) -> dict[str, LayerSpec]:
     return _build(ctx, kinds, kv_heads, head_dim, mamba=mamba)
 
 
+def _mamba2_widths(ctx: _Context, prefix: str = "mamba_") -> tuple[int, int, int]:
+    """`(intermediate size, heads, head dim)` of a Mamba-2 mixer from `mamba_*` fields: the
+    intermediate size is `d_ssm`, else `expand * hidden_size`; the head dim is `d_head`, else
+    the intermediate size over the heads (transformers' "auto")."""
+    num_heads = _get_int(ctx, f"{prefix}n_heads")
+    if ctx.text.get(f"{prefix}d_ssm") is not None:
+        intermediate = _get_int(ctx, f"{prefix}d_ssm")
+    else:
+        intermediate = _get_int(ctx, f"{prefix}expand") * _get_int(ctx, "hidden_size")
+    head = ctx.text.get(f"{prefix}d_head")
+    if head is None or head == "auto":
+        head = intermediate // num_heads
+    return intermediate, num_heads, _int(ctx.text, f"{prefix}d_head", ctx.model_type, head)
+
+
 def _mamba2(ctx: _Context, *, prefix: str = "mamba_") -> MambaSpec:
     """A Mamba-2 state from `mamba_*` fields (Bamba, Granite-4.0-H, Falcon-H1)."""
-    hidden = _get_int(ctx, "hidden_size")
-    num_heads = _get_int(ctx, f"{prefix}n_heads")
-    intermediate = ctx.text.get(f"{prefix}d_ssm") or _get_int(ctx, f"{prefix}expand") * hidden
-    head = ctx.text.get(f"{prefix}d_head", intermediate // num_heads)
+    intermediate, num_heads, head = _mamba2_widths(ctx, prefix)
     return MambaSpec.mamba2(
-        intermediate_size=_int(ctx.text, f"{prefix}d_ssm", ctx.model_type, intermediate),
+        intermediate_size=intermediate,
         n_groups=_get_int(ctx, f"{prefix}n_groups", 1),
         num_heads=num_heads,
-        head_dim=_int(ctx.text, f"{prefix}d_head", ctx.model_type, head),
+        head_dim=head,
         state_size=_get_int(ctx, f"{prefix}d_state"),
         conv_kernel=_get_int(ctx, f"{prefix}d_conv"),
         dtype=ctx.model_dtype,
@@ -621,7 +793,7 @@ def _bamba(ctx: _Context) -> dict[str, LayerSpec]:
 def _granite_hybrid(ctx: _Context) -> dict[str, LayerSpec]:
     """Granite-4.0-H: `layer_types` of "mamba" and "attention"."""
     num_layers, kv_heads, head_dim = _attention_shape(ctx)
-    kinds = _kinds_from_layer_types(ctx, num_layers)
+    kinds = _kinds_from_layer_types(ctx, num_layers, _LINEAR_KINDS)
     if kinds is None:
         raise CatalogueError(f"{ctx.model_type} config is missing 'layer_types'")
     return _build(ctx, kinds, kv_heads, head_dim, mamba=_mamba2(ctx))
@@ -649,12 +821,10 @@ def _nemotron_h(ctx: _Context) -> dict[str, LayerSpec]:
         raise CatalogueError(
             f"{ctx.model_type} config: 'hybrid_override_pattern' must use M, *, - and E"
         )
-    heads = _get_int(ctx, "num_attention_heads")
-    kv_heads = ctx.kv_heads(_get_int(ctx, "num_key_value_heads", heads))
-    head_dim = ctx.text.get("head_dim") or ctx.text.get("attention_head_dim")
-    head_dim = _int(
-        ctx.text, "head_dim", ctx.model_type, head_dim or _get_int(ctx, "hidden_size") // heads
-    )
+    kv_heads = head_dim = 0
+    if "*" in pattern:  # the attention fields matter only with attention layers
+        _, kv_heads, head_dim = _attention_dims(ctx)
+        kv_heads = ctx.kv_heads(kv_heads)
     num_heads = _get_int(ctx, "mamba_num_heads")
     mamba = MambaSpec.mamba2(
         intermediate_size=num_heads * _get_int(ctx, "mamba_head_dim"),
@@ -674,7 +844,7 @@ def _qwen3_next(ctx: _Context) -> dict[str, LayerSpec]:
     """Qwen3-Next: gated DeltaNet linear attention, full attention every
     `full_attention_interval`-th layer (or as `layer_types` lists)."""
     num_layers, kv_heads, head_dim = _attention_shape(ctx)
-    kinds = _kinds_from_layer_types(ctx, num_layers)
+    kinds = _kinds_from_layer_types(ctx, num_layers, _LINEAR_KINDS)
     if kinds is None:
         interval = _get_int(ctx, "full_attention_interval", 4)
         kinds = ["full" if (i + 1) % interval == 0 else "mamba" for i in range(num_layers)]
@@ -718,6 +888,26 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(set(_BUILDERS) | set(_MODE
 _TIED_BY_DEFAULT = {"gemma2", "gemma3", "gemma3n", "cohere2"}
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 _QUANTIZED_BITS = {"fp8": 8, "mxfp4": 4.25, "awq": 4, "gptq": 4, "compressed-tensors": 8}
+# AWQ and GPTQ pack 2, 3, 4 or 8 bits; more than 16 is no quantization.
+_MAX_QUANTIZED_BITS = 16
+
+
+def _weights_context(config: Config) -> _Context:
+    text, model_type, source_type = _config_types(config)
+    if model_type not in _BUILDERS:
+        raise CatalogueError(_unsupported(text, model_type))
+    return _Context(
+        text, model_type, "bf16", "bf16", 1, _TRANSFORMERS_DEFAULTS.get(source_type, {})
+    )
+
+
+def _embedding_parameters(ctx: _Context, config: Config) -> int:
+    hidden = _get_int(ctx, "hidden_size")
+    vocab = _int(ctx.text, "vocab_size", ctx.model_type, ctx.lookup("vocab_size"))
+    tied = ctx.text.get("tie_word_embeddings", config.get("tie_word_embeddings"))
+    if tied is None:
+        tied = ctx.model_type in _TIED_BY_DEFAULT
+    return vocab * hidden * (1 if tied else 2)
 
 
 def estimate_parameters(config: Config) -> tuple[int, int]:
@@ -726,20 +916,16 @@ def estimate_parameters(config: Config) -> tuple[int, int]:
     (attention, MLA, Mamba-1/2, gated DeltaNet) and MLP (gated, or routed experts with their
     shared experts and router). Norms and biases are left out (well under 0.1%).
 
-    Raises `CatalogueError` naming a field the count needs and the config lacks.
+    Raises `CatalogueError` naming a field the count needs and the config lacks or holds
+    a value of the wrong type.
     """
-    text, model_type = _text_config(config)
-    ctx = _Context(text, model_type, "bf16", "bf16", 1)
-    if model_type not in _BUILDERS:
-        raise CatalogueError(_unsupported(text, model_type))
+    if not isinstance(config, Mapping):
+        raise CatalogueError(f"a config must be a JSON object, got {type(config).__name__}")
+    ctx = _weights_context(config)
     hidden = _get_int(ctx, "hidden_size")
-    vocab = _get_int(ctx, "vocab_size")
-    tied = text.get("tie_word_embeddings", config.get("tie_word_embeddings"))
-    if tied is None:
-        tied = model_type in _TIED_BY_DEFAULT
-    dense = vocab * hidden * (1 if tied else 2)
+    dense = _embedding_parameters(ctx, config)
     experts = 0
-    mixers, mlps = _layer_plan(ctx)
+    mixers, mlps = _layer_plan(ctx, config)
     for index, (mixer, mlp) in enumerate(zip(mixers, mlps, strict=True)):
         for kind in mixer:
             dense += _mixer_parameters(ctx, kind, hidden)
@@ -752,42 +938,88 @@ def estimate_parameters(config: Config) -> tuple[int, int]:
     return dense, experts
 
 
+def _quantized_bits(ctx: _Context, config: Config) -> tuple[float, float]:
+    """`(bits of layer weights, bits of routed-expert weights)` from `quantization_config`."""
+    quant = config.get("quantization_config") or ctx.text.get("quantization_config") or {}
+    if not isinstance(quant, Mapping):
+        return 16, 16
+    method = str(quant.get("quant_method", "")).lower()
+    if method == "mxfp4":
+        return 16, _QUANTIZED_BITS["mxfp4"]
+    if method in ("awq", "gptq") and quant.get("bits") is not None:
+        bits = quant["bits"]
+        if (
+            isinstance(bits, bool)
+            or not isinstance(bits, int)
+            or not 0 < bits <= _MAX_QUANTIZED_BITS
+        ):
+            raise CatalogueError(
+                f"{ctx.model_type} config: quantization_config 'bits' must be an int in "
+                f"1..{_MAX_QUANTIZED_BITS}, got {bits!r}"
+            )
+        return bits, bits
+    if method in _QUANTIZED_BITS:
+        return _QUANTIZED_BITS[method], _QUANTIZED_BITS[method]
+    return 16, 16
+
+
 def estimate_weight_bytes(config: Config, tensor_parallel_size: int = 1) -> int:
     """Bytes of weights one of `tensor_parallel_size` GPUs holds, estimated from the config:
     `estimate_parameters` at the checkpoint's precision (16-bit; fp32 checkpoints are served
     in bf16; `quantization_config` fp8 / mxfp4 (routed experts) / AWQ / GPTQ bits for layer
-    weights), split evenly over the ranks."""
-    text, model_type = _text_config(config)
+    weights), split evenly over the ranks.
+
+    Raises `CatalogueError` when the config cannot be counted (see `estimate_parameters`) or
+    its quantization bits are not an int in 1..16.
+    """
+    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int):
+        raise CatalogueError(f"tensor_parallel_size must be an int, got {tensor_parallel_size!r}")
+    if tensor_parallel_size < 1:
+        raise CatalogueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
     dense, experts = estimate_parameters(config)
-    quant = config.get("quantization_config") or text.get("quantization_config") or {}
-    method = str(quant.get("quant_method", "")).lower() if isinstance(quant, Mapping) else ""
-    bits = quant.get("bits") if isinstance(quant, Mapping) else None
-    layer_bits: float = 16
-    expert_bits: float = 16
-    if method == "mxfp4":
-        expert_bits = _QUANTIZED_BITS["mxfp4"]
-    elif method in ("awq", "gptq") and isinstance(bits, int):
-        layer_bits = expert_bits = bits
-    elif method in _QUANTIZED_BITS:
-        layer_bits = expert_bits = _QUANTIZED_BITS[method]
-    tied = text.get("tie_word_embeddings", config.get("tie_word_embeddings"))
-    if tied is None:
-        tied = model_type in _TIED_BY_DEFAULT
-    embeddings = text["vocab_size"] * text["hidden_size"] * (1 if tied else 2)
+    ctx = _weights_context(config)
+    layer_bits, expert_bits = _quantized_bits(ctx, config)
+    embeddings = _embedding_parameters(ctx, config)
     total = embeddings * 2 + (dense - embeddings) * layer_bits / 8 + experts * expert_bits / 8
     return -(-int(total) // tensor_parallel_size)
 
 
-def _layer_plan(ctx: _Context) -> tuple[list[tuple[str, ...]], list[str]]:
+def _count(ctx: _Context, key: str) -> int:
+    """A non-negative int field that may be left out (0 then)."""
+    value = ctx.text.get(key)
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CatalogueError(
+            f"{ctx.model_type} config: {key!r} must be a non-negative int, got {value!r}"
+        )
+    return value
+
+
+def _expert_count(ctx: _Context) -> int:
+    """Routed experts per MoE layer (0: no MoE layers)."""
+    for key in _EXPERT_KEYS:
+        if ctx.text.get(key):
+            return _get_int(ctx, key)
+    return 0
+
+
+def _layer_plan(ctx: _Context, config: Config) -> tuple[list[tuple[str, ...]], list[str]]:
     """Per layer: its mixers and its MLP kind (`dense`, `moe` or `none`)."""
     text, model_type = ctx.text, ctx.model_type
     if model_type == "nemotron_h":
-        pattern = str(_require(text, "hybrid_override_pattern", model_type))
+        layer_specs_from_config(config)  # validates the pattern and the mixer fields
+        pattern = text["hybrid_override_pattern"]
+        if "E" in pattern and not _expert_count(ctx):
+            raise CatalogueError(
+                f"{model_type} config: 'hybrid_override_pattern' has MoE layers (E) but the "
+                f"config gives no expert count ({', '.join(map(repr, _EXPERT_KEYS))})"
+            )
         mixer_of = {"M": ("mamba2",), "*": ("attention",), "-": (), "E": ()}
         mlp_of = {"M": "none", "*": "none", "-": "dense", "E": "moe"}
         return [mixer_of[c] for c in pattern], [mlp_of[c] for c in pattern]
     num_layers = _get_int(ctx, "num_hidden_layers")
-    specs = layer_specs_from_config(dict(text))
+    specs = layer_specs_from_config(config)
     mixers: list[tuple[str, ...]] = []
     for index in range(num_layers):
         name = _name(index)
@@ -801,43 +1033,52 @@ def _layer_plan(ctx: _Context) -> tuple[list[tuple[str, ...]], list[str]]:
             mixers.append(("mla",))
         else:
             mixers.append(("attention",))
+    if not _expert_count(ctx):
+        return mixers, ["dense"] * num_layers
     return mixers, [_mlp_kind(ctx, i) for i in range(num_layers)]
 
 
 def _mlp_kind(ctx: _Context, index: int) -> str:
+    """`moe` or `dense` for layer `index` of a model with routed experts."""
     text = ctx.text
-    if not any(text.get(key) for key in _EXPERT_KEYS):
-        return "dense"
     if ctx.model_type == "deepseek_v2":
-        first_dense = text.get("first_k_dense_replace", 0)
-        frequency = text.get("moe_layer_freq", 1)
+        first_dense = _count(ctx, "first_k_dense_replace")
+        frequency = _get_int(ctx, "moe_layer_freq", 1)
         return "moe" if index >= first_dense and index % frequency == 0 else "dense"
     if ctx.model_type == "jamba":
-        period, offset = text.get("expert_layer_period", 1), text.get("expert_layer_offset", 0)
+        period = _get_int(ctx, "expert_layer_period", 1)
+        offset = _count(ctx, "expert_layer_offset")
         return "moe" if index % period == offset else "dense"
     if ctx.model_type == "llama4":
-        step = text.get("interleave_moe_layer_step", 1)
+        step = _get_int(ctx, "interleave_moe_layer_step", 1)
         return "moe" if (index + 1) % step == 0 else "dense"
     if ctx.model_type in ("qwen2", "qwen3_next"):
-        if index in (text.get("mlp_only_layers") or []):
+        dense_layers = text.get("mlp_only_layers") or []
+        if not isinstance(dense_layers, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in dense_layers
+        ):
+            raise CatalogueError(
+                f"{ctx.model_type} config: 'mlp_only_layers' must be a list of layer indices, "
+                f"got {dense_layers!r}"
+            )
+        if index in dense_layers:
             return "dense"
-        step = text.get("decoder_sparse_step", 1)
+        step = _get_int(ctx, "decoder_sparse_step", 1)
         return "moe" if (index + 1) % step == 0 else "dense"
     return "moe"
 
 
 def _mixer_parameters(ctx: _Context, kind: str, hidden: int) -> int:
-    text = ctx.text
     if kind == "attention":
-        heads = _get_int(ctx, "num_attention_heads")
-        kv_heads = _get_int(ctx, "num_key_value_heads", heads)
-        head_dim = text.get("head_dim") or text.get("attention_head_dim") or hidden // heads
+        heads, kv_heads, head_dim = _attention_dims(ctx)
         return 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
     if kind == "mla":
-        heads = _get_int(ctx, "num_attention_heads")
+        heads = _int(
+            ctx.text, "num_attention_heads", ctx.model_type, ctx.lookup("num_attention_heads")
+        )
         rope, nope = _get_int(ctx, "qk_rope_head_dim"), _get_int(ctx, "qk_nope_head_dim")
         value, rank = _get_int(ctx, "v_head_dim"), _get_int(ctx, "kv_lora_rank")
-        q_rank = text.get("q_lora_rank")
+        q_rank = _count(ctx, "q_lora_rank")
         query = (
             hidden * q_rank + q_rank * heads * (nope + rope)
             if q_rank
@@ -865,13 +1106,13 @@ def _mixer_parameters(ctx: _Context, kind: str, hidden: int) -> int:
             inner, groups = heads * head, _get_int(ctx, "n_groups", 1)
             state, conv = _get_int(ctx, "ssm_state_size"), _get_int(ctx, "conv_kernel")
         else:
-            heads = _get_int(ctx, "mamba_n_heads")
-            inner = text.get("mamba_d_ssm") or _get_int(ctx, "mamba_expand") * hidden
+            inner, heads, _ = _mamba2_widths(ctx)
             groups = _get_int(ctx, "mamba_n_groups", 1)
             state, conv = _get_int(ctx, "mamba_d_state"), _get_int(ctx, "mamba_d_conv")
         width = inner + 2 * groups * state
         return hidden * (inner + width + heads) + width * conv + inner * hidden + 3 * heads
-    assert kind == "gdn"
+    if kind != "gdn":
+        raise CatalogueError(f"{ctx.model_type} config: no {kind} mixer in {ctx.model_type}")
     k_heads, v_heads = (
         _get_int(ctx, "linear_num_key_heads"),
         _get_int(ctx, "linear_num_value_heads"),
@@ -887,8 +1128,13 @@ def _mixer_parameters(ctx: _Context, kind: str, hidden: int) -> int:
     )
 
 
+def _optional_int(ctx: _Context, key: str) -> int | None:
+    """A positive int field, or None when the config leaves it out (or writes null or 0)."""
+    return _get_int(ctx, key) if ctx.text.get(key) not in (None, 0) else None
+
+
 def _dense_mlp(ctx: _Context, hidden: int, index: int) -> int:
-    size = ctx.text.get("intermediate_size_mlp") if ctx.model_type == "llama4" else None
+    size = _optional_int(ctx, "intermediate_size_mlp") if ctx.model_type == "llama4" else None
     size = size or _get_int(ctx, "intermediate_size")
     matrices = 2 if ctx.model_type == "nemotron_h" else 3
     return matrices * hidden * size
@@ -896,17 +1142,16 @@ def _dense_mlp(ctx: _Context, hidden: int, index: int) -> int:
 
 def _moe_parameters(ctx: _Context, hidden: int) -> tuple[int, int]:
     """`(routed experts, router + shared experts)` of one MoE layer."""
-    text = ctx.text
-    count = next(text[key] for key in _EXPERT_KEYS if text.get(key))
-    size = text.get("moe_intermediate_size") or _get_int(ctx, "intermediate_size")
+    count = _expert_count(ctx)
+    size = _optional_int(ctx, "moe_intermediate_size") or _get_int(ctx, "intermediate_size")
     routed = count * 3 * hidden * size
     shared = 0
-    if text.get("n_shared_experts"):
-        shared = text["n_shared_experts"] * 3 * hidden * size
-    elif text.get("shared_expert_intermediate_size"):
-        shared = 3 * hidden * text["shared_expert_intermediate_size"]
-    elif text.get("shared_intermediate_size"):
-        shared = 3 * hidden * text["shared_intermediate_size"]
+    if num_shared := _count(ctx, "n_shared_experts"):
+        shared = num_shared * 3 * hidden * size
+    elif shared_size := _optional_int(ctx, "shared_expert_intermediate_size"):
+        shared = 3 * hidden * shared_size
+    elif shared_size := _optional_int(ctx, "shared_intermediate_size"):
+        shared = 3 * hidden * shared_size
     elif ctx.model_type == "llama4":
         shared = 3 * hidden * size
     return routed, shared + hidden * count

@@ -38,7 +38,7 @@ from hybrid_kv.planner import (
     parse_memory,
     plan_kv_cache,
 )
-from hybrid_kv.planner.entry import MAX_BLOCKS
+from hybrid_kv.planner.search import MAX_BLOCKS
 
 __all__ = ["VLLM_SEMANTICS_VERSION", "format_plan_report", "main"]
 

@@ -33,6 +33,7 @@ from hybrid_kv.planner.plan import (
     measure_waste,
 )
 from hybrid_kv.planner.search import (
+    MAX_BLOCKS,
     Bucket,
     Candidate,
     Scorer,
@@ -56,9 +57,6 @@ __all__ = ["DEFAULT_MAX_IN_FLIGHT_TOKENS", "plan_kv_cache"]
 
 DEFAULT_MAX_IN_FLIGHT_TOKENS = 2048
 """vLLM's `SchedulerConfig.max_num_batched_tokens` default, one batch in flight."""
-
-MAX_BLOCKS = 2**31 - 1
-"""Blocks a pool can hold: block ids are int32 (vLLM's block tables and hybrid-kv's core)."""
 
 EXTRA_ATTENTION_GROUPS = 4
 """min-waste may use this many attention groups more than vLLM (each costs a block table
@@ -575,11 +573,12 @@ def _build_plan(
     block_bytes = chosen.block_bytes
     num_blocks = settings.memory_bytes // block_bytes
     if num_blocks > MAX_BLOCKS:
-        raise PlanError(
-            f"{format_bytes(settings.memory_bytes)} makes {num_blocks:,} blocks of "
-            f"{format_bytes(block_bytes)}; block ids are 32-bit (vLLM's block tables are int32, "
-            f"as are hybrid-kv's), so a pool holds at most {MAX_BLOCKS:,} blocks"
+        reasons.append(
+            f"pool capped at {MAX_BLOCKS:,} blocks: block ids are 32-bit (vLLM's block tables "
+            f"are int32, as are hybrid-kv's); {format_bytes(settings.memory_bytes)} would make "
+            f"{num_blocks:,} blocks of {format_bytes(block_bytes)}"
         )
+        num_blocks = MAX_BLOCKS
 
     groups: list[KVCacheGroup] = []
     shaped: list[list[tuple[str, object, LayerShape]]] = []

@@ -70,13 +70,21 @@ def kv_cache_budget(gpu_memory_bytes: int, utilization: float, weight_bytes: int
     minus the weights this rank holds. Activation peaks, CUDA graphs and the non-torch
     allocations vLLM also measures at start-up are not modelled: the real budget is smaller.
 
-    Raises `PlanError` when the utilisation is outside (0, 1] or the weights do not fit.
+    Raises `PlanError` when the GPU memory or the weights are not a positive int byte count,
+    the utilisation is outside (0, 1], or the weights do not fit. The budget is never more than
+    `gpu * utilization`.
     """
+    for name, value in (("gpu memory", gpu_memory_bytes), ("weights", weight_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise PlanError(f"{name} must be an int byte count, got {value!r}")
+        if value <= 0:
+            raise PlanError(f"{name} must be > 0 bytes, got {value}")
     if isinstance(utilization, bool) or not isinstance(utilization, (int, float)):
         raise PlanError(f"gpu memory utilization must be a number, got {utilization!r}")
     if not 0 < utilization <= 1:
         raise PlanError(f"gpu memory utilization must be in (0, 1], got {utilization}")
-    requested = math.ceil(gpu_memory_bytes * utilization)
+    # Exact: a float product rounds, and overflows for byte counts past 1e308.
+    requested = math.ceil(gpu_memory_bytes * Fraction(str(float(utilization))))
     budget = requested - weight_bytes
     if budget <= 0:
         raise PlanError(

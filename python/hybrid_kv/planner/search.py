@@ -38,6 +38,7 @@ from hybrid_kv.specs import (
 )
 
 __all__ = [
+    "MAX_BLOCKS",
     "Bucket",
     "Candidate",
     "Group",
@@ -48,6 +49,10 @@ __all__ = [
     "uniform_type",
     "vllm_candidate",
 ]
+
+MAX_BLOCKS = 2**31 - 1
+"""Blocks a pool can hold: block ids are int32 (vLLM's block tables and hybrid-kv's core). A
+larger budget makes a pool of this many blocks (the plan's reasons say so)."""
 
 
 def cdiv(a: int, b: int) -> int:
@@ -140,7 +145,8 @@ class Candidate:
         return Fraction(self.expected_held - self.expected_written, self.expected_held)
 
     def num_blocks(self, memory_bytes: int) -> int:
-        return memory_bytes // self.block_bytes if self.block_bytes else 1
+        """Blocks the budget makes, at most `MAX_BLOCKS`."""
+        return min(memory_bytes // self.block_bytes, MAX_BLOCKS) if self.block_bytes else 1
 
     def fits(self, memory_bytes: int) -> bool:
         """vLLM's admission check: the pool minus the null block holds one request."""
