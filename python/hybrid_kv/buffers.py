@@ -88,6 +88,12 @@ def allocate_kv_cache(
     if not isinstance(plan, KVCachePlan):
         raise TypeError(f"allocate_kv_cache needs a KVCachePlan, got {type(plan).__name__}")
     device = default_device() if device is None else torch.device(device)
+    if plan.pool_bytes >= 2**63:
+        # torch sizes tensors with signed 64-bit counts (no device holds this much anyway).
+        raise ValueError(
+            f"the KV cache pool of {format_bytes(plan.pool_bytes)} is beyond what a torch "
+            "tensor can size (2**63 bytes): plan a smaller budget"
+        )
     if device.type == "cpu":
         available = _core._available_memory()
         if available is not None and plan.pool_bytes > available:

@@ -11,10 +11,12 @@ __all__ = ["manager_from_header", "manager_from_plan"]
 
 
 def manager_from_plan(plan: KVCachePlan, **kwargs: Any) -> KVCacheManager:
-    """A manager with the plan's groups, pool size, `max_model_len` and the tokens in flight the
-    plan's admission assumed (`max_in_flight_tokens`).
+    """A manager with the plan's groups (Mamba groups in the plan's `mamba_cache_mode`), pool
+    size, `max_model_len`, prefix caching on or off as the plan was made, its scheduler and hash
+    block sizes, and the tokens in flight the plan's admission assumed (`max_in_flight_tokens`).
 
-    `kwargs` go to `KVCacheManager` (e.g. `enable_kv_events=True`, `hash_algo="sha256"`).
+    `kwargs` go to `KVCacheManager` (e.g. `enable_kv_events=True`, `hash_algo="sha256"`) and
+    override what the plan sets.
     """
     if not isinstance(plan, KVCachePlan):
         raise TypeError(
@@ -29,10 +31,18 @@ def manager_from_plan(plan: KVCachePlan, **kwargs: Any) -> KVCacheManager:
             # vLLM 0.33's Mamba-2 mixer exports prefill checkpoints at any token (alignment 1).
             "num_prefill_checkpoint_blocks": g.prefill_checkpoint_blocks,
             "prefill_checkpoint_alignment": 1 if g.prefill_checkpoint_blocks else None,
+            **({"mamba_cache_mode": plan.mamba_cache_mode} if g.kind == "mamba" else {}),
         }
         for g in plan.groups
     ]
+    caching = kwargs.setdefault("enable_caching", plan.enable_prefix_caching)
     kwargs.setdefault("max_in_flight_tokens", plan.max_in_flight_tokens)
+    if plan.groups:
+        kwargs.setdefault("scheduler_block_size", plan.scheduler_block_size)
+        if caching and plan.enable_prefix_caching:
+            # Without caching the plan's hash block size means nothing (vLLM's is then the
+            # scheduler block); the manager's default is used.
+            kwargs.setdefault("hash_block_size", plan.hash_block_size)
     return KVCacheManager(groups, plan.num_blocks, plan.max_model_len, **kwargs)
 
 

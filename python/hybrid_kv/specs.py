@@ -83,6 +83,11 @@ def _positive_int(owner: str, field_name: str, value: object) -> None:
         raise SpecError(f"{owner}: {field_name} must be > 0, got {value}")
 
 
+def _positive_ints(owner: str, **values: object) -> None:
+    for name, value in values.items():
+        _positive_int(owner, name, value)
+
+
 def _shard(owner: str, field_name: str, value: int, ranks: int) -> int:
     _positive_int(owner, "tensor_parallel_size", ranks)
     if value % ranks:
@@ -177,6 +182,11 @@ class MLAAttentionSpec:
         return block_size * self.bytes_per_token
 
 
+MAMBA_TYPES = ("mamba1", "mamba2", "gdn")
+"""`MambaSpec.mamba_type`: Mamba-1, Mamba-2, gated DeltaNet (vLLM's mixer kinds the planner
+tells apart)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class MambaSpec:
     """A Mamba layer's per-request state: several arrays (conv state, SSM state).
@@ -202,6 +212,11 @@ class MambaSpec:
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
+        if self.mamba_type not in MAMBA_TYPES:
+            raise SpecError(
+                f"{owner}: mamba_type must be one of {', '.join(MAMBA_TYPES)}, "
+                f"got {self.mamba_type!r}"
+            )
         try:
             shapes = tuple(tuple(shape) for shape in self.shapes)
             dtypes = (self.dtypes,) if isinstance(self.dtypes, str) else tuple(self.dtypes)
@@ -234,6 +249,13 @@ class MambaSpec:
     ) -> MambaSpec:
         """Mamba-1 (Jamba): conv state `(d_conv - 1, d_inner)` (vLLM's default "SD" conv
         layout), SSM state `(d_inner, d_state)`; `d_inner` split over the TP ranks."""
+        _positive_ints(
+            "MambaSpec.mamba1",
+            intermediate_size=intermediate_size,
+            state_size=state_size,
+            conv_kernel=conv_kernel,
+            tensor_parallel_size=tensor_parallel_size,
+        )
         _positive_int("MambaSpec.mamba1", "conv_kernel - 1", conv_kernel - 1)
         inner = _shard(
             "MambaSpec.mamba1", "intermediate_size", intermediate_size, tensor_parallel_size
@@ -262,6 +284,16 @@ class MambaSpec:
         SSM state `(heads, head_dim, d_state)`. Over `tensor_parallel_size` ranks the conv
         width and the heads are split, groups first replicated to a multiple of the ranks
         (vLLM's `extra_groups_for_head_shards`)."""
+        _positive_ints(
+            "MambaSpec.mamba2",
+            intermediate_size=intermediate_size,
+            n_groups=n_groups,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            state_size=state_size,
+            conv_kernel=conv_kernel,
+            tensor_parallel_size=tensor_parallel_size,
+        )
         _positive_int("MambaSpec.mamba2", "conv_kernel - 1", conv_kernel - 1)
         tp = tensor_parallel_size
         _positive_int("MambaSpec.mamba2", "tensor_parallel_size", tp)
@@ -294,6 +326,15 @@ class MambaSpec:
         `(d_conv - 1, 2·k_heads·k_dim + v_heads·v_dim)`, recurrent state
         `(v_heads, v_dim, k_dim)`, conv width and value heads split over the TP ranks. vLLM
         keeps it in a Mamba-type cache."""
+        _positive_ints(
+            "MambaSpec.gated_delta_net",
+            num_k_heads=num_k_heads,
+            num_v_heads=num_v_heads,
+            head_k_dim=head_k_dim,
+            head_v_dim=head_v_dim,
+            conv_kernel=conv_kernel,
+            tensor_parallel_size=tensor_parallel_size,
+        )
         _positive_int("MambaSpec.gated_delta_net", "conv_kernel - 1", conv_kernel - 1)
         tp = tensor_parallel_size
         owner = "MambaSpec.gated_delta_net"

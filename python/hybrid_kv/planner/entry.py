@@ -253,6 +253,32 @@ def _layout_problem(buckets: Sequence[Bucket], candidate: Candidate, layout: str
     return None
 
 
+def _caching_problem(
+    settings: _Settings, buckets: Sequence[Bucket], candidate: Candidate
+) -> str | None:
+    """Why this grouping cannot serve prefix caching, or None: a chunked-local group's hits are
+    found block by block from the current chunk, so its block must be the scheduler block
+    (vLLM 0.33's `ChunkedLocalAttentionManager` asserts `block_size == alignment` at its first
+    lookup; hybrid-kv's manager refuses such a configuration when it is built)."""
+    if not settings.prefix_caching:
+        return None
+    used = sorted({b for members in candidate.groups for b, _ in members})
+    sizes = [candidate.sizing.block_sizes[b] for b in used]
+    scheduler = math.lcm(*sizes) if sizes else 0
+    chunked = sorted(
+        {s for b, s in zip(used, sizes, strict=True) if buckets[b].kind == "chunked_local"}
+        - {scheduler}
+    )
+    if not chunked:
+        return None
+    return (
+        f"chunked local attention with blocks of {chunked[0]} tokens and prefix caching needs "
+        f"them to be the scheduler block ({scheduler} tokens, the lcm of the groups' block "
+        "sizes): vLLM 0.33 asserts it at its first prefix-cache lookup (turn prefix caching "
+        "off, or give the layers equal pages)"
+    )
+
+
 def _vllm_layout_problem(buckets: Sequence[Bucket], vllm: Candidate, layout: str) -> str | None:
     """Why vLLM's plan cannot be reproduced in `layout`, or None."""
     if not vllm.sizing.uniform_type and is_block_outermost(layout):
@@ -305,6 +331,10 @@ def _choose(
     if not expressible:
         problem = _layout_problem(buckets, min(candidates, key=Candidate.sort_key), layout)
         raise PlanError(f"no grouping of this model fits: {problem}")
+    # Groupings that can serve prefix caching, when there are any (else the plan warns).
+    expressible = [
+        c for c in expressible if _caching_problem(settings, buckets, c) is None
+    ] or expressible
     fitting = [c for c in expressible if c.fits(memory)]
     if not fitting:
         smallest = min(expressible, key=lambda c: (c.admission + 1) * c.block_bytes)
@@ -478,6 +508,15 @@ def _insufficient(
 ) -> InsufficientMemoryError:
     needed = (candidate.admission + 1) * candidate.block_bytes
     fitting = fitting_max_model_len(candidate, buckets, settings)
+    if candidate.admission + 1 > MAX_BLOCKS:
+        return InsufficientMemoryError(
+            f"one request of max_model_len={settings.max_model_len} tokens needs "
+            f"{candidate.admission} blocks plus the null block, more than a pool can hold "
+            f"({MAX_BLOCKS:,} blocks: block ids are 32-bit); lower max_model_len",
+            reserved_bytes=candidate.admission * candidate.block_bytes,
+            needed_bytes=needed,
+            fitting_max_model_len=fitting,
+        )
     if fitting:
         hint = f"a max_model_len of {fitting} fits in this budget"
     elif settings.memory_bytes <= candidate.block_bytes:
@@ -685,6 +724,9 @@ def _build_plan(
             f"allocate {scheduler}-token scheduler blocks"
         )
     warnings = []
+    caching = _caching_problem(settings, buckets, chosen)
+    if caching:
+        warnings.append(f"{caching}; hybrid-kv's manager refuses this plan")
     if concurrency < 2:
         warnings.append(
             f"only {concurrency:.2f} requests of {settings.max_model_len} tokens fit at once: "

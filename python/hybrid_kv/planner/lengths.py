@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import gzip
 import json
+import operator
 import zlib
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -58,8 +59,14 @@ class LengthDistribution:
 
     @classmethod
     def from_counts(cls, counts: Mapping[int, int], source: str) -> LengthDistribution:
-        """From `{length: count}`; more than `MAX_POINTS` lengths are binned by quantile."""
-        items = sorted(counts.items())
+        """From `{length: count}` (positive ints); more than `MAX_POINTS` lengths are binned by
+        quantile."""
+        if not isinstance(counts, Mapping):
+            raise PlanError(f"counts must be a mapping of length to count, got {counts!r}")
+        items = sorted(
+            (_positive(length, "request lengths"), _positive(count, "counts"))
+            for length, count in counts.items()
+        )
         if len(items) > MAX_POINTS:
             items = _quantile_bins(items, MAX_POINTS)
         return cls(tuple(k for k, _ in items), tuple(v for _, v in items), source)
@@ -86,7 +93,10 @@ class LengthDistribution:
 
     @classmethod
     def from_lengths(cls, lengths: Iterable[int], source: str) -> LengthDistribution:
-        counts = Counter(int(n) for n in lengths if int(n) > 0)
+        """From request lengths (ints; those below 1 are left out)."""
+        if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Iterable):
+            raise PlanError(f"lengths must be an iterable of ints, got {lengths!r}")
+        counts = Counter(n for n in (_int(n, "request lengths") for n in lengths) if n > 0)
         if not counts:
             raise PlanError(f"{source}: no request with a positive length")
         return cls.from_counts(counts, source)
@@ -97,7 +107,12 @@ class LengthDistribution:
         if not isinstance(text, str) or not text.strip():
             raise PlanError("--lengths needs LENGTH:COUNT pairs or a workload/trace file")
         path = Path(text)
-        if path.suffix in (".json", ".gz", ".jsonl") or path.exists():
+        try:
+            exists = path.exists()
+        except (OSError, ValueError):
+            # A histogram longer than a file name can be (or holding a NUL): not a file.
+            exists = False
+        if path.suffix in (".json", ".gz", ".jsonl") or exists:
             return cls.load(path)
         counts: Counter[int] = Counter()
         for part in text.split(","):
@@ -154,6 +169,23 @@ class LengthDistribution:
             "lengths": list(self.lengths),
             "weights": list(self.weights),
         }
+
+
+def _int(value: object, what: str) -> int:
+    """`value` as an int: Python and numpy integers (not bools, floats or strings)."""
+    if isinstance(value, bool):
+        raise PlanError(f"{what} must be ints, got {value!r}")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise PlanError(f"{what} must be ints, got {value!r}") from None
+
+
+def _positive(value: object, what: str) -> int:
+    number = _int(value, what)
+    if number <= 0:
+        raise PlanError(f"{what} must be positive, got {number}")
+    return number
 
 
 def _quantile_bins(items: list[tuple[int, int]], bins: int) -> list[tuple[int, int]]:

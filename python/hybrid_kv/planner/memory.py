@@ -48,6 +48,10 @@ def parse_memory(text: str | int) -> int:
         raise PlanError(f"bad memory size {text!r}: 'i' needs a unit prefix (KiB, MiB, GiB)")
     decimal = bool(byte_suffix) and not binary and bool(prefix)
     base = 1000 if decimal else 1024
+    if len(number) > 100:
+        # A size of more than 100 digits is no memory size (and Python's int parsing stops at
+        # 4300 digits with its own error).
+        raise PlanError(f"bad memory size {text[:40]!r}...: more than 100 digits")
     value = Fraction(number) * base ** _UNIT_POWERS[prefix]
     result = math.floor(value)
     if result <= 0:

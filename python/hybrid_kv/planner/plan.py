@@ -7,11 +7,13 @@ grouping search lives in `search`, the memory layouts in `layout`.
 from __future__ import annotations
 
 import json
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Literal
 
+from hybrid_kv.planner.errors import PlanError
 from hybrid_kv.planner.lengths import LengthDistribution
 from hybrid_kv.specs import LayerSpec, MambaSpec
 
@@ -41,6 +43,15 @@ MambaCacheMode = Literal["align", "none"]
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _num_tokens(value: object) -> int:
+    """A request's token count: an int (numpy integers too), at least 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"num_tokens must be an int, got {value!r}")
+    if value < 0:
+        raise PlanError(f"num_tokens must be at least 0, got {value}")
+    return int(value)
 
 
 def blocks_held(
@@ -135,7 +146,7 @@ class KVCacheGroup:
         return blocks_held(
             self.kind,
             self.block_size,
-            num_tokens,
+            _num_tokens(num_tokens),
             sliding_window=self.sliding_window,
             attention_chunk_size=self.attention_chunk_size,
         )
@@ -406,6 +417,12 @@ class KVCachePlan:
     warnings: tuple[str, ...] = ()
 
     @property
+    def enable_prefix_caching(self) -> bool:
+        """Whether the plan was made with prefix caching on (its Mamba mode is `align` exactly
+        then, as in vLLM)."""
+        return self.mamba_cache_mode == "align"
+
+    @property
     def num_groups(self) -> int:
         return len(self.groups)
 
@@ -463,11 +480,13 @@ class KVCachePlan:
 
     def blocks_held(self, num_tokens: int) -> int:
         """Blocks one resident request of `num_tokens` tokens holds over all groups."""
-        return sum(g.blocks_held(num_tokens) for g in self.groups)
+        return sum(g.blocks_held(_num_tokens(num_tokens)) for g in self.groups)
 
     def waste_at(self, num_tokens: int) -> WasteReport:
         """Waste of one resident request of `num_tokens` tokens in this plan."""
-        return measure_waste(self.groups, self.placements, self.block_bytes, num_tokens)
+        return measure_waste(
+            self.groups, self.placements, self.block_bytes, _num_tokens(num_tokens)
+        )
 
     def summary_line(self) -> str:
         """vLLM's capacity log line: `KV cache: N tokens, max concurrency X at L tokens`."""

@@ -149,8 +149,9 @@ class Candidate:
         return min(memory_bytes // self.block_bytes, MAX_BLOCKS) if self.block_bytes else 1
 
     def fits(self, memory_bytes: int) -> bool:
-        """vLLM's admission check: the pool minus the null block holds one request."""
-        return self.block_bytes * (self.admission + 1) <= memory_bytes
+        """vLLM's admission check: the pool minus the null block holds one request (the pool
+        at most `MAX_BLOCKS` blocks)."""
+        return self.admission + 1 <= self.num_blocks(memory_bytes)
 
     def sort_key(self) -> tuple[Fraction, int, int, int, int]:
         """Least waste first; on a tie vLLM's own grouping, then fewer groups, then smaller
