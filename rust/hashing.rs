@@ -299,6 +299,17 @@ impl BlockHasher {
         }
         let look = self.lookahead;
         let num_full = tokens.len().saturating_sub(look) / bs;
+        // Positions are `usize`: the tokens (and the lookahead past the last block) must fit.
+        if start
+            .checked_add(tokens.len())
+            .and_then(|end| end.checked_add(look))
+            .is_none()
+        {
+            return Err(CoreError::OutOfRange(format!(
+                "start {start} plus {} tokens and {look} lookahead tokens overflow a position",
+                tokens.len()
+            )));
+        }
         check_tokens(tokens)?;
         if self.supplied {
             return Ok(());

@@ -205,6 +205,7 @@ pub struct SplitLimits {
 /// vLLM's `_mamba_block_aligned_split` (align mode, hash block = block size, no EAGLE): clips a
 /// prefill chunk of `n` tokens starting at `start` so it ends where a Mamba state must be
 /// cached (a block boundary, the prompt's last cacheable position, a shared-prefix junction).
+/// A `block_size` of 0 leaves the chunk whole.
 pub fn mamba_block_aligned_split(
     limits: &SplitLimits,
     num_prompt_tokens: usize,
@@ -215,10 +216,11 @@ pub fn mamba_block_aligned_split(
 ) -> usize {
     let bs = limits.block_size;
     let prefill_end = num_prompt_tokens.max(num_tokens.saturating_sub(1));
-    if start >= prefill_end {
+    // A block size of 0 has no boundaries to keep: the chunk stays whole.
+    if start >= prefill_end || bs == 0 {
         return n;
     }
-    let mut end = start + n;
+    let mut end = start.saturating_add(n);
     let exports_checkpoint = limits.checkpoint_alignment > 0
         && end >= prefill_end
         && checkpoint_exportable(
@@ -246,7 +248,7 @@ pub fn mamba_block_aligned_split(
             end = aligned_end;
         }
     }
-    let next_block_boundary = (start / bs + 1) * bs;
+    let next_block_boundary = (start / bs + 1).saturating_mul(bs);
     let mut stops = [usize::MAX; 3];
     if start % bs != 0 && !exports_checkpoint {
         stops[0] = next_block_boundary;

@@ -127,8 +127,20 @@ def test_a_change_made_by_request_id_is_seen_by_the_next_running_step(change: st
             m.free(req)
     fast, twin = managers
     fast_req, twin_req = reqs
-    twin.running_horizon(twin_req) if change not in ("remove_request", "free") else None
-    assert ids(fast.allocate_slots(fast_req, 1)) == ids(twin.allocate_slots(twin_req, 1))
+    if change in ("remove_request", "free"):
+        # The request holds nothing now: a step from 10 computed tokens is refused on both
+        # (answered from the old horizon, it would have been the empty result), and both
+        # re-admit it alike from 0, as vLLM re-admits a preempted request.
+        for m, req in zip(managers, reqs, strict=True):
+            free_before = m.num_free_blocks
+            with pytest.raises(hk.InvalidArgumentError, match="holds no blocks"):
+                m.allocate_slots(req, 1)
+            assert m.num_free_blocks == free_before
+            req.num_computed_tokens = 0
+        assert ids(fast.allocate_slots(fast_req, 11)) == ids(twin.allocate_slots(twin_req, 11))
+    else:
+        twin.running_horizon(twin_req)
+        assert ids(fast.allocate_slots(fast_req, 1)) == ids(twin.allocate_slots(twin_req, 1))
     assert fast.num_free_blocks == twin.num_free_blocks
     assert fast.num_cached_blocks == twin.num_cached_blocks
     for g_fast, g_twin in zip(fast.get_block_ids("r"), twin.get_block_ids("r"), strict=True):
@@ -147,7 +159,11 @@ def test_a_horizon_one_manager_left_is_not_used_by_another() -> None:
     assert req._held_horizon == (12, 12, 2**64 - 1)
     blocker = hk.Request("x", list(range(100, 112)), block_size=4)
     admit(tight, blocker)  # takes all 3 usable blocks
-    assert tight.allocate_slots(req, 1) is None
+    # The request holds nothing in `tight`: its step is refused there (from the first
+    # manager's horizon it would have been the empty result), and nothing changes.
+    with pytest.raises(hk.InvalidArgumentError, match="holds no blocks"):
+        tight.allocate_slots(req, 1)
+    assert tight.num_free_blocks == 0
 
 
 def _differential(layout: str, seed: int, steps: int) -> int:

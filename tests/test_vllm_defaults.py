@@ -255,7 +255,8 @@ def test_computed_tokens_run_ahead_of_the_known_tokens_only_by_those_in_flight()
     # Async scheduling with drafts: vLLM's count includes the positions of unprocessed steps.
     m = hk.KVCacheManager([FULL], 64, 1024)
     req = hk.Request("a", list(range(8)), block_size=4)
-    m.allocate_slots(req, 8)
+    # Slots for the prompt and the draft positions of the steps in flight.
+    m.allocate_slots(req, 8, num_lookahead_tokens=8)
     with pytest.raises(hk.OutOfRangeError):
         req.num_computed_tokens = 9
     req.num_in_flight_tokens = 4

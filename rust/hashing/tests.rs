@@ -200,3 +200,21 @@ fn signed_and_wide_inputs_hash_like_u32_and_bad_ids_are_rejected() {
     assert!(BlockHasher::new(0, HashAlgo::Xxh3, "").is_err());
     assert!(HashAlgo::parse("md5").is_err());
 }
+
+#[test]
+fn positions_past_usize_are_an_error() {
+    let h = BlockHasher::new(1, HashAlgo::default(), "").unwrap();
+    let mut out = Vec::new();
+    let r = h.hash_blocks(None, &[1u32], usize::MAX, &ExtraKeys::default(), &mut out);
+    assert!(matches!(r, Err(CoreError::OutOfRange(_))));
+    let e = ExtraKeys::new(None, Some("lora".into()), vec![]).unwrap();
+    let h = BlockHasher::new(16, HashAlgo::default(), "").unwrap();
+    let tokens: Vec<u32> = (0..16).collect();
+    let r = h.hash_blocks(None, &tokens, usize::MAX / 16 * 16, &e, &mut out);
+    assert!(matches!(r, Err(CoreError::OutOfRange(_))));
+    assert!(out.is_empty());
+    // The last block that fits still hashes.
+    let start = (usize::MAX - 16) / 16 * 16;
+    h.hash_blocks(None, &tokens, start, &e, &mut out).unwrap();
+    assert_eq!(out.len(), 1);
+}

@@ -302,7 +302,7 @@ impl Coordinator {
                 let mut max = curr;
                 if drop && !sg.spec.is_mamba() {
                     // Match one block (or hash block) past the candidate, then drop it.
-                    max = (curr + self.eagle_margin(&sg.spec)).min(hashed);
+                    max = curr.saturating_add(self.eagle_margin(&sg.spec)).min(hashed);
                 }
                 let new = self.find_for(sg, pool, hashes, max, drop, out, &mut scratch);
                 if drop {
@@ -360,7 +360,9 @@ impl Coordinator {
         for sg in &self.spec_groups {
             let mut max = max_len;
             if sg.use_eagle && !sg.spec.is_mamba() {
-                max = (max_len + self.eagle_margin(&sg.spec)).min(hashed);
+                max = max_len
+                    .saturating_add(self.eagle_margin(&sg.spec))
+                    .min(hashed);
             }
             let hit = self.find_for(sg, pool, hashes, max, sg.use_eagle, out, &mut scratch);
             for &g in &sg.group_ids {
@@ -533,6 +535,18 @@ impl Coordinator {
         Ok(())
     }
 
+    /// The slots a request holding these tables covers in every group (the fewest over the
+    /// groups; null slots count, as the tokens behind a window were computed): `None` when no
+    /// group's table grows with the tokens (circular buffers only, or no groups).
+    pub(crate) fn held_slots(&self, tables: &[GroupTable]) -> Option<usize> {
+        self.groups
+            .iter()
+            .zip(tables)
+            .filter(|(m, _)| !matches!(m.spec.kind, AttentionKind::CircularBuffer))
+            .map(|(m, t)| t.blocks.len().saturating_mul(m.spec.block_size))
+            .min()
+    }
+
     /// Sizes the empty tables of a request's first allocation for `num_tokens` slots and
     /// [`TABLE_HEADROOM`] blocks after them: one allocation per table, where growing it with
     /// the hit, then the new blocks, then the decode took several (with copies) on every
@@ -555,6 +569,46 @@ impl Coordinator {
                     .try_reserve(num_tokens.div_ceil(m.spec.block_size) + TABLE_HEADROOM);
             }
         }
+    }
+
+    /// Makes room in every Mamba align table for the slots an allocation of
+    /// `num_tokens_main_model` tokens pads with null blocks, before anything changes. Those
+    /// slots take no block from the pool, so the pool does not bound them as it bounds every
+    /// other group's: a table that cannot grow that far is an error (`Err` with the length it
+    /// needs), not an abort halfway through the allocation.
+    pub(crate) fn try_reserve_null_slots(
+        &self,
+        tables: &mut [GroupTable],
+        num_tokens_main_model: usize,
+    ) -> std::result::Result<(), usize> {
+        for (m, t) in self.groups.iter().zip(tables) {
+            let AttentionKind::Mamba {
+                mode: MambaMode::Align,
+                speculative_blocks,
+                ..
+            } = m.spec.kind
+            else {
+                continue;
+            };
+            // The state blocks, a partial hit's copy and a checkpoint's block.
+            let len = num_tokens_main_model
+                .div_ceil(m.spec.block_size)
+                .saturating_add(speculative_blocks)
+                .saturating_add(2);
+            let grow = len.saturating_sub(t.blocks.len());
+            // A first allocation's table gets its headroom too (see `reserve_tables`).
+            let headroom = if t.blocks.capacity() == 0 {
+                TABLE_HEADROOM
+            } else {
+                0
+            };
+            if t.blocks.capacity() - t.blocks.len() < grow
+                && t.blocks.try_reserve(grow.saturating_add(headroom)).is_err()
+            {
+                return Err(len);
+            }
+        }
+        Ok(())
     }
 
     /// Adopts a request's prefix-cache hit in every group (its first allocation), then
@@ -748,7 +802,7 @@ impl Coordinator {
                 .div_ceil(m.spec.block_size)
                 .saturating_sub(t.blocks.len());
         }
-        if need + step.reserved > pool.num_free_blocks() {
+        if need.saturating_add(step.reserved) > pool.num_free_blocks() {
             return Ok(false);
         }
         // Blocks to claim when every group only claims (None otherwise).

@@ -22,6 +22,8 @@ mod spec;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod tests_bad_input;
+#[cfg(test)]
 mod tests_defaults;
 #[cfg(test)]
 mod tests_partial;
@@ -327,9 +329,15 @@ pub struct KVCacheManager {
     /// [`KVCacheManager::free_retained_blocks`] drops it.
     retained: Vec<BlockId>,
     scratch: Vec<BlockId>,
+    /// What `allocate_slots` may change in each table, to undo a failed allocation (kept
+    /// between calls for its buffers).
+    marks: Vec<single_type::TableMark>,
     /// Tests: take the general allocation path even for running requests.
     #[cfg(test)]
     general_path_only: bool,
+    /// Tests: fail `allocate_slots` once it has taken its blocks, before it caches them.
+    #[cfg(test)]
+    fail_after_allocation: bool,
 }
 
 impl std::fmt::Debug for KVCacheManager {
@@ -376,8 +384,11 @@ impl KVCacheManager {
             stats: PrefixCacheStats::default(),
             retained: Vec::new(),
             scratch: Vec::new(),
+            marks: Vec::new(),
             #[cfg(test)]
             general_path_only: false,
+            #[cfg(test)]
+            fail_after_allocation: false,
         })
     }
 
@@ -643,8 +654,11 @@ impl KVCacheManager {
                 ..ComputedBlocks::default()
             });
         }
-        let max_len =
-            max_cache_hit_length.unwrap_or_else(|| state.request.num_tokens().saturating_sub(1));
+        // A cap beyond the request's tokens is the request's tokens: no hit is longer (and a
+        // chunked-local group's hit would otherwise pad past them).
+        let max_len = max_cache_hit_length
+            .unwrap_or_else(|| state.request.num_tokens().saturating_sub(1))
+            .min(state.request.num_tokens());
         let found = Found {
             request: state.serial,
             key_removals: self.pool.key_removals(),
@@ -697,8 +711,11 @@ impl KVCacheManager {
                 false,
             ));
         }
-        let max_len =
-            max_cache_hit_length.unwrap_or_else(|| state.request.num_tokens().saturating_sub(1));
+        // A cap beyond the request's tokens is the request's tokens: no hit is longer (and a
+        // chunked-local group's hit would otherwise pad past them).
+        let max_len = max_cache_hit_length
+            .unwrap_or_else(|| state.request.num_tokens().saturating_sub(1))
+            .min(state.request.num_tokens());
         let (mut blocks, mut lengths) = (Vec::new(), Vec::new());
         coordinator.find_per_group(
             &self.pool,
@@ -745,7 +762,9 @@ impl KVCacheManager {
     /// already left a sliding window or local-attention chunk of the request's computed tokens
     /// are freed, and stay freed. Nothing else changes: no block is taken, no hit adopted, no
     /// block cached. With `full_sequence_must_fit`, a refusal by the admission check comes first
-    /// and changes nothing at all. Bad arguments are an error and change nothing.
+    /// and changes nothing at all. Bad arguments are an error and change nothing. An error once
+    /// the counts passed (the pool shared with a thread that took blocks meanwhile) leaves what
+    /// a `None` leaves: the blocks the call took go back, tables and effects are as they were.
     pub fn allocate_slots<'a>(
         &mut self,
         request: impl Into<RequestKey<'a>>,
@@ -823,6 +842,15 @@ impl KVCacheManager {
                 &mut self.effects,
             );
         }
+        // Room for the null slots first, while nothing has changed (see
+        // `try_reserve_null_slots`).
+        if let Err(len) = coordinator.try_reserve_null_slots(&mut state.tables, main) {
+            return Err(CoreError::OutOfRange(format!(
+                "request {:?}: {main} tokens need a block table of {len} entries, more than \
+                 memory allows",
+                state.request.id()
+            )));
+        }
         // A waiting (or preempted) request holds no blocks yet.
         let watermark = if args.has_scheduled_reqs && !state.is_tracked() {
             self.watermark_blocks as i64
@@ -879,7 +907,9 @@ impl KVCacheManager {
             &self.effects,
         );
         let free = pool.num_free_blocks();
-        let available = free as i64 - args.reserved_blocks as i64;
+        // Saturating: a reservation past any pool leaves nothing available.
+        let available =
+            (free as i64).saturating_sub(i64::try_from(args.reserved_blocks).unwrap_or(i64::MAX));
         if need + watermark > available {
             return Ok(false);
         }
@@ -907,50 +937,104 @@ impl KVCacheManager {
         if exact.is_some_and(|taken| taken > free) {
             return Ok(false);
         }
+        // From here on the call takes blocks: should a step fail (it cannot once the counts
+        // above passed, unless another thread sharing the pool took blocks meanwhile), the
+        // tables and effects are put back and every reference taken is given back.
         if !state.is_tracked() {
             coordinator.reserve_tables(&mut state.tables, need_slot);
         }
-        if adopts {
-            coordinator.allocate_new_computed_blocks(
-                pool,
-                &mut state.tables,
-                hits,
-                n_local,
-                n_external,
-                self.enable_caching,
-                args.skip_zeroing_group_ids,
-                &mut self.effects,
-            )?;
+        let mut marks = std::mem::take(&mut self.marks);
+        marks.resize_with(coordinator.num_groups(), Default::default);
+        for ((m, t), mark) in coordinator
+            .groups()
+            .iter()
+            .zip(&state.tables)
+            .zip(&mut marks)
+        {
+            m.mark(t, mark);
         }
-        coordinator.allocate_new_blocks(
-            pool,
-            &mut state.tables,
-            state.request.id(),
-            need_slot,
-            main,
-            new_blocks,
-            &mut self.effects,
-        )?;
-        // The tests check the exact count against every allocation they make (one thread
-        // per pool there).
+        let effects_mark = self.effects.mark();
+        let effects = &mut self.effects;
+        let scratch = &mut self.scratch;
+        let enable_caching = self.enable_caching;
         #[cfg(test)]
-        assert_eq!(
-            exact,
-            Some(free - pool.num_free_blocks()),
-            "blocks_taken differs from what the allocation took"
-        );
-        if let Some(n) = cache_tokens {
-            coordinator.cache_blocks(
+        let fail_after_allocation = self.fail_after_allocation;
+        let mut apply = || -> Result<()> {
+            if adopts {
+                coordinator.allocate_new_computed_blocks(
+                    pool,
+                    &mut state.tables,
+                    hits,
+                    n_local,
+                    n_external,
+                    enable_caching,
+                    args.skip_zeroing_group_ids,
+                    effects,
+                )?;
+            }
+            coordinator.allocate_new_blocks(
                 pool,
                 &mut state.tables,
-                &state.request,
-                n,
-                args.num_computed_tokens,
-                state.shared_prefix_boundary,
-                &mut self.scratch,
-                &mut self.effects,
+                state.request.id(),
+                need_slot,
+                main,
+                new_blocks,
+                effects,
             )?;
+            // The tests check the exact count against every allocation they make (one thread
+            // per pool there).
+            #[cfg(test)]
+            assert_eq!(
+                exact,
+                Some(free - pool.num_free_blocks()),
+                "blocks_taken differs from what the allocation took"
+            );
+            #[cfg(test)]
+            if fail_after_allocation {
+                return Err(CoreError::InvalidArgument("injected failure".into()));
+            }
+            if let Some(n) = cache_tokens {
+                coordinator.cache_blocks(
+                    pool,
+                    &mut state.tables,
+                    &state.request,
+                    n,
+                    args.num_computed_tokens,
+                    state.shared_prefix_boundary,
+                    scratch,
+                    effects,
+                )?;
+            }
+            Ok(())
+        };
+        let applied = apply();
+        if let Err(e) = applied {
+            let mut released = Vec::new();
+            for ((m, t), mark) in coordinator
+                .groups()
+                .iter()
+                .zip(&mut state.tables)
+                .zip(&mut marks)
+            {
+                m.rollback(t, mark, &mut released);
+            }
+            self.effects.rollback(effects_mark, &mut released);
+            new_blocks.iter_mut().for_each(Vec::clear);
+            // Blocks the call took from the pool carry no key from before it (a cached block is
+            // evicted when it is taken): whatever key they carry now is this call's.
+            let hit_blocks: std::collections::HashSet<BlockId> =
+                hits.iter().flatten().copied().collect();
+            let taken: Vec<BlockId> = released
+                .iter()
+                .copied()
+                .filter(|b| !hit_blocks.contains(b))
+                .collect();
+            let _ = pool.evict_blocks(&taken);
+            let _ = pool.free_blocks(&released);
+            self.marks = marks;
+            return Err(e);
         }
+        self.marks = marks;
         Ok(true)
     }
 
@@ -1002,12 +1086,15 @@ impl KVCacheManager {
             )));
         }
         // Under async scheduling the scheduler's count runs ahead of the known tokens by the
-        // unprocessed steps' positions (drafts included); the processed ones are known.
+        // unprocessed steps' positions (drafts included); the processed ones are known. (The
+        // sums cannot overflow: their total is at most max_model_len, checked above.)
         let computed = args.num_computed_tokens + args.num_new_computed_tokens;
-        if computed.saturating_sub(args.num_in_flight_tokens) > state.request.num_tokens() {
+        let claimed = computed + args.num_external_computed_tokens;
+        if claimed.saturating_sub(args.num_in_flight_tokens) > state.request.num_tokens() {
             return Err(CoreError::OutOfRange(format!(
-                "request {id:?}: {computed} computed tokens, {} in flight, but the request has \
-                 only {}",
+                "request {id:?}: {computed} computed and {} external tokens, {} in flight, but \
+                 the request has only {}",
+                args.num_external_computed_tokens,
                 args.num_in_flight_tokens,
                 state.request.num_tokens()
             )));
@@ -1016,6 +1103,38 @@ impl KVCacheManager {
             return Err(CoreError::OutOfRange(format!(
                 "request {id:?}: {} lookahead tokens exceed max_model_len {max_model_len}",
                 args.num_lookahead_tokens
+            )));
+        }
+        // vLLM's scheduler invariant: a running request's computed tokens (in-flight and draft
+        // tokens included) never run past the slots it holds, and a request holding nothing
+        // (waiting, or preempted: its count was reset) starts from 0 plus the hit it adopts
+        // plus the tokens a connector supplies. The count of blocks to allocate relies on it
+        // (tokens past the held slots would count as skipped, null slots).
+        if state.is_tracked() {
+            let held = args.num_computed_tokens + args.num_external_computed_tokens;
+            if let Some(slots) = self.coordinator.held_slots(&state.tables) {
+                if held > slots {
+                    return invalid(format!(
+                        "request {id:?}: {} computed and {} external tokens, but the request \
+                         holds slots for only {slots}",
+                        args.num_computed_tokens, args.num_external_computed_tokens
+                    ));
+                }
+            }
+        } else if args.num_computed_tokens > 0 {
+            return invalid(format!(
+                "request {id:?} holds no blocks, so its num_computed_tokens must be 0 (got {}); \
+                 a prefix-cache hit goes in num_new_computed_tokens, a connector's tokens in \
+                 num_external_computed_tokens",
+                args.num_computed_tokens
+            ));
+        } else if claimed > state.request.num_tokens() {
+            // A hit and a connector's tokens are tokens the request has (none in flight).
+            return Err(CoreError::OutOfRange(format!(
+                "request {id:?}: {} hit and {} external tokens, but the request has only {}",
+                args.num_new_computed_tokens,
+                args.num_external_computed_tokens,
+                state.request.num_tokens()
             )));
         }
         if hits.is_empty() {
@@ -1027,6 +1146,25 @@ impl KVCacheManager {
             }
             return Ok(());
         }
+        self.validate_hit(
+            state,
+            args.new_computed_blocks,
+            hits,
+            args.num_new_computed_tokens,
+        )
+    }
+
+    /// Checks a prefix-cache hit of `n` tokens (`hits`, the blocks of `computed`, not empty)
+    /// before a request adopts it: one list per group, as many blocks as `n` tokens need, the
+    /// request holding nothing yet, and every block the cached block of this prompt.
+    fn validate_hit(
+        &self,
+        state: &RequestState,
+        computed: Option<&ComputedBlocks>,
+        hits: &[Vec<BlockId>],
+        n: usize,
+    ) -> Result<()> {
+        let id = state.request.id();
         let groups = self.coordinator.groups();
         if hits.len() != groups.len() {
             return invalid(format!(
@@ -1043,14 +1181,12 @@ impl KVCacheManager {
         }
         // A hit this manager found for this prompt, with allocations since: a block that no
         // longer matches was evicted (another caller allocated), not forged.
-        let evicted_since = args
-            .new_computed_blocks
-            .is_some_and(|c| c.origin == self.id && c.epoch != self.epoch);
+        let evicted_since = computed.is_some_and(|c| c.origin == self.id && c.epoch != self.epoch);
         // This request's own lookup, with no key taken off any block since: every block still
         // carries the key it was found under, which is all the check below would confirm. (A
         // thread sharing the pool that takes keys off blocks during this call may go unseen, as
         // it may between the check and the adoption.)
-        let unchanged = args.new_computed_blocks.is_some_and(|c| {
+        let unchanged = computed.is_some_and(|c| {
             c.origin == self.id
                 && c.found
                     == Some(Found {
@@ -1058,7 +1194,6 @@ impl KVCacheManager {
                         key_removals: self.pool.key_removals(),
                     })
         });
-        let n = args.num_new_computed_tokens;
         let hashes = state.request.block_hashes();
         for (g, (m, list)) in groups.iter().zip(hits).enumerate() {
             let bs = m.spec.block_size;
@@ -1143,6 +1278,21 @@ impl KVCacheManager {
             .map_or(&[][..], |c| &c.blocks[..]);
         let computed = hit.map_or(0, |c| c.num_computed_tokens);
         let num_tokens = state.request.num_tokens();
+        // The checks `allocate_slots` applies to the hit it adopts.
+        if computed > num_tokens {
+            return Err(CoreError::OutOfRange(format!(
+                "request {:?}: a hit of {computed} tokens, but the request has only {num_tokens}",
+                state.request.id()
+            )));
+        }
+        if !hits.is_empty() {
+            self.validate_hit(state, hit, hits, computed)?;
+        } else if computed > 0 {
+            return invalid(format!(
+                "request {:?}: a hit of {computed} tokens but no computed blocks",
+                state.request.id()
+            ));
+        }
         let full = num_tokens.min(self.max_model_len);
         let prefill_end = state
             .request

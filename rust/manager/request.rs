@@ -106,9 +106,13 @@ impl Request {
         self.num_tokens
     }
 
-    /// Token ids `[start, end)` when they are kept (KV events on); empty otherwise.
+    /// Token ids `[start, end)` when they are kept (KV events on); empty otherwise. The range
+    /// is clamped to the request's tokens (an empty or inverted range gives an empty slice).
     pub fn token_range(&self, start: usize, end: usize) -> &[u32] {
-        self.all.as_deref().map_or(&[], |all| &all[start..end])
+        self.all.as_deref().map_or(&[], |all| {
+            let end = end.min(all.len());
+            &all[start.min(end)..end]
+        })
     }
 
     /// Hashes of the full `hash_block_size` blocks of the request's tokens.

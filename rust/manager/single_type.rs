@@ -54,6 +54,20 @@ impl GroupTable {
     }
 }
 
+/// What an allocation may change in one table, kept to undo it when the allocation fails
+/// halfway (see [`GroupManager::mark`]).
+#[derive(Debug, Default)]
+pub(crate) struct TableMark {
+    /// The table's fields other than its blocks.
+    meta: GroupTable,
+    /// The table's length.
+    len: usize,
+    /// The first slot the allocation may overwrite (slots below stay as they are).
+    from: usize,
+    /// The table's slots `from..len`.
+    saved: Vec<BlockId>,
+}
+
 /// Side effects of allocation and caching the manager collects across calls.
 #[derive(Debug, Default)]
 pub(crate) struct Effects {
@@ -70,7 +84,34 @@ pub(crate) struct Effects {
     pub(crate) cow_copies: Vec<(GroupId, BlockId, BlockId)>,
 }
 
+/// The lengths of the [`Effects`] lists an allocation appends to.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct EffectsMark {
+    new_block_ids: usize,
+    boundary_offloads: usize,
+    cow_copies: usize,
+}
+
 impl Effects {
+    pub(crate) fn mark(&self) -> EffectsMark {
+        EffectsMark {
+            new_block_ids: self.new_block_ids.len(),
+            boundary_offloads: self.boundary_offloads.len(),
+            cow_copies: self.cow_copies.len(),
+        }
+    }
+
+    /// Drops what was appended since `mark`; the references the dropped copies held go to
+    /// `released` (each copy holds one on its source and one on its copy).
+    pub(crate) fn rollback(&mut self, mark: EffectsMark, released: &mut Vec<BlockId>) {
+        self.new_block_ids.truncate(mark.new_block_ids);
+        self.boundary_offloads.truncate(mark.boundary_offloads);
+        for &(_, source, copy) in self.cow_copies.get(mark.cow_copies..).unwrap_or(&[]) {
+            released.extend([source, copy]);
+        }
+        self.cow_copies.truncate(mark.cow_copies);
+    }
+
     /// Drops the not yet taken offers of a request whose blocks go back to the pool (they may
     /// be handed to another request before a connector reads them), as vLLM does.
     pub(crate) fn forget_offloads(&mut self, request_id: &str) {
@@ -192,6 +233,73 @@ impl GroupManager {
             .skipped_tokens(num_computed_tokens, self.extra_retained)
     }
 
+    /// Remembers what an allocation may change in `table` (into `mark`, reusing its buffer):
+    /// its fields, its length and the slots it may overwrite (a partial hit's slot, Mamba
+    /// align's speculative blocks that move to the end); everything else an allocation does to
+    /// a table is appending.
+    pub(crate) fn mark(&self, table: &GroupTable, mark: &mut TableMark) {
+        let len = table.blocks.len();
+        let mut from = match self.spec.kind {
+            AttentionKind::Mamba {
+                mode: MambaMode::Align,
+                speculative_blocks,
+                ..
+            } => len.saturating_sub(speculative_blocks),
+            _ => len,
+        };
+        if let Some((idx, _)) = table.partial_hit {
+            from = from.min(idx);
+        }
+        mark.meta = GroupTable {
+            blocks: Vec::new(),
+            num_cached: table.num_cached,
+            allocated: table.allocated,
+            last_state: table.last_state,
+            num_retired: table.num_retired,
+            checkpoint: table.checkpoint,
+            partial_hit: table.partial_hit,
+            producer_tail: table.producer_tail,
+            unreachable_below: table.unreachable_below,
+        };
+        mark.len = len;
+        mark.from = from;
+        mark.saved.clear();
+        mark.saved.extend_from_slice(&table.blocks[from..]);
+    }
+
+    /// Puts `table` back as `mark` found it. The references the table holds now and did not
+    /// then (blocks taken, hit blocks touched) go to `released`, for the caller to give back.
+    pub(crate) fn rollback(
+        &self,
+        table: &mut GroupTable,
+        mark: &mut TableMark,
+        released: &mut Vec<BlockId>,
+    ) {
+        let mut kept = vec![false; mark.saved.len()];
+        for &b in table.blocks.get(mark.from..).unwrap_or(&[]) {
+            if b == NULL_BLOCK {
+                continue;
+            }
+            let held_before = mark
+                .saved
+                .iter()
+                .enumerate()
+                .position(|(i, &s)| s == b && !kept[i]);
+            match held_before {
+                Some(i) => kept[i] = true,
+                None => released.push(b),
+            }
+        }
+        table.blocks.truncate(mark.from);
+        table.blocks.extend_from_slice(&mark.saved);
+        debug_assert_eq!(table.blocks.len(), mark.len);
+        let blocks = std::mem::take(&mut table.blocks);
+        *table = GroupTable {
+            blocks,
+            ..std::mem::take(&mut mark.meta)
+        };
+    }
+
     /// Blocks `allocate_new_blocks` will take for `num_tokens` slots, plus the hit blocks that
     /// touching will take out of the free order (vLLM's `get_num_blocks_to_allocate`). Signed:
     /// a Mamba align group may answer below zero, as in vLLM.
@@ -223,7 +331,7 @@ impl GroupManager {
                     return self.num_gpu_blocks as i64 + 1;
                 }
                 if mode == MambaMode::None {
-                    let tokens = num_tokens + bs * speculative_blocks;
+                    let tokens = num_tokens.saturating_add(bs.saturating_mul(speculative_blocks));
                     return self.base_blocks_to_allocate(
                         pool,
                         table,
@@ -234,7 +342,12 @@ impl GroupManager {
                     ) + partial_local_hit as i64;
                 }
                 // Align: lookahead tokens get no state block.
-                let required = (num_tokens_main_model.div_ceil(bs) + speculative_blocks) as i64;
+                let required = i64::try_from(
+                    num_tokens_main_model
+                        .div_ceil(bs)
+                        .saturating_add(speculative_blocks),
+                )
+                .unwrap_or(i64::MAX);
                 let mut new = required - hits.len() as i64 - table.blocks.len() as i64;
                 // A partial hit (or state keyed inside a block) takes one block for its copy.
                 let partial = partial_local_hit || table.partial_hit.is_some();
@@ -324,7 +437,9 @@ impl GroupManager {
                 speculative_blocks,
                 ..
             } => {
-                let required = num_tokens_main_model.div_ceil(bs) + speculative_blocks;
+                let required = num_tokens_main_model
+                    .div_ceil(bs)
+                    .saturating_add(speculative_blocks);
                 let checkpoint = table.checkpoint.is_some() as usize;
                 if required <= len && checkpoint == 0 && !partial {
                     return taken;
@@ -346,7 +461,7 @@ impl GroupManager {
                 mode: MambaMode::None,
                 speculative_blocks,
                 ..
-            } => num_tokens + bs * speculative_blocks,
+            } => num_tokens.saturating_add(bs.saturating_mul(speculative_blocks)),
             _ => num_tokens,
         };
         taken + partial as usize + num_tokens.div_ceil(bs).saturating_sub(len)
@@ -570,7 +685,7 @@ impl GroupManager {
                 mode: MambaMode::None,
                 speculative_blocks,
                 ..
-            } => num_tokens + bs * speculative_blocks,
+            } => num_tokens.saturating_add(bs.saturating_mul(speculative_blocks)),
             _ => num_tokens,
         };
         if let Some((idx, source)) = table.partial_hit.take() {
@@ -685,7 +800,7 @@ impl GroupManager {
         out: &mut Vec<BlockId>,
         effects: &mut Effects,
     ) -> Result<()> {
-        let required = num_tokens.div_ceil(self.bs()) + spec_blocks;
+        let required = num_tokens.div_ceil(self.bs()).saturating_add(spec_blocks);
         // A chunk exporting a prefill checkpoint keeps one more block, at the checkpoint's slot.
         let checkpoint = table.checkpoint.is_some() as usize;
         if required <= table.blocks.len() && checkpoint == 0 && table.partial_hit.is_none() {

@@ -302,11 +302,15 @@ impl GroupSpec {
             | AttentionKind::Mla
             | AttentionKind::Rswa { .. }
             | AttentionKind::CircularBuffer => 0,
+            // Saturating: a count or window near `usize::MAX` skips as if it were there.
             AttentionKind::SlidingWindow { window }
-            | AttentionKind::SlidingWindowMla { window, .. } => {
-                (num_computed_tokens + 1).saturating_sub(window + extra_retained)
-            }
-            AttentionKind::ChunkedLocal { chunk } => num_computed_tokens / chunk * chunk,
+            | AttentionKind::SlidingWindowMla { window, .. } => num_computed_tokens
+                .saturating_add(1)
+                .saturating_sub(window.saturating_add(extra_retained)),
+            // A chunk of 0 (which `validate` rejects) skips nothing.
+            AttentionKind::ChunkedLocal { chunk } => num_computed_tokens
+                .checked_div(chunk)
+                .map_or(0, |chunks| chunks * chunk),
             AttentionKind::Mamba { .. } => num_computed_tokens.saturating_sub(1),
         }
     }
@@ -332,7 +336,9 @@ impl GroupSpec {
         match self.kind {
             AttentionKind::SlidingWindow { window }
             | AttentionKind::SlidingWindowMla { window, .. } => {
-                let tokens = (window - 1 + extra_retained)
+                let tokens = window
+                    .saturating_sub(1)
+                    .saturating_add(extra_retained)
                     .saturating_add(max_in_flight_tokens)
                     .min(max_model_len);
                 Some(tokens.div_ceil(bs) + 1)
@@ -359,6 +365,14 @@ impl GroupSpec {
             AttentionKind::ChunkedLocal { chunk: 0 } => {
                 bad("attention chunk size must be positive".into())
             }
+            // `AttentionKind::parse` checks this too; specs built otherwise (`mamba_with`, a
+            // struct literal) are checked here.
+            AttentionKind::Mamba {
+                speculative_blocks, ..
+            } if speculative_blocks > MAX_BLOCKS => bad(format!(
+                "num_speculative_blocks {speculative_blocks} is more than a pool can hold \
+                 ({MAX_BLOCKS})"
+            )),
             _ => Ok(()),
         }
     }

@@ -811,8 +811,8 @@ impl BlockPool {
     pub fn touch(&self, blocks: &[BlockId]) -> Result<()> {
         self.check_ids(blocks)?;
         if let Err((k, err)) = self.states.acquire_many(blocks) {
-            // Only under a race with allocations that took every free block: give back what
-            // this call took, so it changes nothing.
+            // Only under a race with allocations that took every free block (a count that would
+            // overflow is refused before anything is taken): give back what this call took.
             self.free_blocks(&blocks[..k])?;
             return Err(err);
         }

@@ -175,10 +175,26 @@ impl BlockStates {
         &self,
         ids: &[BlockId],
     ) -> std::result::Result<(), (usize, CoreError)> {
+        // Within `ids.len()` of the limit, a block may overflow its count: checked before any
+        // reference is taken (a revived block's place in the free order cannot be given back).
+        let near = (u32::MAX as usize).saturating_sub(ids.len());
+        let mut near_limit = false;
         let free = ids
             .iter()
-            .filter(|&&id| id != NULL_BLOCK && self.ref_count(id) == 0)
+            .filter(|&&id| {
+                if id == NULL_BLOCK {
+                    return false;
+                }
+                let refs = self.ref_count(id);
+                near_limit |= refs as usize > near;
+                refs == 0
+            })
             .count();
+        if near_limit {
+            if let Some(err) = self.first_overflow(ids) {
+                return Err((0, err));
+            }
+        }
         let mut units = if free > 0 && self.reserve(free).is_ok() {
             free
         } else {
@@ -195,6 +211,34 @@ impl BlockStates {
         }
         self.return_units(units);
         Ok(())
+    }
+
+    /// Tests: sets the reference count of `id`, a block in use, to `refs` (at least 1), as
+    /// that many `touch`es would, without making them.
+    #[cfg(test)]
+    pub(crate) fn set_ref_count(&self, id: BlockId, refs: u32) {
+        let cell = &self.state[id as usize];
+        let s = cell.load(Ordering::Acquire);
+        assert!(self::refs(s) > 0 && refs > 0, "only blocks in use");
+        cell.store(pack(refs, epoch(s)), Ordering::Release);
+    }
+
+    /// The overflow taking one more reference to each of `ids` would run into, if any (with
+    /// the reference counts as they are now).
+    fn first_overflow(&self, ids: &[BlockId]) -> Option<CoreError> {
+        let mut taken: std::collections::HashMap<BlockId, usize> = std::collections::HashMap::new();
+        for &id in ids {
+            if id == NULL_BLOCK {
+                continue;
+            }
+            let n = taken.entry(id).or_insert(0);
+            *n += 1;
+            let ref_cnt = self.ref_count(id);
+            if ref_cnt as usize + *n > u32::MAX as usize {
+                return Some(CoreError::RefCountOverflow { id, ref_cnt });
+            }
+        }
+        None
     }
 
     fn return_units(&self, units: usize) {

@@ -1130,3 +1130,36 @@ fn a_page_array_that_cannot_be_allocated_is_an_error_naming_it() {
     alloc::inject::set_available(None);
     assert!(result.is_err());
 }
+
+#[test]
+fn a_touch_that_would_overflow_a_count_changes_nothing() {
+    // A cached free block first, then a block at the largest count: the overflow is found
+    // before the free block is revived (reviving it and freeing it again would move it to the
+    // back of the free order).
+    let pool = BlockPool::new(8).unwrap();
+    let b = pool.get_new_blocks(1).unwrap()[0];
+    let xy = pool.get_new_blocks(2).unwrap();
+    let x = xy[0];
+    cache(&pool, &xy, &[7, 8], 0);
+    pool.free_blocks(&xy).unwrap();
+    pool.states.set_ref_count(b, u32::MAX);
+    let order = pool.free_order();
+    assert_eq!(
+        pool.touch(&[x, b]),
+        Err(CoreError::RefCountOverflow {
+            id: b,
+            ref_cnt: u32::MAX
+        })
+    );
+    assert_eq!(pool.free_order(), order);
+    assert_eq!(pool.ref_count(x).unwrap(), 0);
+    // One below the limit: one more reference fits, two of the same block do not.
+    pool.states.set_ref_count(b, u32::MAX - 1);
+    assert!(pool.touch(&[x, b, b]).is_err());
+    assert_eq!(pool.free_order(), order);
+    assert_eq!(pool.ref_count(b).unwrap(), u32::MAX - 1);
+    pool.touch(&[x, b]).unwrap();
+    assert_eq!(pool.ref_count(b).unwrap(), u32::MAX);
+    pool.states.set_ref_count(b, 1);
+    pool.free_blocks(&[x, b]).unwrap();
+}
