@@ -188,6 +188,14 @@ def test_help_describes_every_simulate_option(capsys) -> None:
     assert "number of requests to simulate" in out
     assert "random seed of the synthetic workload" in out
     assert "--max-num-seqs" in out and "--max-num-batched-tokens" in out
+    assert "the config's, at most 32,768" in " ".join(out.split())
+
+
+def test_the_default_max_model_len_is_the_configs_at_most_32768() -> None:
+    spec = load_model("gpt-oss-20b")
+    assert spec.max_model_len > 32768
+    report = simulate(spec, "chat", 8 * GIB, num_requests=2)
+    assert report.plan.max_model_len == 32768
 
 
 # ----------------------------------------------------------------------------- progress

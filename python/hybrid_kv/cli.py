@@ -186,9 +186,15 @@ def _add_budget_options(parser: argparse.ArgumentParser, *, default_memory: str 
     parser.set_defaults(default_memory=default_memory)
 
 
-def _add_plan_options(parser: argparse.ArgumentParser, *, batched_default: int | None) -> None:
+def _add_plan_options(
+    parser: argparse.ArgumentParser,
+    *,
+    batched_default: int | None,
+    max_model_len_cap: int | None = None,
+) -> None:
+    default = "the config's" + (f", at most {max_model_len_cap:,}" if max_model_len_cap else "")
     parser.add_argument(
-        "--max-model-len", type=int, default=None, help="longest request (default: the config's)"
+        "--max-model-len", type=int, default=None, help=f"longest request (default: {default})"
     )
     parser.add_argument(
         "--strategy",
@@ -552,7 +558,7 @@ def _add_simulate_parser(subparsers: Any) -> None:
         "--workload", choices=WORKLOADS, default="chat", help="synthetic workload (default chat)"
     )
     _add_budget_options(parser, default_memory="24GiB")
-    _add_plan_options(parser, batched_default=None)
+    _add_plan_options(parser, batched_default=None, max_model_len_cap=DEFAULT_MAX_MODEL_LEN)
     parser.set_defaults(max_model_len_default=DEFAULT_MAX_MODEL_LEN)
     parser.add_argument(
         "--max-num-seqs",
