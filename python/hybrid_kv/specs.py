@@ -296,7 +296,6 @@ class MambaSpec:
         )
         _positive_int("MambaSpec.mamba2", "conv_kernel - 1", conv_kernel - 1)
         tp = tensor_parallel_size
-        _positive_int("MambaSpec.mamba2", "tensor_parallel_size", tp)
         if n_groups % tp:
             n_groups = tp
         conv_dim = _shard(

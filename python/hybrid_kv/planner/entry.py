@@ -508,30 +508,33 @@ def _insufficient(
 ) -> InsufficientMemoryError:
     needed = (candidate.admission + 1) * candidate.block_bytes
     fitting = fitting_max_model_len(candidate, buckets, settings)
-    if candidate.admission + 1 > MAX_BLOCKS:
-        return InsufficientMemoryError(
-            f"one request of max_model_len={settings.max_model_len} tokens needs "
-            f"{candidate.admission} blocks plus the null block, more than a pool can hold "
-            f"({MAX_BLOCKS:,} blocks: block ids are 32-bit); lower max_model_len",
-            reserved_bytes=candidate.admission * candidate.block_bytes,
-            needed_bytes=needed,
-            fitting_max_model_len=fitting,
-        )
-    if fitting:
-        hint = f"a max_model_len of {fitting} fits in this budget"
-    elif settings.memory_bytes <= candidate.block_bytes:
-        # vLLM refuses this budget before any reservation: "No available memory for the
-        # cache blocks".
-        hint = "the budget does not hold even the null block"
-    else:
-        hint = "not even a 1-token request fits"
-    return InsufficientMemoryError(
+    request = (
         f"one request of max_model_len={settings.max_model_len} tokens needs "
-        f"{candidate.admission} blocks of {format_bytes(candidate.block_bytes)} (vLLM's "
-        f"reservation with {settings.max_in_flight_tokens} tokens in flight) plus the null "
-        f"block = {needed} bytes ({format_bytes(needed)}), but the budget is "
-        f"{settings.memory_bytes} bytes ({format_bytes(settings.memory_bytes)}); {hint}, or "
-        f"raise the memory to {format_bytes(needed)}",
+        f"{candidate.admission} blocks"
+    )
+    if candidate.admission + 1 > MAX_BLOCKS:
+        message = (
+            f"{request} plus the null block, more than a pool can hold ({MAX_BLOCKS:,} blocks: "
+            "block ids are 32-bit); lower max_model_len"
+        )
+    else:
+        if fitting:
+            hint = f"a max_model_len of {fitting} fits in this budget"
+        elif settings.memory_bytes <= candidate.block_bytes:
+            # vLLM refuses this budget before any reservation: "No available memory for the
+            # cache blocks".
+            hint = "the budget does not hold even the null block"
+        else:
+            hint = "not even a 1-token request fits"
+        message = (
+            f"{request} of {format_bytes(candidate.block_bytes)} (vLLM's reservation with "
+            f"{settings.max_in_flight_tokens} tokens in flight) plus the null block = {needed} "
+            f"bytes ({format_bytes(needed)}), but the budget is {settings.memory_bytes} bytes "
+            f"({format_bytes(settings.memory_bytes)}); {hint}, or raise the memory to "
+            f"{format_bytes(needed)}"
+        )
+    return InsufficientMemoryError(
+        message,
         reserved_bytes=candidate.admission * candidate.block_bytes,
         needed_bytes=needed,
         fitting_max_model_len=fitting,
