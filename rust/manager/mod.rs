@@ -1121,6 +1121,41 @@ impl KVCacheManager {
                     ));
                 }
             }
+            // vLLM's scheduler caches a request's blocks at its current computed count
+            // (`cache_blocks(request, request.num_computed_tokens)`, or the count its
+            // `allocate_slots` just scheduled) and passes that same count to the request's next
+            // `allocate_slots`. A Mamba align state the request keyed inside one of its blocks at
+            // `boundary` is copied by that next allocation, so the request resumes from at most
+            // `boundary` (fewer after a failed load), with the block still in its table. A larger
+            // count would free the block before the copy (vLLM asserts; the copy could land on
+            // the freed block itself).
+            for (g, (m, t)) in self
+                .coordinator
+                .groups()
+                .iter()
+                .zip(&state.tables)
+                .enumerate()
+            {
+                let Some((slot, block, boundary)) = m.pending_own_state(t) else {
+                    continue;
+                };
+                if t.blocks.get(slot) != Some(&block) {
+                    return invalid(format!(
+                        "request {id:?}: group {g} keyed its Mamba state at {boundary} tokens in \
+                         block {block}, which left the request's table (remove_skipped_blocks \
+                         past {boundary} tokens?) before the allocation that copies it"
+                    ));
+                }
+                if held > boundary {
+                    return invalid(format!(
+                        "request {id:?}: {} computed and {} external tokens, but group {g} \
+                         cached its Mamba state at {boundary} tokens (cache_blocks with \
+                         {boundary} tokens), so its next allocation resumes from at most \
+                         {boundary}",
+                        args.num_computed_tokens, args.num_external_computed_tokens
+                    ));
+                }
+            }
         } else if args.num_computed_tokens > 0 {
             return invalid(format!(
                 "request {id:?} holds no blocks, so its num_computed_tokens must be 0 (got {}); \

@@ -473,6 +473,23 @@ impl GroupManager {
         !hits.is_empty() && num_local_computed_tokens % self.bs() != 0
     }
 
+    /// Mamba align: the state a running request keyed inside one of its own blocks (a
+    /// `cache_blocks` ending on the prompt's latest hash boundary or the shared-prefix junction),
+    /// which its next allocation copies before the request writes on: `(slot, block, boundary)`.
+    /// `boundary` is the prefix the key covers; once a connector took the producer tail, the
+    /// end of the slot's block (past it the allocation would free `block` before the copy).
+    pub(crate) fn pending_own_state(&self, table: &GroupTable) -> Option<(usize, BlockId, usize)> {
+        if !self.spec.is_mamba_align() || !table.allocated {
+            return None;
+        }
+        let (slot, block) = table.partial_hit?;
+        let boundary = match table.producer_tail {
+            Some((tail, tokens)) if tail == block => tokens,
+            _ => (slot + 1).saturating_mul(self.bs()),
+        };
+        Some((slot, block, boundary))
+    }
+
     /// Mamba align with checkpoint exports: the `(position, slot)` of the prefill checkpoint
     /// the worker exports from inside the chunk `[start, end)` into a reserved block (vLLM's
     /// `_needs_internal_checkpoint`), or `None`.

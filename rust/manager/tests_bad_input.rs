@@ -511,3 +511,44 @@ fn a_reservation_past_the_pool_leaves_no_block_available() {
         assert_eq!(snapshot(&m, &["a"]), before);
     }
 }
+
+// ----- a running Mamba step past the state the request keyed inside a block ------------------
+
+#[test]
+fn a_running_step_past_the_mamba_state_it_keyed_inside_a_block_is_refused() {
+    // vLLM caches a request's blocks at its current computed count and passes that count to
+    // its next `allocate_slots`, which copies a state keyed inside a block before the request
+    // writes on. Caching at 24 tokens a request that ran to 33, then resuming it from 33,
+    // retired the keyed block, took it back as its own copy and failed halfway ("cannot move
+    // the keys of block 3 onto itself"), leaving the block leaked and its key gone.
+    for general_path in [false, true] {
+        let mut c =
+            ManagerConfig::new(vec![GroupSpec::full(16), GroupSpec::mamba(16)], 6, 4096).dense();
+        c.hash_block_size = Some(8);
+        let mut m = KVCacheManager::new(&c).unwrap();
+        m.general_path_only = general_path;
+        m.add_request("a", &tokens(29), ExtraKeys::default())
+            .unwrap();
+        m.allocate_slots("a", &run(29, 0)).unwrap().unwrap();
+        m.append_token_ids("a", &[100u32, 101, 102, 103, 104])
+            .unwrap();
+        m.allocate_slots("a", &run(4, 29)).unwrap().unwrap();
+        let state = m.block_ids("a", 1).unwrap()[1];
+        assert_eq!(m.num_free_blocks(), 0);
+        // The prompt's latest hash boundary a resend can reach, (29 - 1) / 8 * 8 = 24, falls
+        // inside Mamba block 1: the request keys its state there.
+        m.cache_blocks("a", 24).unwrap();
+        refused(&mut m, &["a"], invalid_argument, |m| {
+            m.allocate_slots("a", &run(1, 33))
+        });
+        assert_eq!(m.block_ids("a", 1).unwrap()[1], state);
+        assert_eq!(m.pool().ref_count(state).unwrap(), 1);
+        // Resuming from 24 (what vLLM passes) is accepted: the copy waits for a free block.
+        assert_eq!(m.allocate_slots("a", &run(9, 24)).unwrap(), None);
+        // A remove_skipped_blocks past 24 frees the keyed block: the copy has nothing to read.
+        m.remove_skipped_blocks("a", 33, None).unwrap();
+        refused(&mut m, &["a"], invalid_argument, |m| {
+            m.allocate_slots("a", &run(9, 24))
+        });
+    }
+}
