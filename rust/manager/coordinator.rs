@@ -535,18 +535,6 @@ impl Coordinator {
         Ok(())
     }
 
-    /// The slots a request holding these tables covers in every group (the fewest over the
-    /// groups; null slots count, as the tokens behind a window were computed): `None` when no
-    /// group's table grows with the tokens (circular buffers only, or no groups).
-    pub(crate) fn held_slots(&self, tables: &[GroupTable]) -> Option<usize> {
-        self.groups
-            .iter()
-            .zip(tables)
-            .filter(|(m, _)| !matches!(m.spec.kind, AttentionKind::CircularBuffer))
-            .map(|(m, t)| t.blocks.len().saturating_mul(m.spec.block_size))
-            .min()
-    }
-
     /// Sizes the empty tables of a request's first allocation for `num_tokens` slots and
     /// [`TABLE_HEADROOM`] blocks after them: one allocation per table, where growing it with
     /// the hit, then the new blocks, then the decode took several (with copies) on every
@@ -590,6 +578,11 @@ impl Coordinator {
             else {
                 continue;
             };
+            // Room enough already (a multiplication: a running step's usual case).
+            let spare = t.blocks.capacity().saturating_sub(speculative_blocks + 2);
+            if num_tokens_main_model <= spare.saturating_mul(m.spec.block_size) {
+                continue;
+            }
             // The state blocks, a partial hit's copy and a checkpoint's block.
             let len = num_tokens_main_model
                 .div_ceil(m.spec.block_size)

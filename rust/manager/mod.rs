@@ -1112,15 +1112,10 @@ impl KVCacheManager {
         // (tokens past the held slots would count as skipped, null slots).
         if state.is_tracked() {
             let held = args.num_computed_tokens + args.num_external_computed_tokens;
-            if let Some(slots) = self.coordinator.held_slots(&state.tables) {
-                if held > slots {
-                    return invalid(format!(
-                        "request {id:?}: {} computed and {} external tokens, but the request \
-                         holds slots for only {slots}",
-                        args.num_computed_tokens, args.num_external_computed_tokens
-                    ));
-                }
-            }
+            // One pass over the tables (each read once): the slots held, fewest over the
+            // groups (a circular buffer's one block holds no count), and the Mamba align
+            // states keyed inside blocks.
+            //
             // vLLM's scheduler caches a request's blocks at its current computed count
             // (`cache_blocks(request, request.num_computed_tokens)`, or the count its
             // `allocate_slots` just scheduled) and passes that same count to the request's next
@@ -1129,6 +1124,7 @@ impl KVCacheManager {
             // `boundary` (fewer after a failed load), with the block still in its table. A larger
             // count would free the block before the copy (vLLM asserts; the copy could land on
             // the freed block itself).
+            let mut slots = usize::MAX;
             for (g, (m, t)) in self
                 .coordinator
                 .groups()
@@ -1136,6 +1132,9 @@ impl KVCacheManager {
                 .zip(&state.tables)
                 .enumerate()
             {
+                if !matches!(m.spec.kind, AttentionKind::CircularBuffer) {
+                    slots = slots.min(t.blocks.len().saturating_mul(m.spec.block_size));
+                }
                 let Some((slot, block, boundary)) = m.pending_own_state(t) else {
                     continue;
                 };
@@ -1155,6 +1154,13 @@ impl KVCacheManager {
                         args.num_computed_tokens, args.num_external_computed_tokens
                     ));
                 }
+            }
+            if held > slots {
+                return invalid(format!(
+                    "request {id:?}: {} computed and {} external tokens, but the request \
+                     holds slots for only {slots}",
+                    args.num_computed_tokens, args.num_external_computed_tokens
+                ));
             }
         } else if args.num_computed_tokens > 0 {
             return invalid(format!(
