@@ -340,6 +340,15 @@ pub struct KVCacheManager {
     fail_after_allocation: bool,
 }
 
+/// The longest hit a lookup for `request` may return: `max_cache_hit_length`, by default all
+/// but the last token. A cap beyond the request's tokens is the request's tokens: no hit is
+/// longer (and a chunked-local group's hit would otherwise pad past them).
+fn hit_cap(request: &Request, max_cache_hit_length: Option<usize>) -> usize {
+    max_cache_hit_length
+        .unwrap_or_else(|| request.num_tokens().saturating_sub(1))
+        .min(request.num_tokens())
+}
+
 impl std::fmt::Debug for KVCacheManager {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KVCacheManager")
@@ -654,11 +663,7 @@ impl KVCacheManager {
                 ..ComputedBlocks::default()
             });
         }
-        // A cap beyond the request's tokens is the request's tokens: no hit is longer (and a
-        // chunked-local group's hit would otherwise pad past them).
-        let max_len = max_cache_hit_length
-            .unwrap_or_else(|| state.request.num_tokens().saturating_sub(1))
-            .min(state.request.num_tokens());
+        let max_len = hit_cap(&state.request, max_cache_hit_length);
         let found = Found {
             request: state.serial,
             key_removals: self.pool.key_removals(),
@@ -711,11 +716,7 @@ impl KVCacheManager {
                 false,
             ));
         }
-        // A cap beyond the request's tokens is the request's tokens: no hit is longer (and a
-        // chunked-local group's hit would otherwise pad past them).
-        let max_len = max_cache_hit_length
-            .unwrap_or_else(|| state.request.num_tokens().saturating_sub(1))
-            .min(state.request.num_tokens());
+        let max_len = hit_cap(&state.request, max_cache_hit_length);
         let (mut blocks, mut lengths) = (Vec::new(), Vec::new());
         coordinator.find_per_group(
             &self.pool,

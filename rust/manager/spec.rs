@@ -125,17 +125,10 @@ impl AttentionKind {
                     (MambaMode::Align, 1) => alignment.unwrap_or(0),
                     _ => 0,
                 };
-                let speculative_blocks = params.num_speculative_blocks.unwrap_or(0);
-                if speculative_blocks > MAX_BLOCKS {
-                    // More than any pool holds; larger counts would overflow block arithmetic.
-                    return bad_config(format!(
-                        "num_speculative_blocks {speculative_blocks} is more than a pool can \
-                         hold ({MAX_BLOCKS})"
-                    ));
-                }
                 AttentionKind::Mamba {
                     mode,
-                    speculative_blocks,
+                    // Bounded by `GroupSpec::validate`, as for every constructor.
+                    speculative_blocks: params.num_speculative_blocks.unwrap_or(0),
                     prefill_checkpoint_alignment,
                 }
             }
@@ -365,8 +358,7 @@ impl GroupSpec {
             AttentionKind::ChunkedLocal { chunk: 0 } => {
                 bad("attention chunk size must be positive".into())
             }
-            // `AttentionKind::parse` checks this too; specs built otherwise (`mamba_with`, a
-            // struct literal) are checked here.
+            // More than any pool holds; larger counts would overflow block arithmetic.
             AttentionKind::Mamba {
                 speculative_blocks, ..
             } if speculative_blocks > MAX_BLOCKS => bad(format!(
