@@ -15,7 +15,7 @@ use super::spec::{AttentionKind, GroupSpec, MambaMode, ManagerConfig};
 use super::RunningHorizon;
 use crate::error::{bad_config, Result};
 use crate::pool::BlockPool;
-use crate::types::{BlockHash, BlockId, CacheKey, GroupId};
+use crate::types::{BlockHash, BlockId, CacheKey, GroupId, NULL_BLOCK};
 
 /// Blocks a request's first allocation leaves room for in its tables beyond the slots it asks
 /// for: 256 tokens of decode at block size 16 before the table grows.
@@ -80,6 +80,10 @@ pub struct Coordinator {
     fast_running: bool,
     /// Some Mamba group exports prefill checkpoints into blocks of their own.
     has_checkpoint_exports: bool,
+    /// Per group: its bounds in `running_horizon` follow the previous group's rules (same
+    /// spec, EAGLE drop and retained tokens, and no prompt-tail key of its own), so the same
+    /// table state gives the same bounds.
+    same_horizon_rules: Vec<bool>,
 }
 
 impl Coordinator {
@@ -144,7 +148,7 @@ impl Coordinator {
                 ));
             }
         }
-        let groups = specs
+        let groups: Vec<GroupManager> = specs
             .iter()
             .enumerate()
             .map(|(i, &spec)| {
@@ -180,7 +184,19 @@ impl Coordinator {
             })
             .collect();
         let simple_hybrid = spec_groups.len() == 2 && spec_groups[0].spec.is_full();
+        let same_horizon_rules = (0..groups.len())
+            .map(|g| {
+                g > 0 && {
+                    let (a, b) = (&groups[g - 1], &groups[g]);
+                    a.spec == b.spec
+                        && a.use_eagle == b.use_eagle
+                        && a.extra_retained == b.extra_retained
+                        && !b.keys_prompt_tail(hash_block_size)
+                }
+            })
+            .collect();
         Ok(Coordinator {
+            same_horizon_rules,
             kind,
             groups,
             simple_hybrid,
@@ -787,9 +803,9 @@ impl Coordinator {
         for (m, t) in self.groups.iter().zip(tables.iter()) {
             m.prefetch_window_edge(t, step.processed, prompt);
         }
+        self.remove_skipped_together(pool, tables, step.processed, prompt, scratch)?;
         let mut need = 0;
-        for (m, t) in self.groups.iter().zip(tables.iter_mut()) {
-            m.remove_skipped_blocks(pool, t, step.processed, prompt, scratch)?;
+        for (m, t) in self.groups.iter().zip(tables.iter()) {
             need += step
                 .need_slot
                 .div_ceil(m.spec.block_size)
@@ -860,6 +876,56 @@ impl Coordinator {
         Ok(true)
     }
 
+    /// Every group's `remove_skipped_blocks` after `processed` tokens, for a layout whose
+    /// groups all free behind a window by the plain walk (no Mamba, no circular buffer: the
+    /// layouts [`Coordinator::running_step`] serves), with one release of the pool for all
+    /// groups: the groups' runs are released as batches in group order, which frees them in
+    /// the order one release per group would, and their blocks' states are loaded together.
+    fn remove_skipped_together(
+        &self,
+        pool: &BlockPool,
+        tables: &mut [GroupTable],
+        processed: usize,
+        prompt: Option<usize>,
+        scratch: &mut Vec<BlockId>,
+    ) -> Result<()> {
+        const MOST: usize = 16;
+        if self.groups.len() > MOST {
+            for (m, t) in self.groups.iter().zip(tables.iter_mut()) {
+                m.remove_skipped_blocks(pool, t, processed, prompt, scratch)?;
+            }
+            return Ok(());
+        }
+        // Per group with a walk to make: (group, slot the walk starts below, blocks freed).
+        let mut walks = [(0usize, 0usize, 0usize); MOST];
+        let mut ends = [0usize; MOST];
+        let mut n = 0;
+        scratch.clear();
+        for (g, (m, t)) in self.groups.iter().zip(tables.iter()).enumerate() {
+            if let Some((last, freed)) = m.collect_skipped(t, processed, prompt, scratch) {
+                walks[n] = (g, last, freed);
+                ends[n] = scratch.len();
+                n += 1;
+            }
+        }
+        if scratch.is_empty() {
+            for &(g, last, _) in &walks[..n] {
+                tables[g].unreachable_below = tables[g].unreachable_below.max(last);
+            }
+            return Ok(());
+        }
+        for &block in scratch.iter() {
+            pool.prefetch_block(block);
+        }
+        pool.free_held(scratch, &ends[..n])?;
+        for &(g, last, freed) in &walks[..n] {
+            let t = &mut tables[g];
+            t.blocks[last - freed..last].fill(NULL_BLOCK);
+            t.unreachable_below = t.unreachable_below.max(last);
+        }
+        Ok(())
+    }
+
     /// [`RunningHorizon`] of a request with these tables, `None` unless its next call takes
     /// [`Coordinator::running_step`]. Each bound is the tightest over the groups: a step that
     /// needs no new block in any group, caches no block in any group and removes none is the
@@ -881,24 +947,43 @@ impl Coordinator {
             cache: usize::MAX,
             removal: usize::MAX,
         };
-        for (m, t) in self.groups.iter().zip(tables) {
+        // The previous group's table state and bounds: a group with the same rules and the
+        // same state has the same bounds (Gemma-3's six sliding-window groups, in step).
+        let mut previous: Option<(HorizonState, usize, usize)> = None;
+        for (g, (m, t)) in self.groups.iter().zip(tables).enumerate() {
             let bs = m.spec.block_size;
             horizon.slots = horizon.slots.min(t.blocks.len() * bs);
-            if enable_caching && m.spec.prefix_cacheable() {
-                // Caching is bounded by the request's hashes and blocks too; leaving those
-                // bounds out can only make the horizon earlier.
-                let next = (t.num_cached.unwrap_or(0) + 1) * bs;
-                // No more tokens are cacheable than there are: the answer is at least `next`.
-                let hint = next - 1;
-                let at = first_at_least(|tokens| self.cacheable_tokens(m, tokens), next, hint);
-                horizon.cache = horizon.cache.min(at);
-                if m.keys_prompt_tail(self.hash_block_size) {
-                    horizon.cache = horizon
-                        .cache
-                        .min(self.tail_key_horizon(pool, m, t, request));
+            let state = HorizonState {
+                num_cached: t.num_cached,
+                removable: m.first_removable(t, num_prompt_tokens),
+            };
+            let (cache, removal) = match previous {
+                Some((same, cache, removal)) if self.same_horizon_rules[g] && same == state => {
+                    (cache, removal)
                 }
-            }
-            horizon.removal = horizon.removal.min(m.removal_horizon(t, num_prompt_tokens));
+                _ => {
+                    let mut cache = usize::MAX;
+                    if enable_caching && m.spec.prefix_cacheable() {
+                        // Caching is bounded by the request's hashes and blocks too; leaving
+                        // those bounds out can only make the horizon earlier.
+                        let next = (t.num_cached.unwrap_or(0) + 1) * bs;
+                        // No more tokens are cacheable than there are: at least `next`.
+                        let hint = next - 1;
+                        cache =
+                            first_at_least(|tokens| self.cacheable_tokens(m, tokens), next, hint);
+                        if m.keys_prompt_tail(self.hash_block_size) {
+                            cache = cache.min(self.tail_key_horizon(pool, m, t, request));
+                        }
+                    }
+                    let removal = state.removable.map_or(usize::MAX, |live| {
+                        m.removal_horizon_at(live, num_prompt_tokens)
+                    });
+                    (cache, removal)
+                }
+            };
+            horizon.cache = horizon.cache.min(cache);
+            horizon.removal = horizon.removal.min(removal);
+            previous = Some((state, cache, removal));
         }
         Some(horizon)
     }
@@ -943,6 +1028,15 @@ impl Coordinator {
             boundary - 1,
         )
     }
+}
+
+/// What a group's bounds in [`Coordinator::running_horizon`] read of its table, besides its
+/// length (the slot bound is taken per group).
+#[derive(Copy, Clone, PartialEq, Eq)]
+struct HorizonState {
+    num_cached: Option<usize>,
+    /// `GroupManager::first_removable`.
+    removable: Option<usize>,
 }
 
 /// What [`Coordinator::running_step`] needs to know about the step.

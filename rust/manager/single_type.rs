@@ -913,48 +913,16 @@ impl GroupManager {
         let num_full =
             (num_tokens.min(hashes.len() * ctx.hash_block_size) / bs).min(table.blocks.len());
         if num_cached < num_full {
-            let view = HashView::new(hashes, self.hash_ratio);
             let mut blocks = &table.blocks[num_cached..num_full];
             if self.mask_blocks(num_cached, num_full, ctx, blocks, scratch) {
                 blocks = scratch.as_slice();
             }
-            let mut hash_buf;
-            let block_hashes = if self.hash_ratio == 1 {
-                &hashes[num_cached..num_full]
-            } else {
-                hash_buf = Vec::with_capacity(num_full - num_cached);
-                hash_buf.extend((num_cached..num_full).map(|i| view.get(i)));
-                hash_buf.as_slice()
-            };
-            if self.spec.prefill_checkpoint_alignment() > 0
-                || self.keys_prompt_tail(ctx.hash_block_size)
-            {
-                // A block holding an exported checkpoint (or keyed at a prompt tail inside it)
-                // is keyed at a shorter prefix than its slot: caching the slot's full prefix
-                // re-keys it (vLLM's partial-to-full promotion in `cache_full_blocks`).
-                for (&block, &hash) in blocks.iter().zip(block_hashes) {
-                    if block == NULL_BLOCK {
-                        continue;
-                    }
-                    if pool.block_key(block)?.is_some_and(|k| k.hash != hash) {
-                        pool.evict_blocks(&[block])?;
-                    }
-                }
+            // Retention keeps none of them (a window group's decode blocks): without events (vLLM
+            // publishes one for such a call too) there is nothing to key or publish.
+            let nothing = !pool.events_enabled() && blocks.iter().all(|&b| b == NULL_BLOCK);
+            if !nothing {
+                self.key_full_blocks(pool, request, num_cached, num_full, blocks, ctx)?;
             }
-            let extra = request.extra_keys();
-            let keys_of = |i: usize| {
-                let start = (num_cached + i) * bs;
-                extra.event_keys(start, start + bs)
-            };
-            let info = StoreInfo {
-                parent_block_hash: (num_cached > 0).then(|| view.get(num_cached - 1)),
-                token_ids: request.token_range(num_cached * bs, num_full * bs),
-                block_size: bs as u32,
-                lora: extra.lora_name.as_deref().map(|n| (n, extra.lora_id)),
-                block_extra_keys: pool.events_enabled().then_some(&keys_of as _),
-                first_block: num_cached,
-            };
-            pool.cache_full_blocks(blocks, block_hashes, self.id, info)?;
             table.num_cached = Some(num_full);
         }
         if self.spec.is_mamba_align() {
@@ -967,6 +935,59 @@ impl GroupManager {
             self.cache_prompt_tail_key(pool, table, request, num_tokens, ctx)?;
         }
         Ok(())
+    }
+
+    /// Keys `blocks` (a table's slots `[num_cached, num_full)`, masked by retention) under the
+    /// request's hashes and publishes their store: `cache_blocks`' work in the pool.
+    fn key_full_blocks(
+        &self,
+        pool: &BlockPool,
+        request: &Request,
+        num_cached: usize,
+        num_full: usize,
+        blocks: &[BlockId],
+        ctx: &CacheCtx<'_>,
+    ) -> Result<()> {
+        let bs = self.bs();
+        let hashes = request.block_hashes();
+        let view = HashView::new(hashes, self.hash_ratio);
+        let mut hash_buf;
+        let block_hashes = if self.hash_ratio == 1 {
+            &hashes[num_cached..num_full]
+        } else {
+            hash_buf = Vec::with_capacity(num_full - num_cached);
+            hash_buf.extend((num_cached..num_full).map(|i| view.get(i)));
+            hash_buf.as_slice()
+        };
+        if self.spec.prefill_checkpoint_alignment() > 0
+            || self.keys_prompt_tail(ctx.hash_block_size)
+        {
+            // A block holding an exported checkpoint (or keyed at a prompt tail inside it)
+            // is keyed at a shorter prefix than its slot: caching the slot's full prefix
+            // re-keys it (vLLM's partial-to-full promotion in `cache_full_blocks`).
+            for (&block, &hash) in blocks.iter().zip(block_hashes) {
+                if block == NULL_BLOCK {
+                    continue;
+                }
+                if pool.block_key(block)?.is_some_and(|k| k.hash != hash) {
+                    pool.evict_blocks(&[block])?;
+                }
+            }
+        }
+        let extra = request.extra_keys();
+        let keys_of = |i: usize| {
+            let start = (num_cached + i) * bs;
+            extra.event_keys(start, start + bs)
+        };
+        let info = StoreInfo {
+            parent_block_hash: (num_cached > 0).then(|| view.get(num_cached - 1)),
+            token_ids: request.token_range(num_cached * bs, num_full * bs),
+            block_size: bs as u32,
+            lora: extra.lora_name.as_deref().map(|n| (n, extra.lora_id)),
+            block_extra_keys: pool.events_enabled().then_some(&keys_of as _),
+            first_block: num_cached,
+        };
+        pool.cache_full_blocks(blocks, block_hashes, self.id, info)
     }
 
     /// Full attention with blocks larger than the hash block: also keys the block holding the
@@ -1395,6 +1416,24 @@ impl GroupManager {
         Ok(())
     }
 
+    /// The blocks `remove_skipped_blocks` would free after `num_computed_tokens`, appended to
+    /// `out` in the order it frees them, for a group that frees by the plain window walk (not
+    /// Mamba `align`, not a circular buffer); see `walk_down` for the answer. The caller frees
+    /// them, nulls slots `[last - freed, last)` and raises `unreachable_below` to `last`.
+    pub(crate) fn collect_skipped(
+        &self,
+        table: &GroupTable,
+        num_computed_tokens: usize,
+        num_prompt_tokens: Option<usize>,
+        out: &mut Vec<BlockId>,
+    ) -> Option<(usize, usize)> {
+        debug_assert!(
+            !self.spec.is_mamba_align() && !matches!(self.spec.kind, AttentionKind::CircularBuffer)
+        );
+        let (first, last) = self.skipped_range(num_computed_tokens, num_prompt_tokens);
+        walk_down(table, first, last, out)
+    }
+
     /// The slots `[first, last)` that `remove_skipped_blocks` empties after
     /// `num_computed_tokens` (from `last - 1` down to the first null block; `last` is not
     /// clamped to the table). Both grow with the tokens.
@@ -1451,22 +1490,41 @@ impl GroupManager {
     /// The fewest processed tokens at which `remove_skipped_blocks` would free one of the
     /// table's blocks (`usize::MAX`: at no count), for a table that takes no new block
     /// meanwhile. Not for circular buffers or Mamba `align` groups (they keep other state).
+    /// (`Coordinator::running_horizon` takes its two parts apart.)
+    #[cfg(test)]
     pub(crate) fn removal_horizon(&self, table: &GroupTable, num_prompt_tokens: usize) -> usize {
+        match self.first_removable(table, num_prompt_tokens) {
+            Some(live) => self.removal_horizon_at(live, num_prompt_tokens),
+            None => usize::MAX,
+        }
+    }
+
+    /// The slot whose block `removal_horizon` waits for: the first live slot the next window
+    /// walk can reach. None when no walk can free anything (full attention, MLA, or no live
+    /// slot in reach).
+    pub(crate) fn first_removable(
+        &self,
+        table: &GroupTable,
+        num_prompt_tokens: usize,
+    ) -> Option<usize> {
         if self.keeps_every_block() {
             // No slot to look at.
-            return usize::MAX;
+            return None;
         }
-        let prompt = Some(num_prompt_tokens);
-        let (first, _) = self.skipped_range(0, prompt);
+        let (first, _) = self.skipped_range(0, Some(num_prompt_tokens));
         // A removal up to `last` frees something only if slot `last - 1` holds a block: the
         // first live slot the walk can still reach is the earliest that can go. Slots below
         // where the last walk stopped are out of its reach; starting there also keeps this
         // from reading every null slot of a long sequence on each call.
         let from = first.max(table.unreachable_below);
         debug_assert!(from == first || table.blocks[from - 1] == NULL_BLOCK);
-        let Some(live) = (from..table.blocks.len()).find(|&i| table.blocks[i] != NULL_BLOCK) else {
-            return usize::MAX;
-        };
+        (from..table.blocks.len()).find(|&i| table.blocks[i] != NULL_BLOCK)
+    }
+
+    /// `removal_horizon` of a table whose first removable slot (`first_removable`) is `live`:
+    /// it depends on the table through `live` alone.
+    pub(crate) fn removal_horizon_at(&self, live: usize, num_prompt_tokens: usize) -> usize {
+        let prompt = Some(num_prompt_tokens);
         // Slots below `live + 1` are skipped once the processed tokens cover them and the
         // window behind them: the answer is a step or two above this (a chunk at most).
         let behind = match self.spec.kind {
@@ -1596,32 +1654,49 @@ fn remove_blocks_in_range(
     last: usize,
     scratch: &mut Vec<BlockId>,
 ) -> Result<()> {
+    scratch.clear();
+    let Some((last, freed)) = walk_down(table, first, last, scratch) else {
+        return Ok(());
+    };
+    if freed > 0 {
+        pool.free_held(scratch, &[freed])?;
+        table.blocks[last - freed..last].fill(NULL_BLOCK);
+    }
+    // Slot `last - 1` is null now: later walks stop at or above it.
+    table.unreachable_below = table.unreachable_below.max(last);
+    Ok(())
+}
+
+/// The walk of `remove_blocks_in_range` over `[first, last)`: appends to `out` the live blocks
+/// from slot `last - 1` down to the first null (the order they are freed in) and returns
+/// `(last, their number)` with `last` clamped to the table, or None when there is no walk to
+/// make (an empty range, or one the last walk already passed).
+fn walk_down(
+    table: &GroupTable,
+    first: usize,
+    last: usize,
+    out: &mut Vec<BlockId>,
+) -> Option<(usize, usize)> {
     let last = last.min(table.blocks.len());
     if first >= last {
-        return Ok(());
+        return None;
     }
     if last <= table.unreachable_below {
         // A walk from this edge or above already ran, and the live slots form one run above
         // the nulls: slot `last - 1` is null, and the walk would free nothing. Its slot, far
         // below the tail, is not read.
         debug_assert_eq!(table.blocks[last - 1], NULL_BLOCK);
-        return Ok(());
+        return None;
     }
-    scratch.clear();
+    let before = out.len();
     for i in (first..last).rev() {
         let b = table.blocks[i];
         if b == NULL_BLOCK {
             break;
         }
-        scratch.push(b);
+        out.push(b);
     }
-    if !scratch.is_empty() {
-        pool.free_held(scratch, &[scratch.len()])?;
-        table.blocks[last - scratch.len()..last].fill(NULL_BLOCK);
-    }
-    // Slot `last - 1` is null now: later walks stop at or above it.
-    table.unreachable_below = table.unreachable_below.max(last);
-    Ok(())
+    Some((last, out.len() - before))
 }
 
 /// vLLM's `get_mamba_prefill_checkpoint_position`: the latest hash boundary of a prefill of

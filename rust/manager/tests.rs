@@ -1331,6 +1331,20 @@ fn horizon_configs() -> Vec<ManagerConfig> {
         vec![GroupSpec::full(4), GroupSpec::sliding_window(8, 9)],
         // Full blocks larger than the hash block: keyed again at the prompt's tail.
         vec![GroupSpec::full(8), GroupSpec::sliding_window(4, 9)],
+        // Groups with the same spec in a row (Gemma-3's sliding-window groups), whose bounds
+        // the horizon takes once while their tables agree.
+        vec![
+            GroupSpec::full(4),
+            GroupSpec::sliding_window(4, 6),
+            GroupSpec::sliding_window(4, 6),
+            GroupSpec::sliding_window(4, 6),
+        ],
+        vec![
+            GroupSpec::full(8),
+            GroupSpec::full(8),
+            GroupSpec::chunked_local(4, 8),
+            GroupSpec::chunked_local(4, 8),
+        ],
     ];
     let mut configs = Vec::new();
     for groups in layouts {
@@ -1536,8 +1550,18 @@ fn decode_leaves_the_running_horizon_only_at_block_boundaries() {
             vec![GroupSpec::full(16), GroupSpec::sliding_window(16, 64)],
             Some(64),
         ),
+        // Gemma-3's shape: the window groups' bounds are taken once, and are as tight.
+        (
+            vec![
+                GroupSpec::full(16),
+                GroupSpec::sliding_window(16, 64),
+                GroupSpec::sliding_window(16, 64),
+                GroupSpec::sliding_window(16, 64),
+            ],
+            Some(64),
+        ),
     ] {
-        let mut m = manager(groups.clone(), 200);
+        let mut m = manager(groups.clone(), 400);
         m.add_request("r", &tokens(0, 40), ExtraKeys::default())
             .unwrap();
         admit(&mut m, "r").unwrap();

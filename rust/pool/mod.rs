@@ -1087,7 +1087,7 @@ impl BlockPool {
     /// Starts loading the state word a free of block `id` reads and updates (its cached flag
     /// shares a line with 63 other blocks' and is usually loaded already).
     #[inline]
-    fn prefetch_block(&self, id: BlockId) {
+    pub(crate) fn prefetch_block(&self, id: BlockId) {
         if let Some(state) = self.states.cell(id) {
             crate::sync::prefetch(state);
         }
