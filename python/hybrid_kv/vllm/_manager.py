@@ -19,6 +19,7 @@ calling the core, which takes the tokens appended meanwhile at the request's nex
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -636,7 +637,12 @@ class HybridKVCacheManager(_RunningSteps):
     def get_block_ids_for_computed_tokens(
         self, request_id: str, num_computed_tokens: int
     ) -> tuple[list[int], ...]:
-        ids = self.core.get_block_ids_for_computed_tokens(request_id, num_computed_tokens)
+        try:
+            ids = self.core.get_block_ids_for_computed_tokens(request_id, num_computed_tokens)
+        except hk.UnknownRequestError:
+            # As vLLM's manager: a request holding nothing (never allocated, or finished and
+            # freed, as a connector's `request_finished` may see it) has empty tables.
+            return tuple([] for _ in range(self.num_kv_cache_groups))
         return tuple(a.tolist() for a in ids)
 
     def estimate_cached_tokens(self, request: Request) -> int:
@@ -670,7 +676,9 @@ class HybridKVCacheManager(_RunningSteps):
         return self.core._take_new_block_id_list()
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
-        self.core.record_blocks_for_zeroing(request_id, start_token)
+        # A request holding nothing has nothing to zero (vLLM's manager: a no-op).
+        with contextlib.suppress(hk.UnknownRequestError):
+            self.core.record_blocks_for_zeroing(request_id, start_token)
 
     def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[RetainedBlock]]:
         """The copy-on-write copies of partial hits for the worker, and their endpoints, which
@@ -734,7 +742,11 @@ class HybridKVCacheManager(_RunningSteps):
         processed_computed_tokens: int,
         num_prompt_tokens: int | None = None,
     ) -> None:
-        self.core.remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
+        # A request holding nothing has nothing to free (vLLM's manager: a no-op).
+        with contextlib.suppress(hk.UnknownRequestError):
+            self.core.remove_skipped_blocks(
+                request_id, processed_computed_tokens, num_prompt_tokens
+            )
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         """Removes the prefix-cache entries of the given blocks (a connector's invalidation)."""

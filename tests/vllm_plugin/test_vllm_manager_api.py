@@ -1,0 +1,77 @@
+"""The adapter's `KVCacheManager` API called directly, as a KV connector or an out-of-tree
+scheduler would: where vLLM 0.33's own manager answers a call, hybrid-kv's answers the same;
+where vLLM's accepts an argument that makes no sense (a hit from another manager, a hit that is
+not a lookup's result), hybrid-kv's raises a `ValueError` naming it and changes nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (see .ci/run)")
+
+import hybrid_kv.vllm as hkv  # noqa: E402
+from hybrid_kv.vllm import testing as harness  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+PROMPT = tuple(range(5000, 5070))
+
+
+def managers(layout: str) -> tuple[Any, Any]:
+    """vLLM's manager and hybrid-kv's for the same small configuration."""
+    options = harness.Options(layout=layout, num_blocks=100)
+    ours = harness.build_scheduler(options, hkv.Scheduler)
+    assert ours.uses_hybrid_kv
+    return harness.build_scheduler(options).kv_cache_manager, ours.kv_cache_manager
+
+
+def request(request_id: str) -> Any:
+    return harness.make_request(harness.RequestSpec(request_id, PROMPT, 10, 0))
+
+
+def run_and_finish(manager: Any, request_id: str) -> Any:
+    """A request whose whole prompt was computed and cached, then finished and freed."""
+    req = request(request_id)
+    manager.allocate_slots(req, len(PROMPT))
+    req.num_computed_tokens = len(PROMPT)
+    manager.cache_blocks(req, len(PROMPT))
+    req.status = RequestStatus.FINISHED_STOPPED
+    manager.free(req)
+    return req
+
+
+def per_request_calls(manager: Any, req: Any) -> list[Any]:
+    """Every per-request query and update vLLM's scheduler or a connector makes by id or by
+    request, and what each answered."""
+    rid = req.request_id
+    return [
+        manager.get_block_ids(rid),
+        manager.get_blocks(rid).get_block_ids(),
+        manager.get_block_ids_for_computed_tokens(rid, 32),
+        manager.remove_skipped_blocks(rid, 32, len(PROMPT)),
+        manager.remove_skipped_blocks(rid, 32),
+        manager.record_blocks_for_zeroing(rid, 0),
+        manager.take_new_block_ids(),
+        manager.estimate_cached_tokens(req),
+        manager.finalize_partial_tail_offloads(req),
+        manager.free(req),
+        manager.usage,
+    ]
+
+
+@pytest.mark.parametrize("layout", ["full", "gpt-oss", "jamba"])
+def test_calls_on_an_unknown_request_answer_as_vllms(layout: str) -> None:
+    stock, ours = managers(layout)
+    assert per_request_calls(ours, request("never-seen")) == per_request_calls(
+        stock, request("never-seen")
+    )
+
+
+@pytest.mark.parametrize("layout", ["full", "gpt-oss", "jamba"])
+def test_calls_on_a_finished_request_answer_as_vllms(layout: str) -> None:
+    # A connector's `request_finished` reads the block table of a request the scheduler has
+    # freed already when the connector delays nothing.
+    stock, ours = managers(layout)
+    expected = per_request_calls(stock, run_and_finish(stock, "done"))
+    assert per_request_calls(ours, run_and_finish(ours, "done")) == expected
