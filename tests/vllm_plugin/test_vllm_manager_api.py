@@ -5,6 +5,7 @@ not a lookup's result), hybrid-kv's raises a `ValueError` naming it and changes 
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import pytest
@@ -75,3 +76,36 @@ def test_calls_on_a_finished_request_answer_as_vllms(layout: str) -> None:
     stock, ours = managers(layout)
     expected = per_request_calls(stock, run_and_finish(stock, "done"))
     assert per_request_calls(ours, run_and_finish(ours, "done")) == expected
+
+
+def test_kv_cache_blocks_compare_by_their_block_ids() -> None:
+    stock, ours = managers("gpt-oss")
+    for manager in (stock, ours):
+        run_and_finish(manager, "x")
+    hits = [ours.get_computed_blocks(request(rid))[0] for rid in ("a", "b")]
+    expected = [stock.get_computed_blocks(request(rid))[0] for rid in ("a", "b")]
+    assert expected[0] == expected[1]
+    assert hits[0] == hits[1]
+    assert hits[0] != hits[0].new_empty()
+    assert hits[0] + hits[1] != hits[0]
+    assert ours.empty_kv_cache_blocks == hits[0].new_empty()
+    assert stock.empty_kv_cache_blocks == expected[0].new_empty()
+    # Mutable, as vLLM's (a dataclass with equality): not hashable.
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(expected[0])
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(hits[0])
+
+
+def test_kv_cache_blocks_pickle_as_their_block_ids() -> None:
+    stock, ours = managers("gpt-oss")
+    for manager in (stock, ours):
+        run_and_finish(manager, "x")
+    hit = ours.get_computed_blocks(request("a"))[0]
+    expected = stock.get_computed_blocks(request("a"))[0]
+    copy = pickle.loads(pickle.dumps(hit))
+    assert copy.get_block_ids() == hit.get_block_ids() == expected.get_block_ids()
+    assert copy == hit
+    empty = pickle.loads(pickle.dumps(ours.empty_kv_cache_blocks))
+    assert empty.get_block_ids(allow_none=True) is None
+    assert empty.get_block_ids() == ([], [])

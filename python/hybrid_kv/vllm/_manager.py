@@ -153,6 +153,24 @@ class KVCacheBlocks:
             return None
         return tuple(a.tolist() for a in arrays)
 
+    def __eq__(self, other: object) -> bool:
+        # vLLM's (a dataclass) compares its block objects; these are equal when they hold the
+        # same block ids per group.
+        if not isinstance(other, KVCacheBlocks):
+            return NotImplemented
+        mine, theirs = self._arrays(), other._arrays()
+        return len(mine) == len(theirs) and all(
+            np.array_equal(a, b) for a, b in zip(mine, theirs, strict=True)
+        )
+
+    # Mutable and compared by value, as vLLM's: not hashable.
+    __hash__ = None  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A copy holds the block ids: it reads as the original, and is no lookup result to pass
+        # to `allocate_slots`.
+        return (KVCacheBlocks, (None, self._arrays(), self._empty))
+
     def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
         return KVCacheBlocks(
             ids=tuple(
