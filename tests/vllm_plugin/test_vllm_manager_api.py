@@ -12,6 +12,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (see .ci/run)")
 
+import hybrid_kv as hk  # noqa: E402
 import hybrid_kv.vllm as hkv  # noqa: E402
 from hybrid_kv.vllm import testing as harness  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
@@ -109,3 +110,43 @@ def test_kv_cache_blocks_pickle_as_their_block_ids() -> None:
     empty = pickle.loads(pickle.dumps(ours.empty_kv_cache_blocks))
     assert empty.get_block_ids(allow_none=True) is None
     assert empty.get_block_ids() == ([], [])
+
+
+@pytest.mark.parametrize("how", ["sum", "pickled", "vllm's"])
+def test_a_hit_that_is_not_a_lookups_result_is_refused_by_name(how: str) -> None:
+    # vLLM's manager adopts whatever blocks it is given; hybrid-kv's takes a hit only as its
+    # own lookup (or truncation) returned it, and says so.
+    stock, ours = managers("gpt-oss")
+    for manager in (stock, ours):
+        run_and_finish(manager, "x")
+    req = request("y")
+    hit, num_hit, _ = ours.get_computed_blocks(req)
+    assert num_hit == 64
+    other = {
+        "sum": lambda: hit + ours.empty_kv_cache_blocks,
+        "pickled": lambda: pickle.loads(pickle.dumps(hit)),
+        "vllm's": lambda: stock.get_computed_blocks(request("y"))[0],
+    }[how]()
+    usage = ours.usage
+    with pytest.raises(hk.InvalidArgumentError, match="get_computed_blocks"):
+        ours.allocate_slots(req, len(PROMPT) - num_hit, num_hit, other)
+    assert ours.get_block_ids("y") == ([], [])
+    assert ours.usage == usage
+    # The lookup's own result is still taken.
+    assert ours.allocate_slots(req, len(PROMPT) - num_hit, num_hit, hit) is not None
+    assert ours.get_block_ids("y")[0][:4] == hit.get_block_ids()[0]
+
+
+def test_truncating_what_is_not_a_lookups_result_is_refused_by_name() -> None:
+    _, ours = managers("gpt-oss")
+    run_and_finish(ours, "x")
+    hit = ours.get_computed_blocks(request("y"))[0]
+    assert ours.truncate_computed_blocks(hit, 32).get_block_ids() == ([1, 2], [6, 7])
+    with pytest.raises(hk.InvalidArgumentError, match="get_computed_blocks"):
+        ours.truncate_computed_blocks(hit + hit, 32)
+    empty = ours.empty_kv_cache_blocks
+    assert ours.truncate_computed_blocks(empty, 0) is empty
+    assert ours.truncate_computed_blocks(empty.new_empty(), 0) is empty
+    # vLLM's manager fails an assertion there.
+    with pytest.raises(hk.OutOfRangeError, match="16 tokens"):
+        ours.truncate_computed_blocks(empty, 16)

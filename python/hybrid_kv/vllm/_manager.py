@@ -198,6 +198,24 @@ class KVCacheBlocks:
         return f"KVCacheBlocks({[a.tolist() for a in self._arrays()]})"
 
 
+def _lookup_result(blocks: Any) -> hk.KVCacheBlocks | None:
+    """The core's hit behind `new_computed_blocks` (None when it holds no block).
+
+    vLLM's manager adopts whatever blocks it is handed. The core adopts a hit only as its lookup
+    made it (it checks the hit against the request and its own pool), so blocks that are ids
+    only (a sum, a copy, another manager's) are refused here, by name, before anything changes.
+    """
+    if isinstance(blocks, KVCacheBlocks):
+        if blocks._core is not None or blocks.is_empty():
+            return blocks._core
+    elif all(len(ids) == 0 for ids in blocks.get_block_ids()):
+        return None
+    raise hk.InvalidArgumentError(
+        f"new_computed_blocks must be get_computed_blocks' (or truncate_computed_blocks') "
+        f"result of this manager, unchanged; got {type(blocks).__name__} holding block ids only"
+    )
+
+
 class _EmptyKVCacheBlocks(KVCacheBlocks):
     """The manager's shared empty result. The scheduler reads every running request's new
     blocks with `get_block_ids(allow_none=True)` on every step: here that is a direct entry
@@ -591,7 +609,7 @@ class HybridKVCacheManager(_RunningSteps):
                 new_computed_blocks is not None
                 and new_computed_blocks is not self.empty_kv_cache_blocks
             ):
-                hit = new_computed_blocks._core
+                hit = _lookup_result(new_computed_blocks)
             # Positional arguments cross faster; the scheduler's counts travel with the call.
             companion = self._companion(request)
             # Other calls change the request's blocks: no horizon until its next running call.
@@ -745,11 +763,10 @@ class HybridKVCacheManager(_RunningSteps):
     ) -> KVCacheBlocks:
         """A lookup result cut to its first `num_computed_tokens` tokens (reference counts
         untouched, `blocks` unchanged)."""
-        if blocks is self.empty_kv_cache_blocks and num_computed_tokens == 0:
-            return blocks
-        if blocks._core is None:
-            raise Unsupported("truncate_computed_blocks takes a lookup result of this manager")
-        cut = self.core.truncate_computed_blocks(blocks._core, num_computed_tokens)
+        hit = _lookup_result(blocks)
+        cut = self.core.truncate_computed_blocks(
+            self._core_empty if hit is None else hit, num_computed_tokens
+        )
         if len(cut) == 0:
             return self.empty_kv_cache_blocks
         return KVCacheBlocks(cut)
