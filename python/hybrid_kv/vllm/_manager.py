@@ -754,6 +754,15 @@ class HybridKVCacheManager(_RunningSteps):
         blocks, num_hit, diverged = self.core.get_computed_blocks_for_connector(
             self._companion(request), max_cache_hit_length
         )
+        if (
+            self._events is not None
+            and num_hit
+            and blocks._is_lookup_hit
+            and request.kv_cache_report_mode == "full"
+        ):
+            # vLLM's answer here is its `get_computed_blocks`' (which publishes the hit) except
+            # for a Mamba hybrid whose groups agree with or lag full attention.
+            self._events.reused(request, blocks.get_block_ids())
         if len(blocks) == 0:
             return self.empty_kv_cache_blocks, num_hit, blocks.shared_prefix_boundary, diverged
         return KVCacheBlocks(blocks), num_hit, blocks.shared_prefix_boundary, diverged
