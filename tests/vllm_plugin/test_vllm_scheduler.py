@@ -1009,6 +1009,48 @@ def test_streaming_input_requests_are_refused_and_the_engine_serves_the_rest(
         assert got == expected
 
 
+@pytest.mark.parametrize(
+    "field,changes",
+    [
+        ("request id", {"request_id": "bad\ud800"}),
+        ("cache_salt", {"cache_salt": "tenant\udfff"}),
+        ("LoRA adapter", {"lora": ("alpha\ud800", 1, "/adapters/alpha")}),
+        ("multimodal identifier", {"mm": (("image\udc80", 3, 20),)}),
+    ],
+)
+def test_requests_with_text_that_is_not_unicode_are_refused_and_the_engine_serves_the_rest(
+    field: str, changes: dict[str, Any]
+) -> None:
+    """A string holding a lone surrogate (valid in Python, not Unicode: an in-process engine
+    can be handed one; vLLM's own msgpack transport cannot carry it) cannot key hybrid-kv's
+    tables. Such a request does not stop the engine loop (the manager would raise inside
+    `schedule()`): it gets one validation error at the next `update_from_output`, and the other
+    requests run as they would without it."""
+    options = harness.Options(layout="gpt-oss", lora=True)
+    workload = WORKLOAD[:4]
+    plain = harness.Driver(harness.build_scheduler(options, hkv.Scheduler), workload)
+    expected = [(harness.summarize(o), harness.summarize_results(r)) for o, r in plain.run()]
+
+    scheduler = harness.build_scheduler(options, hkv.Scheduler)
+    assert scheduler.uses_hybrid_kv
+    spec = dataclasses.replace(WORKLOAD[7], **{"request_id": "bad", **changes})
+    scheduler.add_request(harness.make_request(spec))
+    assert spec.request_id not in scheduler.requests
+    got, refusals = [], []
+    for output, results in harness.Driver(scheduler, workload).run(max_steps=10_000):
+        refusals += _refusals(results)
+        for outputs in results:
+            for eco in outputs.values():
+                eco.outputs = [o for o in eco.outputs if o.request_id != spec.request_id]
+        got.append((harness.summarize(output), harness.summarize_results(results)))
+    (refusal,) = refusals
+    assert refusal.request_id == spec.request_id
+    assert refusal.finish_reason == FinishReason.ERROR
+    assert refusal.error.code == "validation_error"
+    assert f"{field} is not valid Unicode" in refusal.error.message
+    assert got == expected
+
+
 # ----- running horizon ----------------------------------------------------------------------------
 
 
