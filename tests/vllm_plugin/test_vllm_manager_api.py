@@ -91,6 +91,10 @@ def test_kv_cache_blocks_compare_by_their_block_ids() -> None:
     assert hits[0] + hits[1] != hits[0]
     assert ours.empty_kv_cache_blocks == hits[0].new_empty()
     assert stock.empty_kv_cache_blocks == expected[0].new_empty()
+    # Another manager's blocks (vLLM's own) neither compare equal nor add.
+    assert hits[0] != expected[0]
+    with pytest.raises(TypeError, match="unsupported operand"):
+        hits[0] + expected[0]
     # Mutable, as vLLM's (a dataclass with equality): not hashable.
     with pytest.raises(TypeError, match="unhashable"):
         hash(expected[0])

@@ -172,6 +172,9 @@ class KVCacheBlocks:
         return (KVCacheBlocks, (None, self._arrays(), self._empty))
 
     def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        if not isinstance(other, KVCacheBlocks):
+            # vLLM's own (another manager's) blocks: Python's TypeError for the operands.
+            return NotImplemented
         return KVCacheBlocks(
             ids=tuple(
                 np.concatenate((a, b)) for a, b in zip(self._arrays(), other._arrays(), strict=True)
