@@ -23,7 +23,8 @@ from vllm.distributed.kv_events import (  # noqa: E402
     BlockStored,
     KVEventBatch,
 )
-from vllm.v1.request import RequestStatus  # noqa: E402
+from vllm.pooling_params import PoolingParams  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 WORKLOAD = harness.chat_workload(40, seed=2, salts=(None, "tenant-b"))
 
@@ -302,3 +303,32 @@ def test_a_connectors_lookup_publishes_a_reported_hit_as_vllms(
     expected = _stored_then_looked_up(harness.build_scheduler(options).kv_cache_manager, evict_tail)
     assert bool(expected) == (layout != "jamba" or evict_tail)
     assert _stored_then_looked_up(ours.kv_cache_manager, evict_tail) == expected
+
+
+@pytest.mark.parametrize("layout", ["full", "gpt-oss"])
+def test_a_pooling_requests_hit_publishes_as_vllms(layout: str) -> None:
+    # A pooling request (an embedding model's) has no sampling parameters, so vLLM's Request
+    # sets no `kv_cache_report_mode` on it: its hit is looked up, and published as incremental.
+    prompt = list(range(5000, 5070))
+    options = harness.Options(layout=layout, num_blocks=100, kv_events=True)
+    ours = harness.build_scheduler(options, hkv.Scheduler)
+    assert ours.uses_hybrid_kv
+    published = []
+    for manager in (harness.build_scheduler(options).kv_cache_manager, ours.kv_cache_manager):
+        requests = [
+            Request(
+                request_id=rid,
+                prompt_token_ids=prompt,
+                sampling_params=None,
+                pooling_params=PoolingParams(),
+                block_hasher=harness._block_hasher(harness.BLOCK_SIZE),
+            )
+            for rid in ("first", "second")
+        ]
+        manager.allocate_slots(requests[0], len(prompt))
+        requests[0].num_computed_tokens = len(prompt)
+        manager.cache_blocks(requests[0], len(prompt))
+        blocks, num_hit, _ = manager.get_computed_blocks(requests[1])
+        assert num_hit == 64
+        published.append((blocks.get_block_ids(), manager.take_events()))
+    assert published[1] == published[0]

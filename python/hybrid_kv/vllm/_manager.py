@@ -201,6 +201,13 @@ class KVCacheBlocks:
         return f"KVCacheBlocks({[a.tolist() for a in self._arrays()]})"
 
 
+def _reports_hits(request: Request) -> bool:
+    """Whether the request asked for the blocks its prefix hits reuse to be published
+    (`kv_cache_report_mode="full"`). vLLM's Request sets the mode from sampling parameters only:
+    a pooling request has none (vLLM's manager reads it with the same default)."""
+    return getattr(request, "kv_cache_report_mode", "incremental") == "full"
+
+
 def _lookup_result(blocks: Any) -> hk.KVCacheBlocks | None:
     """The core's hit behind `new_computed_blocks` (None when it holds no block).
 
@@ -555,7 +562,7 @@ class HybridKVCacheManager(_RunningSteps):
         blocks, num_hit = self.core.get_computed_blocks(
             self._companion(request), max_cache_hit_length
         )
-        if self._events is not None and num_hit and request.kv_cache_report_mode == "full":
+        if self._events is not None and num_hit and _reports_hits(request):
             # The request asked for the blocks its hit reuses to be published too.
             self._events.reused(request, blocks.get_block_ids())
         if len(blocks) == 0:
@@ -761,7 +768,7 @@ class HybridKVCacheManager(_RunningSteps):
             self._events is not None
             and num_hit
             and blocks._is_lookup_hit
-            and request.kv_cache_report_mode == "full"
+            and _reports_hits(request)
         ):
             # vLLM's answer here is its `get_computed_blocks`' (which publishes the hit) except
             # for a Mamba hybrid whose groups agree with or lag full attention.
