@@ -155,6 +155,23 @@ def test_full_report_mode_publishes_the_blocks_a_hit_reuses(layout: str, num_blo
         assert ours == theirs, f"event {i} differs"
 
 
+@pytest.mark.parametrize("layout,num_blocks", [("full", 260), ("gpt-oss", 330), ("jamba", 700)])
+def test_events_of_pooling_requests_equal_stock_vllms(layout: str, num_blocks: int) -> None:
+    # Pooling requests (no sampling parameters, so no `kv_cache_report_mode` on vLLM's Request)
+    # among generation requests asking for their hits to be published.
+    workload = [
+        dataclasses.replace(
+            spec, pooling=i % 2 == 0, kv_cache_report_mode="full" if i % 3 == 0 else None
+        )
+        for i, spec in enumerate(WORKLOAD)
+    ]
+    options = harness.Options(
+        layout=layout, num_blocks=num_blocks, kv_events=True, dense_retention=False
+    )
+    expected = recorded_events(options, workload=workload)
+    assert recorded_events(options, hkv.Scheduler, workload) == expected
+
+
 def test_events_of_lora_requests_equal_stock_vllms() -> None:
     loras = (None, ("alpha", 1, "/adapters/alpha"), ("alpha", 2, "/adapters/alpha-v2"))
     workload = [dataclasses.replace(s, lora=loras[i % 3]) for i, s in enumerate(WORKLOAD)]

@@ -339,6 +339,28 @@ def test_same_outputs_as_vllm_with_prompt_logprobs_requests(layout: str, num_blo
     assert run.hits > 0
 
 
+@pytest.mark.parametrize(
+    "layout,num_blocks,async_scheduling",
+    [("full", 150, False), ("gpt-oss", 200, True), ("jamba", 700, False)],
+)
+def test_same_outputs_as_vllm_with_pooling_requests(
+    layout: str, num_blocks: int, async_scheduling: bool
+) -> None:
+    # Every other request is a pooling request (an embedding model's: no sampling parameters,
+    # one pooler output when its prompt is done), some asking for their hits to be published.
+    workload = [
+        dataclasses.replace(
+            spec, pooling=i % 2 == 0, kv_cache_report_mode="full" if i % 3 == 0 else None
+        )
+        for i, spec in enumerate(WORKLOAD)
+    ]
+    options = harness.Options(
+        layout=layout, num_blocks=num_blocks, kv_events=True, async_scheduling=async_scheduling
+    )
+    run = run_both(options, workload)
+    assert run.hits > 0 and run.preempted > 0
+
+
 def test_a_window_not_widened_for_the_drafter_falls_back() -> None:
     # vLLM's planner widens sliding windows by the tokens a multi-module drafter re-prefills; a
     # KVCacheConfig without that is not one the core's rules match.
