@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import pickle
 import random
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -1167,6 +1168,12 @@ def test_running_steps_outside_the_horizon_reach_the_core_from_the_entry(
         assert not result.is_empty() and repr(result) == repr(same)
         assert (result + same).get_block_ids() == (same + same).get_block_ids()
         assert (same + result).get_block_ids() == (same + same).get_block_ids()
+        # Compared, hashed and pickled as the adapter's (vLLM's compare by value, unhashable).
+        assert result == same and same == result and not result != same
+        assert result != same.new_empty()
+        with pytest.raises(TypeError, match="unhashable"):
+            hash(result)
+        assert pickle.loads(pickle.dumps(result)) == same
         with pytest.raises(NotImplementedError):
             result.get_unhashed_block_ids()
 

@@ -46,6 +46,7 @@ import hybrid_kv as hk
 from hybrid_kv._core import (
     _empty_block_ids_entry,
     _running_steps_entry,
+    _RunningBlocks,
     _RunningSteps,
     _VllmSlot,
 )
@@ -156,9 +157,10 @@ class KVCacheBlocks:
     def __eq__(self, other: object) -> bool:
         # vLLM's (a dataclass) compares its block objects; these are equal when they hold the
         # same block ids per group.
-        if not isinstance(other, KVCacheBlocks):
+        theirs = _ids_of(other)
+        if theirs is None:
             return NotImplemented
-        mine, theirs = self._arrays(), other._arrays()
+        mine = self._arrays()
         return len(mine) == len(theirs) and all(
             np.array_equal(a, b) for a, b in zip(mine, theirs, strict=True)
         )
@@ -172,13 +174,12 @@ class KVCacheBlocks:
         return (KVCacheBlocks, (None, self._arrays(), self._empty))
 
     def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
-        if not isinstance(other, KVCacheBlocks):
+        theirs = _ids_of(other)
+        if theirs is None:
             # vLLM's own (another manager's) blocks: Python's TypeError for the operands.
             return NotImplemented
         return KVCacheBlocks(
-            ids=tuple(
-                np.concatenate((a, b)) for a, b in zip(self._arrays(), other._arrays(), strict=True)
-            )
+            ids=tuple(np.concatenate((a, b)) for a, b in zip(self._arrays(), theirs, strict=True))
         )
 
     def new_empty(self) -> KVCacheBlocks:
@@ -199,6 +200,15 @@ class KVCacheBlocks:
 
     def __repr__(self) -> str:
         return f"KVCacheBlocks({[a.tolist() for a in self._arrays()]})"
+
+
+def _ids_of(blocks: object) -> tuple[np.ndarray, ...] | None:
+    """The block ids per group of the adapter's blocks: a `KVCacheBlocks`, or a running step's
+    new blocks from the core's entry (`_RunningBlocks`, which reads as one); None for anything
+    else (vLLM's own `KVCacheBlocks`)."""
+    if isinstance(blocks, (KVCacheBlocks, _RunningBlocks)):
+        return blocks._arrays()
+    return None
 
 
 def _reports_hits(request: Request) -> bool:
