@@ -5,6 +5,7 @@ not a lookup's result), hybrid-kv's raises a `ValueError` naming it and changes 
 
 from __future__ import annotations
 
+import copy
 import pickle
 from typing import Any
 
@@ -154,3 +155,18 @@ def test_truncating_what_is_not_a_lookups_result_is_refused_by_name() -> None:
     # vLLM's manager fails an assertion there.
     with pytest.raises(hk.OutOfRangeError, match="16 tokens"):
         ours.truncate_computed_blocks(empty, 16)
+
+
+@pytest.mark.parametrize("how", ["copy", "deepcopy"])
+def test_a_copied_hit_is_adopted_as_the_original(how: str) -> None:
+    # vLLM's manager adopts a copy of its lookup's result as the result itself.
+    stock, ours = managers("gpt-oss")
+    adopted = []
+    for manager in (stock, ours):
+        run_and_finish(manager, "x")
+        req = request("y")
+        hit, num_hit, _ = manager.get_computed_blocks(req)
+        other = getattr(copy, how)(hit)
+        new = manager.allocate_slots(req, len(PROMPT) - num_hit, num_hit, other)
+        adopted.append((other.get_block_ids(), new.get_block_ids(), manager.get_block_ids("y")))
+    assert adopted[1] == adopted[0]

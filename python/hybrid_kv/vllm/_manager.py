@@ -169,9 +169,18 @@ class KVCacheBlocks:
     __hash__ = None  # type: ignore[assignment]
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # A copy holds the block ids: it reads as the original, and is no lookup result to pass
-        # to `allocate_slots`.
+        # Pickled, the blocks are their ids: they read as the original, and are no lookup
+        # result to pass to `allocate_slots` (the core's blocks stay in this process).
         return (KVCacheBlocks, (None, self._arrays(), self._empty))
+
+    def __copy__(self) -> KVCacheBlocks:
+        # A copy in the process is the original (the core's blocks are immutable): a lookup
+        # result's copy is adopted as the original is, as with vLLM's.
+        return KVCacheBlocks(self._core, self._ids, self._empty)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> KVCacheBlocks:
+        ids = None if self._ids is None else tuple(a.copy() for a in self._ids)
+        return KVCacheBlocks(self._core, ids, self._empty)
 
     def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
         theirs = _ids_of(other)
