@@ -844,6 +844,26 @@ def test_the_fallback_reason_is_one_line_in_vllms_log(vllm_log) -> None:
     assert line.name.startswith("vllm.")
 
 
+def test_prefix_cache_resets_are_logged_as_vllms(vllm_log) -> None:
+    # An operator resetting the prefix cache (after a weight update) reads in vLLM's log
+    # whether it took effect, and why not.
+    results = []
+    for scheduler_cls in (None, hkv.Scheduler):
+        scheduler = harness.build_scheduler(harness.Options(layout="gpt-oss"), scheduler_cls)
+        harness.Driver(scheduler, WORKLOAD[:4]).schedule()  # running requests hold blocks
+        start = len(vllm_log)
+        refused = scheduler.reset_prefix_cache()
+        forced = scheduler.reset_prefix_cache(reset_running_requests=True)
+        lines = [
+            (r.levelno, r.getMessage())
+            for r in vllm_log[start:]
+            if "reset prefix cache" in r.getMessage()
+        ]
+        results.append((refused, forced, lines))
+    assert results[0][:2] == (False, True) and len(results[0][2]) == 2
+    assert results[1] == results[0]
+
+
 def test_a_served_scheduler_says_so_in_vllms_log(vllm_log) -> None:
     options = harness.Options(layout="gemma3")
     scheduler = harness.build_scheduler(options, hkv.Scheduler)

@@ -722,8 +722,15 @@ class HybridKVCacheManager(_RunningSteps):
         return self._events.take()
 
     def reset_prefix_cache(self) -> bool:
+        # vLLM's block pool logs the outcome in these words; an operator resetting the cache
+        # (after a weight update) reads it there.
         if not self.core.reset_prefix_cache():
+            logger.warning(
+                "Failed to reset prefix cache because some blocks (%d) are not freed yet",
+                self.core.num_blocks - self.core.num_free_blocks - 1,
+            )
             return False
+        logger.info("Successfully reset prefix cache")
         if self._events is not None:
             self._events.collect(None)
         if self.log_stats:
