@@ -232,7 +232,7 @@ def _lookup_result(blocks: Any) -> hk.KVCacheBlocks | None:
 
     vLLM's manager adopts whatever blocks it is handed. The core adopts a hit only as its lookup
     made it (it checks the hit against the request and its own pool), so blocks that are ids
-    only (a sum, a copy, another manager's) are refused here, by name, before anything changes.
+    only (a sum, an unpickled copy, vLLM's own) are refused here, by name, before anything changes.
     """
     if isinstance(blocks, KVCacheBlocks):
         if blocks._core is not None or blocks.is_empty():
