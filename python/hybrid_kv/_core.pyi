@@ -449,6 +449,10 @@ class KVCacheBlocks:
     def shared_prefix_boundary(self) -> int:
         """vLLM's shared-prefix boundary: 0, or the longer prefix some group alone had
         cached."""
+    @property
+    def _is_lookup_hit(self) -> bool:
+        """Whether the blocks are a `get_computed_blocks` hit unchanged (not a truncation, nor
+        the per-group view `get_computed_blocks_for_connector` gives a Mamba hybrid)."""
     def __len__(self) -> int: ...
 
 @final
@@ -858,6 +862,8 @@ class _RunningBlocks:
     ) -> tuple[list[int], ...] | None: ...
     def __add__(self, value: Any, /) -> Any: ...
     def __radd__(self, value: Any, /) -> Any: ...
+    def __eq__(self, value: object, /) -> bool: ...
+    def __reduce__(self) -> Any: ...
 
 @final
 class _VllmSlot:

@@ -163,6 +163,14 @@ impl PyKVCacheBlocks {
         self.computed.shared_prefix_boundary
     }
 
+    /// Whether the blocks are a `get_computed_blocks` hit unchanged (not a truncation, nor the
+    /// per-group view `get_computed_blocks_for_connector` gives a Mamba hybrid): the vLLM
+    /// adapter publishes a reported hit's blocks for those only, as vLLM does.
+    #[getter]
+    fn _is_lookup_hit(&self) -> bool {
+        self.computed.found.is_some()
+    }
+
     fn __len__(&self) -> usize {
         self.computed.blocks.iter().map(Vec::len).max().unwrap_or(0)
     }

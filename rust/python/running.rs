@@ -454,6 +454,22 @@ impl PyRunningBlocks {
         Ok(self.wrapped(py)?.repr()?.to_string())
     }
 
+    /// Equal to the adapter's blocks holding the same block ids per group (and unhashable):
+    /// the adapter's `KVCacheBlocks.__eq__`, as vLLM's compare.
+    fn __eq__<'py>(
+        &self,
+        py: Python<'py>,
+        other: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.wrapped(py)?
+            .call_method1(intern!(py, "__eq__"), (other,))
+    }
+
+    /// Pickles as the adapter's `KVCacheBlocks` over the same block ids.
+    fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.wrapped(py)?.call_method0(intern!(py, "__reduce__"))
+    }
+
     /// Every other attribute is the adapter's `KVCacheBlocks`'.
     fn __getattr__<'py>(
         &self,

@@ -23,6 +23,8 @@ from vllm.distributed.kv_events import (  # noqa: E402
     BlockStored,
     KVEventBatch,
 )
+from vllm.pooling_params import PoolingParams  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 WORKLOAD = harness.chat_workload(40, seed=2, salts=(None, "tenant-b"))
 
@@ -153,6 +155,23 @@ def test_full_report_mode_publishes_the_blocks_a_hit_reuses(layout: str, num_blo
         assert ours == theirs, f"event {i} differs"
 
 
+@pytest.mark.parametrize("layout,num_blocks", [("full", 260), ("gpt-oss", 330), ("jamba", 700)])
+def test_events_of_pooling_requests_equal_stock_vllms(layout: str, num_blocks: int) -> None:
+    # Pooling requests (no sampling parameters, so no `kv_cache_report_mode` on vLLM's Request)
+    # among generation requests asking for their hits to be published.
+    workload = [
+        dataclasses.replace(
+            spec, pooling=i % 2 == 0, kv_cache_report_mode="full" if i % 3 == 0 else None
+        )
+        for i, spec in enumerate(WORKLOAD)
+    ]
+    options = harness.Options(
+        layout=layout, num_blocks=num_blocks, kv_events=True, dense_retention=False
+    )
+    expected = recorded_events(options, workload=workload)
+    assert recorded_events(options, hkv.Scheduler, workload) == expected
+
+
 def test_events_of_lora_requests_equal_stock_vllms() -> None:
     loras = (None, ("alpha", 1, "/adapters/alpha"), ("alpha", 2, "/adapters/alpha-v2"))
     workload = [dataclasses.replace(s, lora=loras[i % 3]) for i, s in enumerate(WORKLOAD)]
@@ -258,3 +277,75 @@ def test_a_reported_partial_hit_past_the_requests_hashes_publishes_its_hashed_bl
     # The first request stores its blocks as it runs; the resend's report is the last one.
     assert reported[-1].block_hashes == whole_block_hashes[:6]
     assert reported[-1].token_ids == list(prompt[:96])
+
+
+def _stored_then_looked_up(manager: Any, evict_tail: bool) -> list[Any]:
+    """A 70-token prompt computed in chunks of 32, 32 and 6 tokens (a Mamba group keeps its
+    states at 32 and 64), cached and finished; then a resend asking for its hit's blocks to be
+    published, looked up as a KV connector does: the events of that lookup. `evict_tail`: the
+    first group's last hit block is invalidated before (as a connector does with blocks it
+    learnt are bad), so a Mamba group hits deeper than full attention."""
+    prompt = tuple(range(5000, 5070))
+    first = harness.make_request(harness.RequestSpec("first", prompt, 4, 0))
+    for chunk in (32, 32, 6):
+        manager.allocate_slots(first, chunk)
+        first.num_computed_tokens += chunk
+        manager.cache_blocks(first, first.num_computed_tokens)
+    first.status = RequestStatus.FINISHED_STOPPED
+    manager.free(first)
+    resend = harness.make_request(
+        harness.RequestSpec("resend", prompt, 4, 0, kv_cache_report_mode="full")
+    )
+    if evict_tail:
+        hit = manager.get_computed_blocks_for_connector(resend)[0].get_block_ids()
+        manager.evict_blocks({hit[0][-1]})
+    manager.take_events()
+    assert manager.get_computed_blocks_for_connector(resend)[1] > 0
+    return manager.take_events()
+
+
+@pytest.mark.parametrize(
+    "layout,evict_tail",
+    [("full", False), ("gpt-oss", False), ("jamba", False), ("jamba", True)],
+)
+def test_a_connectors_lookup_publishes_a_reported_hit_as_vllms(
+    layout: str, evict_tail: bool
+) -> None:
+    # vLLM's `get_computed_blocks_for_connector` is its `get_computed_blocks` (which publishes a
+    # reported hit's blocks) except for a Mamba hybrid whose groups agree or lag full attention:
+    # that per-group view publishes nothing.
+    options = harness.Options(layout=layout, num_blocks=100, kv_events=True)
+    ours = harness.build_scheduler(options, hkv.Scheduler)
+    assert ours.uses_hybrid_kv
+    expected = _stored_then_looked_up(harness.build_scheduler(options).kv_cache_manager, evict_tail)
+    assert bool(expected) == (layout != "jamba" or evict_tail)
+    assert _stored_then_looked_up(ours.kv_cache_manager, evict_tail) == expected
+
+
+@pytest.mark.parametrize("layout", ["full", "gpt-oss"])
+def test_a_pooling_requests_hit_publishes_as_vllms(layout: str) -> None:
+    # A pooling request (an embedding model's) has no sampling parameters, so vLLM's Request
+    # sets no `kv_cache_report_mode` on it: its hit is looked up, and published as incremental.
+    prompt = list(range(5000, 5070))
+    options = harness.Options(layout=layout, num_blocks=100, kv_events=True)
+    ours = harness.build_scheduler(options, hkv.Scheduler)
+    assert ours.uses_hybrid_kv
+    published = []
+    for manager in (harness.build_scheduler(options).kv_cache_manager, ours.kv_cache_manager):
+        requests = [
+            Request(
+                request_id=rid,
+                prompt_token_ids=prompt,
+                sampling_params=None,
+                pooling_params=PoolingParams(),
+                block_hasher=harness._block_hasher(harness.BLOCK_SIZE),
+            )
+            for rid in ("first", "second")
+        ]
+        manager.allocate_slots(requests[0], len(prompt))
+        requests[0].num_computed_tokens = len(prompt)
+        manager.cache_blocks(requests[0], len(prompt))
+        blocks, num_hit, _ = manager.get_computed_blocks(requests[1])
+        assert num_hit == 64
+        published.append((blocks.get_block_ids(), manager.take_events()))
+    assert published[1] == published[0]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import pickle
 import random
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -337,6 +338,28 @@ def test_same_outputs_as_vllm_with_prompt_logprobs_requests(layout: str, num_blo
     options = harness.Options(layout=layout, num_blocks=num_blocks, dense_retention=False)
     run = run_both(options, workload)
     assert run.hits > 0
+
+
+@pytest.mark.parametrize(
+    "layout,num_blocks,async_scheduling",
+    [("full", 150, False), ("gpt-oss", 200, True), ("jamba", 700, False)],
+)
+def test_same_outputs_as_vllm_with_pooling_requests(
+    layout: str, num_blocks: int, async_scheduling: bool
+) -> None:
+    # Every other request is a pooling request (an embedding model's: no sampling parameters,
+    # one pooler output when its prompt is done), some asking for their hits to be published.
+    workload = [
+        dataclasses.replace(
+            spec, pooling=i % 2 == 0, kv_cache_report_mode="full" if i % 3 == 0 else None
+        )
+        for i, spec in enumerate(WORKLOAD)
+    ]
+    options = harness.Options(
+        layout=layout, num_blocks=num_blocks, kv_events=True, async_scheduling=async_scheduling
+    )
+    run = run_both(options, workload)
+    assert run.hits > 0 and run.preempted > 0
 
 
 def test_a_window_not_widened_for_the_drafter_falls_back() -> None:
@@ -821,6 +844,26 @@ def test_the_fallback_reason_is_one_line_in_vllms_log(vllm_log) -> None:
     assert line.name.startswith("vllm.")
 
 
+def test_prefix_cache_resets_are_logged_as_vllms(vllm_log) -> None:
+    # An operator resetting the prefix cache (after a weight update) reads in vLLM's log
+    # whether it took effect, and why not.
+    results = []
+    for scheduler_cls in (None, hkv.Scheduler):
+        scheduler = harness.build_scheduler(harness.Options(layout="gpt-oss"), scheduler_cls)
+        harness.Driver(scheduler, WORKLOAD[:4]).schedule()  # running requests hold blocks
+        start = len(vllm_log)
+        refused = scheduler.reset_prefix_cache()
+        forced = scheduler.reset_prefix_cache(reset_running_requests=True)
+        lines = [
+            (r.levelno, r.getMessage())
+            for r in vllm_log[start:]
+            if "reset prefix cache" in r.getMessage()
+        ]
+        results.append((refused, forced, lines))
+    assert results[0][:2] == (False, True) and len(results[0][2]) == 2
+    assert results[1] == results[0]
+
+
 def test_a_served_scheduler_says_so_in_vllms_log(vllm_log) -> None:
     options = harness.Options(layout="gemma3")
     scheduler = harness.build_scheduler(options, hkv.Scheduler)
@@ -1009,6 +1052,48 @@ def test_streaming_input_requests_are_refused_and_the_engine_serves_the_rest(
         assert got == expected
 
 
+@pytest.mark.parametrize(
+    "field,changes",
+    [
+        ("request id", {"request_id": "bad\ud800"}),
+        ("cache_salt", {"cache_salt": "tenant\udfff"}),
+        ("LoRA adapter", {"lora": ("alpha\ud800", 1, "/adapters/alpha")}),
+        ("multimodal identifier", {"mm": (("image\udc80", 3, 20),)}),
+    ],
+)
+def test_requests_with_text_that_is_not_unicode_are_refused_and_the_engine_serves_the_rest(
+    field: str, changes: dict[str, Any]
+) -> None:
+    """A string holding a lone surrogate (valid in Python, not Unicode: an in-process engine
+    can be handed one; vLLM's own msgpack transport cannot carry it) cannot key hybrid-kv's
+    tables. Such a request does not stop the engine loop (the manager would raise inside
+    `schedule()`): it gets one validation error at the next `update_from_output`, and the other
+    requests run as they would without it."""
+    options = harness.Options(layout="gpt-oss", lora=True)
+    workload = WORKLOAD[:4]
+    plain = harness.Driver(harness.build_scheduler(options, hkv.Scheduler), workload)
+    expected = [(harness.summarize(o), harness.summarize_results(r)) for o, r in plain.run()]
+
+    scheduler = harness.build_scheduler(options, hkv.Scheduler)
+    assert scheduler.uses_hybrid_kv
+    spec = dataclasses.replace(WORKLOAD[7], **{"request_id": "bad", **changes})
+    scheduler.add_request(harness.make_request(spec))
+    assert spec.request_id not in scheduler.requests
+    got, refusals = [], []
+    for output, results in harness.Driver(scheduler, workload).run(max_steps=10_000):
+        refusals += _refusals(results)
+        for outputs in results:
+            for eco in outputs.values():
+                eco.outputs = [o for o in eco.outputs if o.request_id != spec.request_id]
+        got.append((harness.summarize(output), harness.summarize_results(results)))
+    (refusal,) = refusals
+    assert refusal.request_id == spec.request_id
+    assert refusal.finish_reason == FinishReason.ERROR
+    assert refusal.error.code == "validation_error"
+    assert f"{field} is not valid Unicode" in refusal.error.message
+    assert got == expected
+
+
 # ----- running horizon ----------------------------------------------------------------------------
 
 
@@ -1103,6 +1188,12 @@ def test_running_steps_outside_the_horizon_reach_the_core_from_the_entry(
         assert not result.is_empty() and repr(result) == repr(same)
         assert (result + same).get_block_ids() == (same + same).get_block_ids()
         assert (same + result).get_block_ids() == (same + same).get_block_ids()
+        # Compared, hashed and pickled as the adapter's (vLLM's compare by value, unhashable).
+        assert result == same and same == result and not result != same
+        assert result != same.new_empty()
+        with pytest.raises(TypeError, match="unhashable"):
+            hash(result)
+        assert pickle.loads(pickle.dumps(result)) == same
         with pytest.raises(NotImplementedError):
             result.get_unhashed_block_ids()
 

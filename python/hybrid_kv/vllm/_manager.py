@@ -19,6 +19,7 @@ calling the core, which takes the tokens appended meanwhile at the request's nex
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ import hybrid_kv as hk
 from hybrid_kv._core import (
     _empty_block_ids_entry,
     _running_steps_entry,
+    _RunningBlocks,
     _RunningSteps,
     _VllmSlot,
 )
@@ -152,11 +154,41 @@ class KVCacheBlocks:
             return None
         return tuple(a.tolist() for a in arrays)
 
+    def __eq__(self, other: object) -> bool:
+        # vLLM's (a dataclass) compares its block objects; these are equal when they hold the
+        # same block ids per group.
+        theirs = _ids_of(other)
+        if theirs is None:
+            return NotImplemented
+        mine = self._arrays()
+        return len(mine) == len(theirs) and all(
+            np.array_equal(a, b) for a, b in zip(mine, theirs, strict=True)
+        )
+
+    # Mutable and compared by value, as vLLM's: not hashable.
+    __hash__ = None  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled, the blocks are their ids: they read as the original, and are no lookup
+        # result to pass to `allocate_slots` (the core's blocks stay in this process).
+        return (KVCacheBlocks, (None, self._arrays(), self._empty))
+
+    def __copy__(self) -> KVCacheBlocks:
+        # A copy in the process is the original (the core's blocks are immutable): a lookup
+        # result's copy is adopted as the original is, as with vLLM's.
+        return KVCacheBlocks(self._core, self._ids, self._empty)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> KVCacheBlocks:
+        ids = None if self._ids is None else tuple(a.copy() for a in self._ids)
+        return KVCacheBlocks(self._core, ids, self._empty)
+
     def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        theirs = _ids_of(other)
+        if theirs is None:
+            # vLLM's own (another manager's) blocks: Python's TypeError for the operands.
+            return NotImplemented
         return KVCacheBlocks(
-            ids=tuple(
-                np.concatenate((a, b)) for a, b in zip(self._arrays(), other._arrays(), strict=True)
-            )
+            ids=tuple(np.concatenate((a, b)) for a, b in zip(self._arrays(), theirs, strict=True))
         )
 
     def new_empty(self) -> KVCacheBlocks:
@@ -177,6 +209,40 @@ class KVCacheBlocks:
 
     def __repr__(self) -> str:
         return f"KVCacheBlocks({[a.tolist() for a in self._arrays()]})"
+
+
+def _ids_of(blocks: object) -> tuple[np.ndarray, ...] | None:
+    """The block ids per group of the adapter's blocks: a `KVCacheBlocks`, or a running step's
+    new blocks from the core's entry (`_RunningBlocks`, which reads as one); None for anything
+    else (vLLM's own `KVCacheBlocks`)."""
+    if isinstance(blocks, (KVCacheBlocks, _RunningBlocks)):
+        return blocks._arrays()
+    return None
+
+
+def _reports_hits(request: Request) -> bool:
+    """Whether the request asked for the blocks its prefix hits reuse to be published
+    (`kv_cache_report_mode="full"`). vLLM's Request sets the mode from sampling parameters only:
+    a pooling request has none (vLLM's manager reads it with the same default)."""
+    return getattr(request, "kv_cache_report_mode", "incremental") == "full"
+
+
+def _lookup_result(blocks: Any) -> hk.KVCacheBlocks | None:
+    """The core's hit behind `new_computed_blocks` (None when it holds no block).
+
+    vLLM's manager adopts whatever blocks it is handed. The core adopts a hit only as its lookup
+    made it (it checks the hit against the request and its own pool), so blocks that are ids
+    only (a sum, an unpickled copy, vLLM's own) are refused here, by name, before anything changes.
+    """
+    if isinstance(blocks, KVCacheBlocks):
+        if blocks._core is not None or blocks.is_empty():
+            return blocks._core
+    elif all(len(ids) == 0 for ids in blocks.get_block_ids()):
+        return None
+    raise hk.InvalidArgumentError(
+        f"new_computed_blocks must be get_computed_blocks' (or truncate_computed_blocks') "
+        f"result of this manager, unchanged; got {type(blocks).__name__} holding block ids only"
+    )
 
 
 class _EmptyKVCacheBlocks(KVCacheBlocks):
@@ -515,7 +581,7 @@ class HybridKVCacheManager(_RunningSteps):
         blocks, num_hit = self.core.get_computed_blocks(
             self._companion(request), max_cache_hit_length
         )
-        if self._events is not None and num_hit and request.kv_cache_report_mode == "full":
+        if self._events is not None and num_hit and _reports_hits(request):
             # The request asked for the blocks its hit reuses to be published too.
             self._events.reused(request, blocks.get_block_ids())
         if len(blocks) == 0:
@@ -572,7 +638,7 @@ class HybridKVCacheManager(_RunningSteps):
                 new_computed_blocks is not None
                 and new_computed_blocks is not self.empty_kv_cache_blocks
             ):
-                hit = new_computed_blocks._core
+                hit = _lookup_result(new_computed_blocks)
             # Positional arguments cross faster; the scheduler's counts travel with the call.
             companion = self._companion(request)
             # Other calls change the request's blocks: no horizon until its next running call.
@@ -636,7 +702,12 @@ class HybridKVCacheManager(_RunningSteps):
     def get_block_ids_for_computed_tokens(
         self, request_id: str, num_computed_tokens: int
     ) -> tuple[list[int], ...]:
-        ids = self.core.get_block_ids_for_computed_tokens(request_id, num_computed_tokens)
+        try:
+            ids = self.core.get_block_ids_for_computed_tokens(request_id, num_computed_tokens)
+        except hk.UnknownRequestError:
+            # As vLLM's manager: a request holding nothing (never allocated, or finished and
+            # freed, as a connector's `request_finished` may see it) has empty tables.
+            return tuple([] for _ in range(self.num_kv_cache_groups))
         return tuple(a.tolist() for a in ids)
 
     def estimate_cached_tokens(self, request: Request) -> int:
@@ -651,8 +722,15 @@ class HybridKVCacheManager(_RunningSteps):
         return self._events.take()
 
     def reset_prefix_cache(self) -> bool:
+        # vLLM's block pool logs the outcome in these words; an operator resetting the cache
+        # (after a weight update) reads it there.
         if not self.core.reset_prefix_cache():
+            logger.warning(
+                "Failed to reset prefix cache because some blocks (%d) are not freed yet",
+                self.core.num_blocks - self.core.num_free_blocks - 1,
+            )
             return False
+        logger.info("Successfully reset prefix cache")
         if self._events is not None:
             self._events.collect(None)
         if self.log_stats:
@@ -670,7 +748,9 @@ class HybridKVCacheManager(_RunningSteps):
         return self.core._take_new_block_id_list()
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
-        self.core.record_blocks_for_zeroing(request_id, start_token)
+        # A request holding nothing has nothing to zero (vLLM's manager: a no-op).
+        with contextlib.suppress(hk.UnknownRequestError):
+            self.core.record_blocks_for_zeroing(request_id, start_token)
 
     def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[RetainedBlock]]:
         """The copy-on-write copies of partial hits for the worker, and their endpoints, which
@@ -710,6 +790,15 @@ class HybridKVCacheManager(_RunningSteps):
         blocks, num_hit, diverged = self.core.get_computed_blocks_for_connector(
             self._companion(request), max_cache_hit_length
         )
+        if (
+            self._events is not None
+            and num_hit
+            and blocks._is_lookup_hit
+            and _reports_hits(request)
+        ):
+            # vLLM's answer here is its `get_computed_blocks`' (which publishes the hit) except
+            # for a Mamba hybrid whose groups agree with or lag full attention.
+            self._events.reused(request, blocks.get_block_ids())
         if len(blocks) == 0:
             return self.empty_kv_cache_blocks, num_hit, blocks.shared_prefix_boundary, diverged
         return KVCacheBlocks(blocks), num_hit, blocks.shared_prefix_boundary, diverged
@@ -719,11 +808,10 @@ class HybridKVCacheManager(_RunningSteps):
     ) -> KVCacheBlocks:
         """A lookup result cut to its first `num_computed_tokens` tokens (reference counts
         untouched, `blocks` unchanged)."""
-        if blocks is self.empty_kv_cache_blocks and num_computed_tokens == 0:
-            return blocks
-        if blocks._core is None:
-            raise Unsupported("truncate_computed_blocks takes a lookup result of this manager")
-        cut = self.core.truncate_computed_blocks(blocks._core, num_computed_tokens)
+        hit = _lookup_result(blocks)
+        cut = self.core.truncate_computed_blocks(
+            self._core_empty if hit is None else hit, num_computed_tokens
+        )
         if len(cut) == 0:
             return self.empty_kv_cache_blocks
         return KVCacheBlocks(cut)
@@ -734,7 +822,11 @@ class HybridKVCacheManager(_RunningSteps):
         processed_computed_tokens: int,
         num_prompt_tokens: int | None = None,
     ) -> None:
-        self.core.remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
+        # A request holding nothing has nothing to free (vLLM's manager: a no-op).
+        with contextlib.suppress(hk.UnknownRequestError):
+            self.core.remove_skipped_blocks(
+                request_id, processed_computed_tokens, num_prompt_tokens
+            )
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         """Removes the prefix-cache entries of the given blocks (a connector's invalidation)."""

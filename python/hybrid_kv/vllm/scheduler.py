@@ -45,6 +45,32 @@ STREAMING_INPUT_REFUSAL = (
     "requests yet"
 )
 
+NOT_UNICODE_REFUSAL = (
+    "this server's scheduler (hybrid_kv.vllm) does not serve a request whose {field} is not "
+    "valid Unicode (it holds a lone surrogate)"
+)
+
+
+def _text_not_unicode(request: Request) -> str | None:
+    """What of the request's text that keys hybrid-kv's tables (its id, cache salt, LoRA
+    adapter, multimodal identifiers) is not valid Unicode: a Python string holding a lone
+    surrogate, which an in-process engine can be handed (vLLM's msgpack transport cannot carry
+    one), and which the core's keys (UTF-8) cannot hold. None if all of it is."""
+    lora = request.lora_request
+    fields = [
+        ("request id", request.request_id),
+        ("cache_salt", request.cache_salt),
+        ("LoRA adapter", None if lora is None else f"{lora.lora_name}{lora.lora_path}"),
+    ]
+    fields += [("multimodal identifier", f.identifier) for f in request.mm_features]
+    for field, text in fields:
+        if text is not None and not text.isascii():
+            try:
+                text.encode()
+            except UnicodeEncodeError:
+                return field
+    return None
+
 
 def build_kv_cache_manager(
     vllm_config: VllmConfig, manager_kwargs: dict[str, Any]
@@ -79,7 +105,7 @@ class _HybridKvMixin:
 
     def __init__(self, vllm_config: VllmConfig, *args: Any, **kwargs: Any) -> None:
         # Streaming-input requests refused since the last output (see `add_request`).
-        self._refused: list[Request] = []
+        self._refused: list[tuple[Request, str]] = []
 
         def factory(**manager_kwargs: Any) -> HybridKVCacheManager | VllmKVCacheManager:
             return build_kv_cache_manager(vllm_config, manager_kwargs)
@@ -97,19 +123,24 @@ class _HybridKvMixin:
         return isinstance(self.kv_cache_manager, HybridKVCacheManager)
 
     def add_request(self, request: Request) -> None:
-        """vLLM's `add_request`, except for streaming-input (resumable) requests when
-        hybrid-kv's manager serves: those are refused. An exception here would stop vLLM's
-        engine loop for every client, so the request is not queued, and the next
-        `update_from_output` finishes it with a validation error (the client's HTTP 400), as vLLM
-        finishes a request that fails validation; the engine keeps serving the others."""
-        if request.resumable and self.uses_hybrid_kv:
-            logger.warning(
-                "hybrid-kv: refusing streaming-input request %s: %s",
-                request.request_id,
-                STREAMING_INPUT_REFUSAL,
-            )
-            self._refused.append(request)
-            return
+        """vLLM's `add_request`, except, when hybrid-kv's manager serves, for streaming-input
+        (resumable) requests and requests whose keyed text is not valid Unicode: those are
+        refused. An exception here (or in the manager, later) would stop vLLM's engine loop for
+        every client, so the request is not queued, and the next `update_from_output` finishes
+        it with a validation error (the client's HTTP 400), as vLLM finishes a request that
+        fails validation; the engine keeps serving the others."""
+        if self.uses_hybrid_kv:
+            reason = None
+            if request.resumable:
+                reason = STREAMING_INPUT_REFUSAL
+            else:
+                field = _text_not_unicode(request)
+                if field is not None:
+                    reason = NOT_UNICODE_REFUSAL.format(field=field)
+            if reason is not None:
+                logger.warning("hybrid-kv: refusing request %r: %s", request.request_id, reason)
+                self._refused.append((request, reason))
+                return
         super().add_request(request)  # type: ignore[misc]
 
     def has_requests(self) -> bool:
@@ -124,7 +155,7 @@ class _HybridKvMixin:
         )
         if self._refused:
             refused, self._refused = self._refused, []
-            for request in refused:
+            for request, reason in refused:
                 eco = outputs.get(request.client_index)
                 if eco is None:
                     eco = outputs[request.client_index] = EngineCoreOutputs()
@@ -133,9 +164,7 @@ class _HybridKvMixin:
                         request.request_id,
                         [],
                         finish_reason=FinishReason.ERROR,
-                        error=RequestError(
-                            code="validation_error", message=STREAMING_INPUT_REFUSAL
-                        ),
+                        error=RequestError(code="validation_error", message=reason),
                     )
                 )
                 if self.finished_req_ids_dict is not None:  # type: ignore[attr-defined]

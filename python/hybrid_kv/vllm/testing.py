@@ -42,6 +42,7 @@ from vllm.config import (
 )
 from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.pooling_params import PoolingParams
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import (
@@ -435,6 +436,9 @@ class RequestSpec:
     mm: tuple[tuple[str, int, int], ...] = ()
     # Scheduling priority (the "priority" policy; lower runs first).
     priority: int = 0
+    # A pooling request (an embedding model's): no sampling parameters, one pooler output at
+    # the end of its prompt, no token sampled.
+    pooling: bool = False
 
 
 def prompt_embeddings(prompt: Sequence[int]) -> torch.Tensor:
@@ -493,7 +497,9 @@ def make_request(
         request_id=spec.request_id,
         prompt_token_ids=None if spec.embeds else list(spec.prompt),
         prompt_embeds=prompt_embeddings(spec.prompt) if spec.embeds else None,
-        sampling_params=SamplingParams(
+        sampling_params=None
+        if spec.pooling
+        else SamplingParams(
             max_tokens=spec.max_tokens,
             ignore_eos=True,
             prompt_logprobs=spec.prompt_logprobs,
@@ -501,7 +507,7 @@ def make_request(
             if spec.kv_cache_report_mode is None
             else {"kv_cache_report_mode": spec.kv_cache_report_mode},
         ),
-        pooling_params=None,
+        pooling_params=PoolingParams() if spec.pooling else None,
         cache_salt=spec.cache_salt,
         lora_request=None if spec.lora is None else LoRARequest(*spec.lora),
         mm_features=[
@@ -599,11 +605,18 @@ class Driver:
     def fake_model_output(self, output: SchedulerOutput, chunks: set[str]) -> ModelRunnerOutput:
         req_ids = list(output.num_scheduled_tokens)
         sampled = []
-        for rid in req_ids:
+        # A pooling request's output: an embedding once its prompt is done, no token.
+        pooled: list[torch.Tensor | None] = [None] * len(req_ids)
+        for i, rid in enumerate(req_ids):
+            request = self.scheduler.requests.get(rid)
+            if request is not None and request.pooling_params is not None:
+                sampled.append([])
+                if rid not in chunks:
+                    pooled[i] = torch.zeros(4)
+                continue
             if rid in chunks:
                 sampled.append([])
                 continue
-            request = self.scheduler.requests.get(rid)
             position = request.num_tokens if request is not None else 0
             drafts = output.scheduled_spec_decode_tokens.get(rid, ())
             accepted = _stable_hash(rid, position, "accept") % (len(drafts) + 1)
@@ -612,6 +625,7 @@ class Driver:
             req_ids=req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
             sampled_token_ids=sampled,
+            pooler_output=pooled if any(p is not None for p in pooled) else None,
         )
 
     def fake_drafts(self, output: SchedulerOutput, chunks: set[str]) -> DraftTokenIds | None:

@@ -1,0 +1,201 @@
+"""Scheduler paths the other differential tests do not take, against stock vLLM step for step
+(scheduler outputs, engine-core outputs, KV events): requests that stop on a stop token inside a
+block (with draft tokens after it), requests aborted between `schedule()` and
+`update_from_output()` of the step that scheduled them, and structured-output requests waiting for
+their grammar (one that compiles late, one that fails, one that rejects half of every draft)."""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (see .ci/run)")
+
+import hybrid_kv.vllm as hkv  # noqa: E402
+from hybrid_kv.vllm import testing as harness  # noqa: E402
+from vllm.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
+from vllm.v1.engine import FinishReason  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+
+WORKLOAD = harness.chat_workload(24, seed=13, salts=(None, "tenant-a"))
+STOP_TOKEN = 7
+
+
+class Recorder:
+    """Stands in for vLLM's KV-event publisher."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    def publish(self, batch: Any) -> None:
+        self.events.extend(batch.events)
+
+    def shutdown(self) -> None:
+        pass
+
+
+class HalfDraftGrammar:
+    """A compiled grammar that accepts every sampled token and the first half of every draft."""
+
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        return True
+
+    def validate_tokens(self, tokens: list[int]) -> list[int]:
+        return tokens[: len(tokens) // 2]
+
+    def rollback(self, num_tokens: int) -> None:
+        pass
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def reset(self) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class PathsDriver(harness.Driver):
+    """The harness's engine loop, plus: requests in `stop_at` sample the stop token at that
+    output index; requests in `grammar_at` ask for structured output, their grammar compiling
+    at that step (failing if the step is negative); every `abort_every`th step aborts the first
+    request it scheduled before the model's output comes back."""
+
+    stop_at: dict[str, int] = dataclasses.field(default_factory=dict)
+    grammar_at: dict[str, int] = dataclasses.field(default_factory=dict)
+    abort_every: int = 0
+    log: list[Any] = dataclasses.field(default_factory=list)
+    _grammars: dict[str, tuple[int, Future]] = dataclasses.field(default_factory=dict)
+
+    def _admit(self) -> None:
+        while (
+            self._next < len(self.workload) and self.workload[self._next].arrival_step <= self.step
+        ):
+            spec = self.workload[self._next]
+            self._next += 1
+            rid = spec.request_id
+            # Hashed as vLLM's engine core hashes requests for this configuration.
+            hashing = (
+                self.scheduler.hash_block_size,
+                self.scheduler.vllm_config.num_hash_lookahead_tokens,
+            )
+            if rid not in self.stop_at and rid not in self.grammar_at:
+                self.scheduler.add_request(harness.make_request(spec, *hashing))
+                continue
+            params = SamplingParams(
+                max_tokens=spec.max_tokens,
+                ignore_eos=True,
+                stop_token_ids=[STOP_TOKEN] if rid in self.stop_at else None,
+                structured_outputs=StructuredOutputsParams(json={"type": "object"})
+                if rid in self.grammar_at
+                else None,
+            )
+            request = Request(
+                request_id=rid,
+                prompt_token_ids=list(spec.prompt),
+                sampling_params=params,
+                pooling_params=None,
+                cache_salt=spec.cache_salt,
+                block_hasher=harness._block_hasher(*hashing),
+                arrival_time=0.0,
+            )
+            if rid in self.grammar_at:
+                future: Future = Future()
+                request.structured_output_request.grammar = future
+                self._grammars[rid] = (self.grammar_at[rid], future)
+            self.scheduler.add_request(request)
+
+    def schedule(self) -> Any:
+        for at, future in self._grammars.values():
+            if not future.done() and self.step >= abs(at):
+                if at < 0:
+                    future.set_exception(ValueError("the grammar does not compile"))
+                else:
+                    future.set_result(HalfDraftGrammar())
+        output = super().schedule()
+        if self.abort_every and self.step % self.abort_every == 0:
+            victims = sorted(output.num_scheduled_tokens)[:1]
+            if victims:
+                self.scheduler.finish_requests(victims, RequestStatus.FINISHED_ABORTED)
+                self.log.append((self.step, victims))
+        return output
+
+    def fake_model_output(self, output: Any, chunks: set[str]) -> Any:
+        runner = super().fake_model_output(output, chunks)
+        for rid, sampled in zip(runner.req_ids, runner.sampled_token_ids, strict=True):
+            request = self.scheduler.requests.get(rid)
+            if rid in self.stop_at and request is not None:
+                for k in range(len(sampled)):
+                    if request.num_output_tokens + k == self.stop_at[rid]:
+                        sampled[k] = STOP_TOKEN
+        return runner
+
+
+def run_both(options: harness.Options, **paths: Any) -> tuple[list[Any], list[Any]]:
+    """Drives stock vLLM and hybrid-kv through `WORKLOAD` with the same `PathsDriver` settings;
+    asserts every step equal. Returns the finish reasons of the outputs and the aborts made."""
+    schedulers = [harness.build_scheduler(options), harness.build_scheduler(options, hkv.Scheduler)]
+    assert schedulers[1].uses_hybrid_kv
+    recorders = [Recorder(), Recorder()]
+    for scheduler, recorder in zip(schedulers, recorders, strict=True):
+        scheduler.kv_event_publisher = recorder
+    drivers = [PathsDriver(s, WORKLOAD, **paths) for s in schedulers]
+    steps, reasons = 0, []
+    for (stock_out, stock_results), (our_out, our_results) in zip(
+        drivers[0].run(), drivers[1].run(), strict=True
+    ):
+        assert harness.summarize(our_out) == harness.summarize(stock_out), f"step {steps}"
+        assert harness.summarize_results(our_results) == harness.summarize_results(stock_results), (
+            f"step {steps}"
+        )
+        assert recorders[1].events == recorders[0].events, f"step {steps}"
+        assert drivers[1].log == drivers[0].log
+        reasons += [o.finish_reason for r in stock_results for e in r.values() for o in e.outputs]
+        steps += 1
+    assert steps > 0
+    return reasons, drivers[0].log
+
+
+LAYOUTS = [("gpt-oss", 260), ("jamba", 300)]
+DRAFTING = [{}, {"ngram_tokens": 3}, {"eagle_tokens": 3, "async_scheduling": True}]
+
+
+@pytest.mark.parametrize("drafting", DRAFTING, ids=["plain", "ngram", "eagle-async"])
+@pytest.mark.parametrize("layout,num_blocks", LAYOUTS)
+def test_requests_stopping_inside_a_block_match_vllm(
+    layout: str, num_blocks: int, drafting: dict[str, Any]
+) -> None:
+    # Stop tokens at output indices 0-39: inside blocks, and inside a step's accepted drafts.
+    stop_at = {s.request_id: (i * 7) % 40 for i, s in enumerate(WORKLOAD) if i % 4}
+    options = harness.Options(layout=layout, num_blocks=num_blocks, kv_events=True, **drafting)
+    reasons, _ = run_both(options, stop_at=stop_at)
+    assert reasons.count(FinishReason.STOP) >= len(stop_at) // 2
+
+
+@pytest.mark.parametrize("drafting", DRAFTING, ids=["plain", "ngram", "eagle-async"])
+@pytest.mark.parametrize("layout,num_blocks", LAYOUTS)
+def test_requests_aborted_in_the_step_that_scheduled_them_match_vllm(
+    layout: str, num_blocks: int, drafting: dict[str, Any]
+) -> None:
+    options = harness.Options(layout=layout, num_blocks=num_blocks, kv_events=True, **drafting)
+    _, aborts = run_both(options, abort_every=3)
+    assert len(aborts) >= 3
+
+
+@pytest.mark.parametrize("drafting", DRAFTING, ids=["plain", "ngram", "eagle-async"])
+@pytest.mark.parametrize("layout,num_blocks", LAYOUTS)
+def test_structured_output_requests_waiting_for_their_grammar_match_vllm(
+    layout: str, num_blocks: int, drafting: dict[str, Any]
+) -> None:
+    # Every other request asks for structured output; its grammar compiles a few steps after it
+    # arrives, or fails then (a validation error for that request alone).
+    grammar_at = {
+        s.request_id: (1 if i % 6 else -1) * (s.arrival_step + 1 + i % 4)
+        for i, s in enumerate(WORKLOAD)
+        if i % 2 == 0
+    }
+    options = harness.Options(layout=layout, num_blocks=num_blocks, kv_events=True, **drafting)
+    reasons, _ = run_both(options, grammar_at=grammar_at)
+    assert FinishReason.ERROR in reasons
