@@ -972,20 +972,24 @@ impl PyKVCacheManager {
         py: Python<'py>,
         request: &PyRequest,
     ) -> PyResult<Bound<'py, numpy::PyArray1<i32>>> {
-        let mut guard = self.inner();
-        let inner = &mut *guard;
-        let mut record = lock(&request.record);
-        record.horizon = None;
-        let ids = match inner.registry.lookup(&inner.manager, &record)? {
-            Lookup::Registered(handle) => inner.manager.pop_blocks_for_free(handle)?,
-            Lookup::NotRegistered => Vec::new(),
-            Lookup::OtherObject => {
-                return Err(InvalidArgumentError::new_err(format!(
-                    "request id {:?} is registered by another Request object",
-                    request.request_id_str()
-                )))
+        let ids = {
+            let mut guard = self.inner();
+            let inner = &mut *guard;
+            let mut record = lock(&request.record);
+            record.horizon = None;
+            match inner.registry.lookup(&inner.manager, &record)? {
+                Lookup::Registered(handle) => inner.manager.pop_blocks_for_free(handle)?,
+                Lookup::NotRegistered => Vec::new(),
+                Lookup::OtherObject => {
+                    return Err(InvalidArgumentError::new_err(format!(
+                        "request id {:?} is registered by another Request object",
+                        request.request_id_str()
+                    )))
+                }
             }
         };
+        // The array is made after the locks are released (allocation may run a finalizer that
+        // calls back into the manager or the request).
         Ok(ids_to_numpy(py, ids))
     }
 

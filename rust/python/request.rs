@@ -318,7 +318,10 @@ impl PyRequest {
 
     #[getter]
     fn output_token_ids<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u32>> {
-        PyArray1::from_slice(py, &lock(&self.record).output)
+        // Copied out first: the array is made after the lock is released (allocation may run
+        // a finalizer that uses the request).
+        let output = lock(&self.record).output.clone();
+        PyArray1::from_vec(py, output)
     }
 
     #[getter]
@@ -338,9 +341,9 @@ impl PyRequest {
         &self,
         py: Python<'py>,
     ) -> PyResult<Option<Bound<'py, PyArray2<u64>>>> {
-        let record = lock(&self.record);
-        record
-            .supplied
+        // Copied out first: the array is made after the lock is released.
+        let supplied = lock(&self.record).supplied.clone();
+        supplied
             .as_deref()
             .map(|hashes| super::convert::hashes_to_numpy(py, hashes))
             .transpose()
