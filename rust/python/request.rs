@@ -11,6 +11,7 @@ use crate::types::BlockHash;
 use numpy::{PyArray1, PyArray2};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
+use pyo3::pyclass::{PyTraverseError, PyVisit};
 use pyo3::types::{PyBytes, PyList, PySequence};
 use std::sync::{Mutex, MutexGuard};
 
@@ -401,6 +402,12 @@ impl PyRequest {
             merge_supplied(have, *start, new);
         }
         Ok(())
+    }
+
+    /// The prompt, for the cycle collector: a prompt that refers back to its request (a list
+    /// subclass with an attribute, say) makes a cycle it must see to free the request.
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.prompt)
     }
 
     fn __repr__(&self) -> String {
