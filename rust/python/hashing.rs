@@ -156,6 +156,16 @@ impl PyBlockHashChain {
     fn __len__(&self) -> usize {
         self.lock().hashes().len()
     }
+
+    fn __repr__(&self) -> String {
+        let chain = self.lock();
+        format!(
+            "BlockHashChain(block_size={}, num_tokens={}, num_blocks={})",
+            chain.hasher().block_size(),
+            chain.tokens().len(),
+            chain.hashes().len()
+        )
+    }
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
