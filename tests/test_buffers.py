@@ -248,3 +248,22 @@ def test_importing_buffers_without_torch_names_the_extra() -> None:
     assert result.returncode == 0, result.stderr
     name, message = result.stdout.strip().split(" | ")
     assert name == "torch" and "pip install 'hybrid-kv[torch]'" in message
+
+
+@pytest.mark.parametrize("layout", KV_CACHE_LAYOUTS)
+def test_mamba_states_of_mixed_widths_stay_aligned_in_every_block(layout: str) -> None:
+    # An fp32 state then an fp8 one: 5 bytes of state, whose pages must still start at a
+    # multiple of 4 bytes for the fp32 views.
+    spec = MambaSpec(shapes=((1,), (1,)), dtypes=("fp32", "fp8_e4m3"))
+    plan = plan_kv_cache({"m0": spec, "m1": spec}, 1 << 12, 32, kv_cache_layout=layout)
+    buffers = allocate_kv_cache(plan, "cpu")
+    for name in ("m0", "m1"):
+        ssm, conv = buffers.mamba_states[name]
+        assert ssm.dtype == torch.float32 and tuple(ssm.shape) == (plan.num_blocks, 1)
+        ssm[1].fill_(1.5)
+        conv[1].view(torch.uint8).fill_(7)
+        assert ssm[1].item() == 1.5 and int(conv[1].view(torch.uint8)) == 7
+        assert not ssm[0].any() and not ssm[2].any()
+    # Layers of one group hold the same block ids in separate memory.
+    assert buffers.mamba_states["m0"][0][1].item() == 1.5
+    assert plan.waste_at(32).waste_bytes > 0

@@ -116,6 +116,12 @@ def test_rejected_append_leaves_the_chain_unchanged() -> None:
     assert chain.num_tokens == 3 and len(chain) == 1
 
 
+def test_chain_repr_shows_its_block_size_and_progress() -> None:
+    chain = hk.BlockHashChain(2)
+    chain.extend([1, 2, 3])
+    assert repr(chain) == "BlockHashChain(block_size=2, num_tokens=3, num_blocks=1)"
+
+
 def test_import_does_not_import_torch() -> None:
     code = "import sys, hybrid_kv; print('torch' in sys.modules)"
     assert subprocess.check_output([sys.executable, "-c", code], text=True).strip() == "False"

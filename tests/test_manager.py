@@ -230,6 +230,25 @@ def test_bad_group_specs_are_rejected(groups, match) -> None:
         hk.KVCacheManager(groups, 32, 1024)
 
 
+def test_groups_may_be_any_mapping_or_an_object_with_the_fields() -> None:
+    import types
+    from collections import UserDict
+
+    group = {"kind": "sliding_window", "block_size": 16, "sliding_window": 32}
+    specs = [
+        group,
+        types.MappingProxyType(group),
+        UserDict(group),
+        types.SimpleNamespace(**group),
+    ]
+    for spec in specs:
+        assert hk.KVCacheManager([spec], 32, 1024).groups == [group]
+    with pytest.raises(hk.InvalidConfigError, match="missing kind"):
+        hk.KVCacheManager([types.MappingProxyType({"block_size": 16})], 32, 1024)
+    with pytest.raises(hk.InvalidConfigError, match="missing block_size"):
+        hk.KVCacheManager([UserDict({"kind": "full"})], 32, 1024)
+
+
 def test_bad_request_input() -> None:
     with pytest.raises(hk.HybridKvError, match="empty prompt"):
         hk.Request("r", [])

@@ -196,3 +196,18 @@ def test_gated_delta_net_state_shapes() -> None:
 
 def test_validate_layers_accepts_sharing_onto_an_attention_layer() -> None:
     validate_layers({"a": FULL, "b": KVSharingSpec("a")})
+
+
+def test_torch_dtypes_are_accepted_as_vllm_specs_hold_them() -> None:
+    torch = pytest.importorskip("torch")
+    spec = FullAttentionSpec(num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    assert spec == FullAttentionSpec(num_kv_heads=1, head_size=64, dtype="bf16")
+    assert canonical_dtype(torch.float8_e4m3fn) == "fp8_e4m3"
+    assert MambaSpec(shapes=((3,), (2,)), dtypes=torch.float32).dtypes == ("fp32", "fp32")
+    sizes = {"intermediate_size": 64, "n_groups": 1, "num_heads": 4, "head_dim": 16}
+    sizes |= {"state_size": 16, "conv_kernel": 4}
+    assert MambaSpec.mamba2(**sizes, dtype=torch.float16, ssm_dtype=torch.float32) == (
+        MambaSpec.mamba2(**sizes, dtype="fp16", ssm_dtype="fp32")
+    )
+    with pytest.raises(SpecError, match="unknown dtype 'torch.int8'"):
+        FullAttentionSpec(num_kv_heads=1, head_size=64, dtype=torch.int8)

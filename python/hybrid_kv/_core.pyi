@@ -489,8 +489,8 @@ class KVCacheManager:
 
         Args:
             groups: the KV cache groups in group-id order (none for an attention-free model),
-                each a dict (or an object with these attributes) with `kind` and `block_size`
-                (tokens per block), and the kind's parameters:
+                each a mapping (a dict or any other) or an object with these attributes:
+                `kind` and `block_size` (tokens per block), and the kind's parameters:
                 `"full"`/`"full_attention"`, `"mla"`; `"rswa"` (`rswa_window`: full attention
                 over the prompt, a window over the output); `"sliding_window"`
                 (`sliding_window`); `"sliding_window_mla"` (`sliding_window`,

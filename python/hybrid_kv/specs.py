@@ -60,8 +60,16 @@ _DTYPE_ALIASES: Mapping[str, str] = {
 }
 
 
+def _is_torch_dtype(value: object) -> bool:
+    """Whether `value` is a `torch.dtype` (told without importing torch)."""
+    return type(value).__module__ == "torch" and type(value).__name__ == "dtype"
+
+
 def canonical_dtype(name: str) -> str:
-    """Canonical dtype name (`fp32`, `bf16`, `fp16`, `fp8_e4m3`, `fp8_e5m2`) for an alias."""
+    """Canonical dtype name (`fp32`, `bf16`, `fp16`, `fp8_e4m3`, `fp8_e5m2`) for an alias or a
+    `torch.dtype` (as vLLM's specs hold them)."""
+    if _is_torch_dtype(name):
+        name = str(name)
     if not isinstance(name, str):
         raise SpecError(f"dtype must be a string, got {name!r}")
     try:
@@ -219,7 +227,8 @@ class MambaSpec:
             )
         try:
             shapes = tuple(tuple(shape) for shape in self.shapes)
-            dtypes = (self.dtypes,) if isinstance(self.dtypes, str) else tuple(self.dtypes)
+            single = isinstance(self.dtypes, str) or _is_torch_dtype(self.dtypes)
+            dtypes = (self.dtypes,) if single else tuple(self.dtypes)
         except TypeError:
             raise SpecError(f"{owner}: shapes and dtypes must be sequences") from None
         if not shapes:

@@ -91,7 +91,7 @@ pub mod reference;
 pub(crate) mod states;
 
 use crate::error::{CoreError, Result};
-use crate::sync::{spin_wait, AtomicU32, AtomicU64, AtomicU8, Mutex, Ordering};
+use crate::sync::{spin_wait, AtomicU32, AtomicU64, AtomicU8, Mutex, MutexGuard, Ordering};
 use crate::types::{BlockHash, BlockId, CacheKey, GroupId, KvEvent, StoreInfo, NULL_BLOCK};
 use alloc::AllocFailed;
 use crossbeam_queue::SegQueue;
@@ -364,6 +364,13 @@ pub struct BlockPool {
     secondary: Mutex<HashMap<BlockId, Vec<CacheKey>>>,
     multi: KeyedFlags,
     events: Option<SegQueue<KvEvent>>,
+    /// With events on: held by the calls that key blocks (`cache_full_blocks`,
+    /// `add_block_key`) or take keys off blocks in use (`evict_blocks`, `reset_prefix_cache`)
+    /// from their first key change to their event, so their events queue in the order their
+    /// changes took effect (a `BlockRemoved` never ahead of the `BlockStored` of its key). An
+    /// allocation's evictions need not take it: the blocks it reuses are free, and keys go only
+    /// on blocks in use.
+    event_order: Mutex<()>,
     /// Blocks whose keys were taken off so far (see [`BlockPool::key_removals`]).
     key_removals: AtomicU64,
 }
@@ -411,6 +418,7 @@ impl BlockPool {
             secondary: Mutex::new(HashMap::new()),
             multi: KeyedFlags::new(num_blocks).map_err(oom)?,
             events: enable_events.then(SegQueue::new),
+            event_order: Mutex::new(()),
             key_removals: AtomicU64::new(0),
         })
     }
@@ -864,6 +872,7 @@ impl BlockPool {
             return Ok(());
         }
         let events = self.events.as_ref();
+        let _order = self.order_events();
         let mut stored = Vec::new();
         let mut extra_keys = Vec::new();
         let mut block_indices = Vec::new();
@@ -929,6 +938,7 @@ impl BlockPool {
         if !self.enable_caching {
             return Ok(false);
         }
+        let _order = self.order_events();
         let added = self.add_key(id, CacheKey { hash, group }, info.key_tokens(0));
         if added {
             if let Some(events) = &self.events {
@@ -1132,9 +1142,18 @@ impl BlockPool {
         }
     }
 
+    /// The event-order lock (see `event_order`), when events are on.
+    #[inline]
+    fn order_events(&self) -> Option<MutexGuard<'_, ()>> {
+        self.events
+            .as_ref()
+            .map(|_| self.event_order.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
     /// Removes the cache entries of the given blocks (reference counts untouched).
     pub fn evict_blocks(&self, ids: &[BlockId]) -> Result<()> {
         self.check_ids(ids)?;
+        let _order = self.order_events();
         let mut evicted = 0;
         for &id in ids {
             evicted += u64::from(self.evict_key(id, false));
@@ -1151,6 +1170,7 @@ impl BlockPool {
         if self.num_free_blocks() != self.num_blocks - 1 {
             return false;
         }
+        let _order = self.order_events();
         let mut taken = 0;
         for (id, slot) in self.keys.iter().enumerate() {
             taken += u64::from(slot.take(self.keyed.marker(id as BlockId), |key, _| {

@@ -125,16 +125,22 @@ impl PyBlockHashChain {
         token_ids: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray2<u64>>> {
         let tokens = Tokens::extract(token_ids)?;
-        let mut chain = self.lock();
-        let added = tokens.with_slice(Extend(&mut chain))?;
-        let all = chain.hashes();
-        hashes_to_numpy(py, &all[all.len() - added..])
+        // The array is made after the lock is released (allocation may run a finalizer that
+        // uses the chain).
+        let new = {
+            let mut chain = self.lock();
+            let added = tokens.with_slice(Extend(&mut chain))?;
+            let all = chain.hashes();
+            all[all.len() - added..].to_vec()
+        };
+        hashes_to_numpy(py, &new)
     }
 
     /// All hashes so far, shape `(n, 2)`.
     #[getter]
     fn hashes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<u64>>> {
-        hashes_to_numpy(py, self.lock().hashes())
+        let all = self.lock().hashes().to_vec();
+        hashes_to_numpy(py, &all)
     }
 
     #[getter]
@@ -149,6 +155,16 @@ impl PyBlockHashChain {
 
     fn __len__(&self) -> usize {
         self.lock().hashes().len()
+    }
+
+    fn __repr__(&self) -> String {
+        let chain = self.lock();
+        format!(
+            "BlockHashChain(block_size={}, num_tokens={}, num_blocks={})",
+            chain.hasher().block_size(),
+            chain.tokens().len(),
+            chain.hashes().len()
+        )
     }
 }
 

@@ -21,9 +21,9 @@ use crate::manager::{
 };
 use crate::types::BlockId;
 use numpy::{PyArray2, PyArrayMethods, PyUntypedArrayMethods};
-use pyo3::exceptions::PyTypeError;
+use pyo3::exceptions::{PyKeyError, PyTypeError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{PyDict, PyList, PyMapping, PyString, PyTuple};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -209,16 +209,27 @@ pub(crate) struct PyKVCacheManager {
     num_groups: usize,
 }
 
-/// A group spec from a dict or an object with the same attributes.
-/// A group spec from a dict or an object with the same attributes.
+/// A group spec from a mapping or an object with the same attributes.
 fn group_from_py(
     obj: &Bound<'_, PyAny>,
     index: usize,
     enable_caching: bool,
 ) -> PyResult<GroupSpec> {
+    // A dict, any other mapping (`MappingProxyType`, `UserDict`, ...), or an object whose
+    // attributes are the fields.
+    let mapping = obj
+        .cast::<PyMapping>()
+        .ok()
+        .filter(|_| obj.cast::<PyDict>().is_err());
     let get = |name: &str| -> PyResult<Option<Bound<'_, PyAny>>> {
         let value = if let Ok(d) = obj.cast::<PyDict>() {
             d.get_item(name)?
+        } else if let Some(m) = &mapping {
+            match m.get_item(name) {
+                Ok(v) => Some(v),
+                Err(e) if e.is_instance_of::<PyKeyError>(obj.py()) => None,
+                Err(e) => return Err(e),
+            }
         } else if obj.hasattr(name)? {
             Some(obj.getattr(name)?)
         } else {
@@ -245,7 +256,10 @@ fn group_from_py(
     };
     let kind = match string("kind")? {
         Some(kind) => kind,
-        None if obj.cast::<PyDict>().is_err() && !obj.hasattr("block_size")? => {
+        None if obj.cast::<PyDict>().is_err()
+            && mapping.is_none()
+            && !obj.hasattr("block_size")? =>
+        {
             return Err(PyTypeError::new_err(format!(
                 "group {index} must be a dict or an object with kind and block_size, got {}",
                 obj.get_type().name()?
@@ -980,20 +994,24 @@ impl PyKVCacheManager {
         py: Python<'py>,
         request: &PyRequest,
     ) -> PyResult<Bound<'py, numpy::PyArray1<i32>>> {
-        let mut guard = self.inner();
-        let inner = &mut *guard;
-        let mut record = lock(&request.record);
-        record.horizon = None;
-        let ids = match inner.registry.lookup(&inner.manager, &record)? {
-            Lookup::Registered(handle) => inner.manager.pop_blocks_for_free(handle)?,
-            Lookup::NotRegistered => Vec::new(),
-            Lookup::OtherObject => {
-                return Err(InvalidArgumentError::new_err(format!(
-                    "request id {:?} is registered by another Request object",
-                    request.request_id_str()
-                )))
+        let ids = {
+            let mut guard = self.inner();
+            let inner = &mut *guard;
+            let mut record = lock(&request.record);
+            record.horizon = None;
+            match inner.registry.lookup(&inner.manager, &record)? {
+                Lookup::Registered(handle) => inner.manager.pop_blocks_for_free(handle)?,
+                Lookup::NotRegistered => Vec::new(),
+                Lookup::OtherObject => {
+                    return Err(InvalidArgumentError::new_err(format!(
+                        "request id {:?} is registered by another Request object",
+                        request.request_id_str()
+                    )))
+                }
             }
         };
+        // The array is made after the locks are released (allocation may run a finalizer that
+        // calls back into the manager or the request).
         Ok(ids_to_numpy(py, ids))
     }
 

@@ -11,6 +11,7 @@ use crate::types::BlockHash;
 use numpy::{PyArray1, PyArray2};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
+use pyo3::pyclass::{PyTraverseError, PyVisit};
 use pyo3::types::{PyBytes, PyList, PySequence};
 use std::sync::{Mutex, MutexGuard};
 
@@ -318,7 +319,10 @@ impl PyRequest {
 
     #[getter]
     fn output_token_ids<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u32>> {
-        PyArray1::from_slice(py, &lock(&self.record).output)
+        // Copied out first: the array is made after the lock is released (allocation may run
+        // a finalizer that uses the request).
+        let output = lock(&self.record).output.clone();
+        PyArray1::from_vec(py, output)
     }
 
     #[getter]
@@ -338,9 +342,9 @@ impl PyRequest {
         &self,
         py: Python<'py>,
     ) -> PyResult<Option<Bound<'py, PyArray2<u64>>>> {
-        let record = lock(&self.record);
-        record
-            .supplied
+        // Copied out first: the array is made after the lock is released.
+        let supplied = lock(&self.record).supplied.clone();
+        supplied
             .as_deref()
             .map(|hashes| super::convert::hashes_to_numpy(py, hashes))
             .transpose()
@@ -398,6 +402,12 @@ impl PyRequest {
             merge_supplied(have, *start, new);
         }
         Ok(())
+    }
+
+    /// The prompt, for the cycle collector: a prompt that refers back to its request (a list
+    /// subclass with an attribute, say) makes a cycle it must see to free the request.
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.prompt)
     }
 
     fn __repr__(&self) -> String {

@@ -11,6 +11,7 @@ use crate::manager::RunningHorizon;
 use crate::types::BlockId;
 use pyo3::exceptions::PyNotImplementedError;
 use pyo3::prelude::*;
+use pyo3::pyclass::{PyTraverseError, PyVisit};
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyInt, PyList, PyString, PyTuple, PyType};
 use pyo3::{ffi, intern};
@@ -227,6 +228,11 @@ impl PyVllmSlot {
     /// Forgets the horizon: the next running call reaches the core.
     fn drop_horizon(&self) {
         lock(&self.state).horizon = None;
+    }
+
+    /// The companion, for the cycle collector (a slot lives in its vLLM request's `__dict__`).
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.companion)
     }
 }
 

@@ -343,19 +343,26 @@ def uniform_type(buckets: Sequence[Bucket]) -> bool:
 def uniform_sizing(buckets: Sequence[Bucket], block_size: int) -> Sizing:
     """One group holding every layer, each with its own page (no unification)."""
     pages = []
+    used = []
     for bucket in buckets:
         spec = bucket.spec
         if isinstance(spec, MambaSpec):
-            pages.append(spec.state_bytes)
+            # A page holds a whole number of the state's widest elements, so that every
+            # block's states stay aligned for their typed views (an fp32 state beside an fp8
+            # one would otherwise start at an odd byte in every other block).
+            widest = max(DTYPE_SIZES[d] for d in spec.dtypes)
+            pages.append(round_up(spec.state_bytes, widest))
+            used.append(spec.state_bytes)
         else:
             pages.append(block_size * spec.bytes_per_token)
+            used.append(pages[-1])
     return Sizing(
         block_size,
         min(pages),
         (block_size,) * len(buckets),
         (1,) * len(buckets),
         tuple(pages),
-        tuple(pages),
+        tuple(used),
         tuple(isinstance(b.spec, MambaSpec) for b in buckets),
         (),
         uniform_type=True,
