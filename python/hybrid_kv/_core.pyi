@@ -652,7 +652,9 @@ class KVCacheManager:
                 writes (not recorded for zeroing).
             num_computed_tokens, num_in_flight_tokens: when given, set on the request first,
                 checked as a pair (the setters' bounds, in-flight tokens first), saving a call
-                each.
+                each. They are the scheduler's counts: a call refused after they were set
+                (bad arguments) keeps them, as the setters would have; counts out of bounds
+                are refused before anything is set.
 
         Returns:
             The blocks handed to the worker per group (for Mamba align, null blocks and
