@@ -14,7 +14,30 @@ import textwrap
 
 import pytest
 
-MANAGER_SCRIPT = textwrap.dedent(
+# The cache's keys a consumer of the events believes in, replaying them in order (each removal
+# after a store of its key), as a KV-aware router does.
+REPLAY = textwrap.dedent(
+    r"""
+    import collections
+    import hybrid_kv as hk
+
+    def replayed_keys(events):
+        keys = collections.Counter()
+        for e in events:
+            if isinstance(e, hk.BlockStored):
+                keys.update((h, e.group_id) for h in e.block_hashes)
+            elif isinstance(e, hk.BlockRemoved):
+                key = (e.block_hash, e.group_id)
+                assert keys[key] > 0, f"{e} without a store before it"
+                keys[key] -= 1
+                keys += collections.Counter()
+            else:
+                keys.clear()
+        return keys
+    """
+)
+
+MANAGER_SCRIPT = REPLAY + textwrap.dedent(
     r"""
     import collections, gc, random, sys, threading
     import numpy as np
@@ -111,17 +134,7 @@ MANAGER_SCRIPT = textwrap.dedent(
         t.join()
     assert not unexpected, unexpected[:5]
     drain()
-    keys = collections.Counter()
-    for e in events:
-        if isinstance(e, hk.BlockStored):
-            keys.update((h, e.group_id) for h in e.block_hashes)
-        elif isinstance(e, hk.BlockRemoved):
-            key = (e.block_hash, e.group_id)
-            assert keys[key] > 0, f"{e} without a store before it"
-            keys[key] -= 1
-            keys += collections.Counter()
-        else:
-            keys.clear()
+    keys = replayed_keys(events)
     assert len(keys) == m.num_cached_blocks, (len(keys), m.num_cached_blocks)
     held = []
     for rid in list(live):
@@ -140,7 +153,7 @@ MANAGER_SCRIPT = textwrap.dedent(
     """
 )
 
-POOL_SCRIPT = textwrap.dedent(
+POOL_SCRIPT = REPLAY + textwrap.dedent(
     r"""
     import collections, random, sys, threading
     import hybrid_kv as hk
@@ -215,17 +228,7 @@ POOL_SCRIPT = textwrap.dedent(
     assert len(order) == len(set(order)) == pool.num_free_blocks
     assert set(order) == {b for b in range(1, NB) if not total[b]}
     events.extend(pool.take_events())
-    keys = collections.Counter()
-    for e in events:
-        if isinstance(e, hk.BlockStored):
-            keys.update((h, e.group_id) for h in e.block_hashes)
-        elif isinstance(e, hk.BlockRemoved):
-            key = (e.block_hash, e.group_id)
-            assert keys[key] > 0, f"{e} without a store before it"
-            keys[key] -= 1
-            keys += collections.Counter()
-        else:
-            keys.clear()
+    keys = replayed_keys(events)
     assert len(keys) == pool.num_cached_blocks, (len(keys), pool.num_cached_blocks)
     print("ok")
     """

@@ -29,26 +29,13 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 WORKLOAD = harness.chat_workload(40, seed=2, salts=(None, "tenant-b"))
 
 
-class Recorder:
-    """Stands in for vLLM's event publisher: keeps every published batch."""
-
-    def __init__(self) -> None:
-        self.batches: list[KVEventBatch] = []
-
-    def publish(self, batch: KVEventBatch) -> None:
-        self.batches.append(batch)
-
-    def shutdown(self) -> None:
-        pass
-
-
 def recorded_events(
     options: harness.Options, scheduler_cls: Any = None, workload: Any = WORKLOAD
 ) -> list[Any]:
     scheduler = harness.build_scheduler(options, scheduler_cls)
     if scheduler_cls is not None:
         assert scheduler.uses_hybrid_kv
-    recorder = Recorder()
+    recorder = harness.EventRecorder()
     scheduler.kv_event_publisher = recorder
     driver = harness.Driver(scheduler, workload)
     for _ in driver.run():

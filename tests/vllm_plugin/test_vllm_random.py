@@ -192,19 +192,6 @@ class ChaosDriver(harness.Driver):
         return super().schedule()
 
 
-class Recorder:
-    """Stands in for vLLM's KV-event publisher: keeps the events of every published batch."""
-
-    def __init__(self) -> None:
-        self.events: list[Any] = []
-
-    def publish(self, batch: Any) -> None:
-        self.events.extend(batch.events)
-
-    def shutdown(self) -> None:
-        pass
-
-
 # Draws kept whatever the seed range: 200072 once diverged (Granite-4-like, MTP, async steps: a
 # state block re-keyed by another request while this one held it); 81001222 makes stock vLLM
 # fail the assertion `vllm_failed_known` names (Granite-4-like, EAGLE-3 with lookahead hashes,
@@ -245,7 +232,7 @@ def test_random_configurations_and_workloads_match_vllm(seed: int) -> None:
     stock = harness.build_scheduler(options)
     ours = harness.build_scheduler(options, hkv.Scheduler)
     assert ours.uses_hybrid_kv, f"fell back to vLLM's manager for {options}"
-    stock_events, our_events = Recorder(), Recorder()
+    stock_events, our_events = harness.EventRecorder(), harness.EventRecorder()
     stock.kv_event_publisher, ours.kv_event_publisher = stock_events, our_events
     stock_driver = ChaosDriver(stock, workload, seed=seed, chaos=chaos)
     our_driver = ChaosDriver(ours, workload, seed=seed, chaos=chaos)

@@ -24,19 +24,6 @@ WORKLOAD = harness.chat_workload(24, seed=13, salts=(None, "tenant-a"))
 STOP_TOKEN = 7
 
 
-class Recorder:
-    """Stands in for vLLM's KV-event publisher."""
-
-    def __init__(self) -> None:
-        self.events: list[Any] = []
-
-    def publish(self, batch: Any) -> None:
-        self.events.extend(batch.events)
-
-    def shutdown(self) -> None:
-        pass
-
-
 class HalfDraftGrammar:
     """A compiled grammar that accepts every sampled token and the first half of every draft."""
 
@@ -138,7 +125,7 @@ def run_both(options: harness.Options, **paths: Any) -> tuple[list[Any], list[An
     asserts every step equal. Returns the finish reasons of the outputs and the aborts made."""
     schedulers = [harness.build_scheduler(options), harness.build_scheduler(options, hkv.Scheduler)]
     assert schedulers[1].uses_hybrid_kv
-    recorders = [Recorder(), Recorder()]
+    recorders = [harness.EventRecorder(), harness.EventRecorder()]
     for scheduler, recorder in zip(schedulers, recorders, strict=True):
         scheduler.kv_event_publisher = recorder
     drivers = [PathsDriver(s, WORKLOAD, **paths) for s in schedulers]

@@ -536,6 +536,22 @@ def block_ids(blocks: Any) -> tuple[list[int], ...] | None:
     return None if blocks is None else tuple(list(g) for g in blocks.get_block_ids())
 
 
+class EventRecorder:
+    """Stands in for vLLM's KV-event publisher: keeps every published batch, and their events in
+    publication order."""
+
+    def __init__(self) -> None:
+        self.batches: list[Any] = []
+        self.events: list[Any] = []
+
+    def publish(self, batch: Any) -> None:
+        self.batches.append(batch)
+        self.events.extend(batch.events)
+
+    def shutdown(self) -> None:
+        pass
+
+
 def next_token(request_id: str, position: int) -> int:
     """The token the fake model samples for a request at a position (any scheduler)."""
     return _stable_hash(request_id, position) % VOCAB
