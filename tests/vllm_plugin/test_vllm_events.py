@@ -146,12 +146,7 @@ def test_full_report_mode_publishes_the_blocks_a_hit_reuses(layout: str, num_blo
 def test_events_of_pooling_requests_equal_stock_vllms(layout: str, num_blocks: int) -> None:
     # Pooling requests (no sampling parameters, so no `kv_cache_report_mode` on vLLM's Request)
     # among generation requests asking for their hits to be published.
-    workload = [
-        dataclasses.replace(
-            spec, pooling=i % 2 == 0, kv_cache_report_mode="full" if i % 3 == 0 else None
-        )
-        for i, spec in enumerate(WORKLOAD)
-    ]
+    workload = harness.with_pooling(WORKLOAD)
     options = harness.Options(
         layout=layout, num_blocks=num_blocks, kv_events=True, dense_retention=False
     )

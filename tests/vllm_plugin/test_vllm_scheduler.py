@@ -349,12 +349,7 @@ def test_same_outputs_as_vllm_with_pooling_requests(
 ) -> None:
     # Every other request is a pooling request (an embedding model's: no sampling parameters,
     # one pooler output when its prompt is done), some asking for their hits to be published.
-    workload = [
-        dataclasses.replace(
-            spec, pooling=i % 2 == 0, kv_cache_report_mode="full" if i % 3 == 0 else None
-        )
-        for i, spec in enumerate(WORKLOAD)
-    ]
+    workload = harness.with_pooling(WORKLOAD)
     options = harness.Options(
         layout=layout, num_blocks=num_blocks, kv_events=True, async_scheduling=async_scheduling
     )

@@ -536,6 +536,18 @@ def block_ids(blocks: Any) -> tuple[list[int], ...] | None:
     return None if blocks is None else tuple(list(g) for g in blocks.get_block_ids())
 
 
+def with_pooling(workload: Sequence[RequestSpec]) -> list[RequestSpec]:
+    """`workload` with every other request a pooling request (an embedding model's: no sampling
+    parameters, one pooler output once its prompt is done) and every third asking for its
+    prefix-cache hits to be published (`kv_cache_report_mode="full"`)."""
+    return [
+        dataclasses.replace(
+            spec, pooling=i % 2 == 0, kv_cache_report_mode="full" if i % 3 == 0 else None
+        )
+        for i, spec in enumerate(workload)
+    ]
+
+
 class EventRecorder:
     """Stands in for vLLM's KV-event publisher: keeps every published batch, and their events in
     publication order."""
