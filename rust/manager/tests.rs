@@ -641,7 +641,10 @@ fn a_hit_stale_after_a_reset_says_the_cache_was_reset() {
     assert!(m.reset_prefix_cache());
     let (cause, msg) = adopt_stale(&mut m, &hit);
     assert_eq!(cause, HitLoss::Reset);
-    assert!(msg.contains("reset_prefix_cache cleared the prefix cache"), "{msg}");
+    assert!(
+        msg.contains("reset_prefix_cache cleared the prefix cache"),
+        "{msg}"
+    );
     assert!(!msg.contains("evicted"), "{msg}");
 }
 
@@ -653,7 +656,10 @@ fn a_hit_stale_after_its_blocks_were_reused_says_evicted_and_reused() {
     admit(&mut m, "c").unwrap(); // every free block, the hit's among them
     let (cause, msg) = adopt_stale(&mut m, &hit);
     assert_eq!(cause, HitLoss::Reused);
-    assert!(msg.contains("was evicted and reused since get_computed_blocks"), "{msg}");
+    assert!(
+        msg.contains("was evicted and reused since get_computed_blocks"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -662,7 +668,10 @@ fn a_hit_stale_after_a_connector_invalidation_says_evicted_only() {
     m.evict_blocks(&hit.blocks()[0]).unwrap();
     let (cause, msg) = adopt_stale(&mut m, &hit);
     assert_eq!(cause, HitLoss::Evicted);
-    assert!(msg.contains("was evicted since get_computed_blocks"), "{msg}");
+    assert!(
+        msg.contains("was evicted since get_computed_blocks"),
+        "{msg}"
+    );
 }
 
 #[test]
