@@ -50,15 +50,17 @@ pub enum CoreError {
     #[error("request {0:?} was already added")]
     DuplicateRequest(String),
     /// A prefix-cache hit whose block left the cache between `get_computed_blocks` and
-    /// `allocate_slots` (another thread allocated it).
+    /// `allocate_slots` (another allocation reused it, a KV connector invalidated it, or the
+    /// prefix cache was reset).
     #[error(
-        "request {request:?}: block {block} of its prefix-cache hit (group {group}) was evicted \
-         and reused since get_computed_blocks; call get_computed_blocks again"
+        "request {request:?}: block {block} of its prefix-cache hit (group {group}) {cause} \
+         since get_computed_blocks; call get_computed_blocks again"
     )]
     HitEvicted {
         request: String,
         group: usize,
         block: BlockId,
+        cause: HitLoss,
     },
     /// A manager or pool configuration that cannot work (group specs, block sizes, sizes).
     #[error("invalid configuration: {0}")]
@@ -83,6 +85,27 @@ pub enum CoreError {
     /// Any other argument that is not valid for the call (the message says which and why).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+}
+
+/// How the block of a stale prefix-cache hit left the cache ([`CoreError::HitEvicted`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HitLoss {
+    /// `reset_prefix_cache` cleared the cache (whatever happened to the block after).
+    Reset,
+    /// Evicted, and now in use or cached under another key.
+    Reused,
+    /// Evicted and not reused (yet), as a KV connector's invalidation leaves it.
+    Evicted,
+}
+
+impl std::fmt::Display for HitLoss {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            HitLoss::Reset => "was dropped when reset_prefix_cache cleared the prefix cache",
+            HitLoss::Reused => "was evicted and reused",
+            HitLoss::Evicted => "was evicted",
+        })
+    }
 }
 
 pub type Result<T, E = CoreError> = std::result::Result<T, E>;

@@ -13,7 +13,7 @@ pub mod types;
 #[cfg(feature = "python")]
 mod python;
 
-pub use error::{CoreError, Result};
+pub use error::{CoreError, HitLoss, Result};
 pub use hashing::{BlockHashChain, BlockHasher, ExtraKeys, HashAlgo, MmInput};
 pub use pool::reference::RefBlockPool;
 pub use pool::BlockPool;

@@ -552,8 +552,25 @@ def test_a_hit_evicted_before_it_is_adopted_names_the_eviction() -> None:
     # Another caller allocates every free block in between: the hit's blocks are reused.
     other = hk.Request("c", list(range(1000, 1080)))
     assert manager.allocate_slots(other, 80) is not None
-    with pytest.raises(hk.BlockEvictedError, match="evicted"):
+    with pytest.raises(hk.BlockEvictedError, match="evicted and reused since"):
         manager.allocate_slots(b, 1, num_new_computed_tokens=n, new_computed_blocks=hit)
+
+
+def test_a_hit_stale_after_a_reset_names_the_reset_not_an_eviction() -> None:
+    manager = hk.KVCacheManager([{"kind": "full", "block_size": 16}], 6, 1024)
+    a = hk.Request("a", list(range(64)))
+    manager.allocate_slots(a, 64)
+    manager.free(a)
+    b = hk.Request("b", list(range(64)) + [1])
+    hit, n = manager.get_computed_blocks(b)
+    assert n == 64
+    assert manager.reset_prefix_cache()
+    with pytest.raises(hk.BlockEvictedError) as refused:
+        manager.allocate_slots(b, 1, num_new_computed_tokens=n, new_computed_blocks=hit)
+    assert "reset_prefix_cache cleared the prefix cache since get_computed_blocks" in str(
+        refused.value
+    )
+    assert "evicted" not in str(refused.value)
 
 
 def test_a_hit_is_adopted_only_by_the_request_it_was_found_for() -> None:

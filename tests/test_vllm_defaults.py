@@ -49,6 +49,16 @@ def test_retention_defaults_to_vllms_zero_and_can_be_dense_or_periodic() -> None
         hk.KVCacheManager([FULL], 32, 1024, prefix_cache_retention_interval=8)
 
 
+def test_retention_on_chunked_local_and_full_groups_is_refused_saying_why() -> None:
+    # vLLM refuses it too: chunked local attention caches densely, retention only thins
+    # sliding-window and Mamba checkpoints. 0 and None are accepted.
+    why = r"only thins .* sliding-window and Mamba .*\(chunked_local_attention, full_attention\)"
+    with pytest.raises(hk.InvalidConfigError, match=why):
+        hk.KVCacheManager([CHUNKED8, FULL], 32, 1024, prefix_cache_retention_interval=8)
+    for retention in (0, None):
+        hk.KVCacheManager([CHUNKED8, FULL], 32, 1024, prefix_cache_retention_interval=retention)
+
+
 def test_a_shared_prefix_junction_is_reported_and_pinned() -> None:
     m = hk.KVCacheManager([FULL, SW8], 64, 1024)
     m.allocate_slots(hk.Request("a", list(range(40)), block_size=4), 40)

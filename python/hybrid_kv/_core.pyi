@@ -80,9 +80,11 @@ class NotEnoughFreeBlocksError(HybridKvError):
     """More blocks requested than are free."""
 
 class BlockEvictedError(HybridKvError):
-    """A cached block was claimed by a concurrent allocation before it could be used: revived
-    by `BlockPool.touch`, or adopted as a prefix-cache hit by `KVCacheManager.allocate_slots`
-    after another caller allocated since `get_computed_blocks` (call it again)."""
+    """A cached block left the cache before it could be used: claimed by a concurrent
+    allocation before `BlockPool.touch` revived it, or gone from a prefix-cache hit that
+    `KVCacheManager.allocate_slots` adopts, because another caller allocated, a KV connector
+    invalidated it or `reset_prefix_cache` ran since `get_computed_blocks` (call it again; the
+    message says which)."""
 
 @final
 class BlockStored:
@@ -677,7 +679,8 @@ class KVCacheManager:
                 the request or its count, or a request that already holds blocks.
             OutOfRangeError: more tokens than `max_model_len`, more computed tokens than the
                 request has.
-            BlockEvictedError: a block of the hit was evicted since `get_computed_blocks`.
+            BlockEvictedError: a block of the hit left the cache since `get_computed_blocks`
+                (evicted, or the prefix cache was reset).
 
         A rejected call changes nothing and registers nothing.
         """

@@ -36,10 +36,10 @@ pub(crate) use single_type::{checkpoint_exportable, mamba_checkpoint_position};
 pub use slots::{RequestHandle, RequestKey};
 pub use spec::{AttentionKind, GroupSpec, KindParams, MambaMode, ManagerConfig};
 
-use crate::error::{invalid, CoreError, Result};
+use crate::error::{invalid, CoreError, HitLoss, Result};
 use crate::hashing::{BlockHasher, ExtraKeys, TokenId};
 use crate::pool::BlockPool;
-use crate::types::{BlockHash, BlockId, GroupId, KvEvent, NULL_BLOCK};
+use crate::types::{BlockHash, BlockId, CacheKey, GroupId, KvEvent, NULL_BLOCK};
 use coordinator::RunningStep;
 use single_type::{Allocation, Effects, GroupTable};
 use slots::Slots;
@@ -321,6 +321,8 @@ pub struct KVCacheManager {
     effects: Effects,
     /// Successful allocations and cache resets so far (only these evict cached blocks).
     epoch: u64,
+    /// The `epoch` the last successful `reset_prefix_cache` moved to (0: none yet).
+    reset_epoch: u64,
     /// The serial of the request registered last.
     next_serial: u64,
     stats: PrefixCacheStats,
@@ -389,6 +391,7 @@ impl KVCacheManager {
             requests: Slots::default(),
             effects: Effects::default(),
             epoch: 0,
+            reset_epoch: 0,
             next_serial: 0,
             stats: PrefixCacheStats::default(),
             retained: Vec::new(),
@@ -1274,6 +1277,7 @@ impl KVCacheManager {
                         request: id.to_owned(),
                         group: g,
                         block: b,
+                        cause: self.hit_loss(computed, b, key)?,
                     });
                 }
                 return invalid(format!(
@@ -1284,6 +1288,22 @@ impl KVCacheManager {
             }
         }
         Ok(())
+    }
+
+    /// How block `b` (carrying `key` now) of a hit this manager found left the cache since.
+    fn hit_loss(
+        &self,
+        computed: Option<&ComputedBlocks>,
+        b: BlockId,
+        key: Option<CacheKey>,
+    ) -> Result<HitLoss> {
+        Ok(if computed.is_some_and(|c| c.epoch < self.reset_epoch) {
+            HitLoss::Reset
+        } else if key.is_some() || self.pool.ref_count(b)? > 0 {
+            HitLoss::Reused
+        } else {
+            HitLoss::Evicted
+        })
     }
 
     /// With partial hash hits: whether block `b` (slot `i` of group `m`) is cached at one of
@@ -1552,6 +1572,7 @@ impl KVCacheManager {
         let ok = self.pool.reset_prefix_cache();
         if ok {
             self.epoch += 1;
+            self.reset_epoch = self.epoch;
             self.stats.reset = true;
         }
         ok

@@ -610,9 +610,19 @@ impl ManagerConfig {
                 .iter()
                 .any(|g| g.is_sliding_window() || g.is_mamba());
             if !sparse && interval != 0 {
+                // vLLM refuses it too: retention only thins the checkpoints of sliding-window
+                // and Mamba groups; other kinds cache every full block (or nothing) regardless.
+                let mut kinds: Vec<&str> = Vec::new();
+                for g in &self.groups {
+                    if !kinds.contains(&g.kind.as_str()) {
+                        kinds.push(g.kind.as_str());
+                    }
+                }
                 return invalid(format!(
-                    "prefix_cache_retention_interval {interval} has no effect: the layout has \
-                     no sliding-window or Mamba group (use 0 or None)"
+                    "prefix_cache_retention_interval {interval} has no effect: retention only \
+                     thins the cached checkpoints of sliding-window and Mamba groups, and this \
+                     layout's groups ({}) are neither; use 0 or None",
+                    kinds.join(", ")
                 ));
             }
             if interval % scheduler != 0 {

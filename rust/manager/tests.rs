@@ -606,6 +606,74 @@ fn reset_prefix_cache_is_refused_while_blocks_are_in_use() {
     assert!(m.prefix_cache_stats().reset);
 }
 
+/// Caches a 16-token prompt in a full group of 4-token blocks (6 blocks), then looks up `b`,
+/// the same prompt plus one token: a hit of 16 tokens, not yet adopted.
+fn stale_hit_setup() -> (KVCacheManager, ComputedBlocks) {
+    let mut m = manager(vec![GroupSpec::full(4)], 6);
+    m.add_request("a", &tokens(0, 16), ExtraKeys::default())
+        .unwrap();
+    admit(&mut m, "a").unwrap();
+    m.remove_request("a").unwrap();
+    m.add_request("b", &tokens(0, 17), ExtraKeys::default())
+        .unwrap();
+    let hit = m.get_computed_blocks("b").unwrap();
+    assert_eq!(hit.num_computed_tokens, 16);
+    (m, hit)
+}
+
+/// Adopts `hit` for `b`; returns the refusal's cause and message.
+fn adopt_stale(m: &mut KVCacheManager, hit: &ComputedBlocks) -> (HitLoss, String) {
+    let args = AllocateArgs {
+        num_new_tokens: 1,
+        num_new_computed_tokens: 16,
+        new_computed_blocks: Some(hit),
+        ..Default::default()
+    };
+    match m.allocate_slots("b", &args) {
+        Err(e @ CoreError::HitEvicted { cause, .. }) => (cause, e.to_string()),
+        other => panic!("expected a stale hit, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_hit_stale_after_a_reset_says_the_cache_was_reset() {
+    let (mut m, hit) = stale_hit_setup();
+    assert!(m.reset_prefix_cache());
+    let (cause, msg) = adopt_stale(&mut m, &hit);
+    assert_eq!(cause, HitLoss::Reset);
+    assert!(
+        msg.contains("reset_prefix_cache cleared the prefix cache"),
+        "{msg}"
+    );
+    assert!(!msg.contains("evicted"), "{msg}");
+}
+
+#[test]
+fn a_hit_stale_after_its_blocks_were_reused_says_evicted_and_reused() {
+    let (mut m, hit) = stale_hit_setup();
+    m.add_request("c", &tokens(1000, 20), ExtraKeys::default())
+        .unwrap();
+    admit(&mut m, "c").unwrap(); // every free block, the hit's among them
+    let (cause, msg) = adopt_stale(&mut m, &hit);
+    assert_eq!(cause, HitLoss::Reused);
+    assert!(
+        msg.contains("was evicted and reused since get_computed_blocks"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn a_hit_stale_after_a_connector_invalidation_says_evicted_only() {
+    let (mut m, hit) = stale_hit_setup();
+    m.evict_blocks(&hit.blocks()[0]).unwrap();
+    let (cause, msg) = adopt_stale(&mut m, &hit);
+    assert_eq!(cause, HitLoss::Evicted);
+    assert!(
+        msg.contains("was evicted since get_computed_blocks"),
+        "{msg}"
+    );
+}
+
 #[test]
 fn a_handle_names_its_request_until_removed_and_a_reused_slot_gets_a_new_one() {
     let mut m = manager(vec![GroupSpec::full(16)], 32);

@@ -118,6 +118,22 @@ fn retention_is_validated_as_vllm_does() {
 }
 
 #[test]
+fn retention_on_chunked_local_and_full_groups_is_refused_saying_why() {
+    // vLLM's coordinator refuses a non-zero interval without a sliding-window or Mamba group:
+    // chunked local attention is not a sliding window for retention, it caches densely.
+    let groups = || vec![GroupSpec::chunked_local(4, 8), GroupSpec::full(4)];
+    let Err(CoreError::InvalidConfig(msg)) = KVCacheManager::new(&config(groups(), 16, Some(8)))
+    else {
+        panic!("retention 8 on chunked local + full attention must be refused");
+    };
+    assert!(msg.contains("only thins the cached checkpoints of sliding-window and Mamba"));
+    assert!(msg.contains("(chunked_local_attention, full_attention) are neither"));
+    assert!(msg.contains("use 0 or None"));
+    assert!(KVCacheManager::new(&config(groups(), 16, Some(0))).is_ok());
+    assert!(KVCacheManager::new(&config(groups(), 16, None)).is_ok());
+}
+
+#[test]
 fn a_shared_prefix_junction_is_pinned_for_the_next_request() {
     // Full + sliding window (block 4, window 8), retention 0. A caches the window before its
     // replay boundary only (blocks 7, 8). B shares A's first 24 tokens: full attention hits 24,

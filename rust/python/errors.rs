@@ -11,7 +11,7 @@
 //!     ├── DoubleFreeError
 //!     ├── BlockNotInUseError
 //!     ├── NotEnoughFreeBlocksError
-//!     └── BlockEvictedError          a block left the cache under a concurrent allocation
+//!     └── BlockEvictedError          a block left the cache before it could be used
 //! ```
 //! Wrong argument types raise `TypeError`; a failed allocation of the pool's own memory raises
 //! `MemoryError`.
@@ -79,8 +79,9 @@ pyo3::create_exception!(
     hybrid_kv,
     BlockEvictedError,
     HybridKvError,
-    "A cached block was claimed by a concurrent allocation before it could be used (revived, \
-     or adopted as a prefix-cache hit)."
+    "A cached block left the cache before it could be used: claimed by a concurrent \
+     allocation before it was revived, or gone from a prefix-cache hit before it was adopted \
+     (evicted, invalidated, or the prefix cache was reset; the message says which)."
 );
 
 impl From<CoreError> for PyErr {

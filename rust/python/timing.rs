@@ -4,13 +4,15 @@
 //! 1.4 µs per call inside vLLM's scheduler step (measured there with a second timer around it),
 //! of which a benchmark can only estimate the counted part from no-ops.
 
+use super::request::lock;
 use super::running::{direct_entry, trampoline, EntryDef, FastCall};
-use pyo3::exceptions::PyTypeError;
+use pyo3::exceptions::{PyReferenceError, PyTypeError};
 use pyo3::ffi;
 use pyo3::prelude::*;
+use pyo3::pyclass::{PyTraverseError, PyVisit};
 use pyo3::types::PyType;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 /// A monotonic clock read in ticks: the time-stamp counter on x86-64 (invariant on the
@@ -53,10 +55,26 @@ fn ns_per_tick() -> f64 {
 /// atomic: calls from several threads are all counted.
 #[pyclass(frozen, name = "_CallTimer", module = "hybrid_kv._core")]
 pub(crate) struct PyCallTimer {
-    target: Py<PyAny>,
-    wrap: Option<(Vec<Py<PyType>>, Py<PyAny>)>,
+    /// `None` once the cycle collector cleared the timer. Locked only to clone or take the
+    /// `Arc`, outside the clock reads and never while Python code runs: a call keeps its own
+    /// reference to the callables until it returns.
+    callables: Mutex<Option<Arc<Callables>>>,
     ticks: AtomicU64,
     calls: AtomicU64,
+}
+
+/// The callables of a `_CallTimer`.
+struct Callables {
+    target: Py<PyAny>,
+    wrap: Option<(Vec<Py<PyType>>, Py<PyAny>)>,
+}
+
+impl PyCallTimer {
+    fn callables(&self) -> PyResult<Arc<Callables>> {
+        lock(&self.callables)
+            .clone()
+            .ok_or_else(|| PyReferenceError::new_err("_CallTimer: cleared by the cycle collector"))
+    }
 }
 
 #[pymethods]
@@ -92,8 +110,10 @@ impl PyCallTimer {
         };
         ns_per_tick();
         Ok(PyCallTimer {
-            target: target.unbind(),
-            wrap,
+            callables: Mutex::new(Some(Arc::new(Callables {
+                target: target.unbind(),
+                wrap,
+            }))),
             ticks: AtomicU64::new(0),
             calls: AtomicU64::new(0),
         })
@@ -138,8 +158,36 @@ impl PyCallTimer {
 
     /// The callable the calls go to.
     #[getter]
-    fn target(&self, py: Python<'_>) -> Py<PyAny> {
-        self.target.clone_ref(py)
+    fn target(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        Ok(self.callables()?.target.clone_ref(py))
+    }
+
+    /// The callables, for the cycle collector (a target may hold the timer, e.g. as an
+    /// attribute of the object it is bound to). Callables locked by another thread are not
+    /// visited: the collector then counts them as outside references and frees nothing
+    /// through them.
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        let Ok(callables) = self.callables.try_lock() else {
+            return Ok(());
+        };
+        let Some(callables) = callables.as_deref() else {
+            return Ok(());
+        };
+        visit.call(&callables.target)?;
+        if let Some((types, wrap)) = &callables.wrap {
+            for t in types {
+                visit.call(t)?;
+            }
+            visit.call(wrap)?;
+        }
+        Ok(())
+    }
+
+    /// Drops the callables (the cycle collector breaking a cycle through them); later calls
+    /// raise `ReferenceError`.
+    fn __clear__(&self) {
+        let taken = lock(&self.callables).take();
+        drop(taken); // after the lock is released: dropping may run Python code
     }
 }
 
@@ -163,19 +211,21 @@ direct_entry!(timed_call, timed);
 /// `self`), the rest the call's vectorcall arguments, passed on unchanged.
 fn timed(py: Python<'_>, call: FastCall) -> PyResult<*mut ffi::PyObject> {
     // SAFETY: `call.slf` is the `_CallTimer` the function was made with (`function` makes it
-    // so, and the function holds a reference to it for its lifetime); `args`, `nargs` and
-    // `kwnames` are the call's live vectorcall arguments (`direct_entry!`'s contract), which
-    // `PyObject_Vectorcall` takes as they are (borrowed, without
-    // `PY_VECTORCALL_ARGUMENTS_OFFSET`, so the callee does not write before `args`). The
-    // timer's fields are only read (the counters are atomics), so calls from threads running
-    // without the GIL are sound. The result is a new reference or null with an exception set,
-    // taken over by `from_owned_ptr_or_err`.
-    let (timer, result) = unsafe {
-        let timer = Borrowed::from_ptr(py, call.slf).cast_unchecked::<PyCallTimer>();
-        let timer = timer.get();
+    // so, and the function holds a reference to it for its lifetime).
+    let timer = unsafe { Borrowed::from_ptr(py, call.slf).cast_unchecked::<PyCallTimer>() };
+    let timer = timer.get();
+    // Held for the call, so clearing the timer meanwhile cannot drop the target.
+    let callables = timer.callables()?;
+    // SAFETY: `args`, `nargs` and `kwnames` are the call's live vectorcall arguments
+    // (`direct_entry!`'s contract), which `PyObject_Vectorcall` takes as they are (borrowed,
+    // without `PY_VECTORCALL_ARGUMENTS_OFFSET`, so the callee does not write before `args`);
+    // `callables` keeps the target alive. The counters are atomics, so calls from threads
+    // running without the GIL are sound. The result is a new reference or null with an
+    // exception set, taken over by `from_owned_ptr_or_err`.
+    let result = unsafe {
         let start = ticks();
         let result = ffi::PyObject_Vectorcall(
-            timer.target.as_ptr(),
+            callables.target.as_ptr(),
             call.args,
             call.nargs as usize,
             call.kwnames,
@@ -183,9 +233,9 @@ fn timed(py: Python<'_>, call: FastCall) -> PyResult<*mut ffi::PyObject> {
         let elapsed = ticks().wrapping_sub(start);
         timer.ticks.fetch_add(elapsed, Ordering::Relaxed);
         timer.calls.fetch_add(1, Ordering::Relaxed);
-        (timer, Bound::from_owned_ptr_or_err(py, result)?)
+        Bound::from_owned_ptr_or_err(py, result)?
     };
-    let wrapped = match &timer.wrap {
+    let wrapped = match &callables.wrap {
         Some((types, wrap)) if types.iter().any(|t| result.get_type().is(t.bind(py))) => {
             wrap.bind(py).call1((result,))?
         }
