@@ -908,16 +908,12 @@ impl Coordinator {
                 n += 1;
             }
         }
-        if scratch.is_empty() {
-            for &(g, last, _) in &walks[..n] {
-                tables[g].unreachable_below = tables[g].unreachable_below.max(last);
+        if !scratch.is_empty() {
+            for &block in scratch.iter() {
+                pool.prefetch_block(block);
             }
-            return Ok(());
+            pool.free_held(scratch, &ends[..n])?;
         }
-        for &block in scratch.iter() {
-            pool.prefetch_block(block);
-        }
-        pool.free_held(scratch, &ends[..n])?;
         for &(g, last, freed) in &walks[..n] {
             let t = &mut tables[g];
             t.blocks[last - freed..last].fill(NULL_BLOCK);

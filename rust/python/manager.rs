@@ -217,12 +217,13 @@ fn group_from_py(
 ) -> PyResult<GroupSpec> {
     // A dict, any other mapping (`MappingProxyType`, `UserDict`, ...), or an object whose
     // attributes are the fields.
-    let mapping = obj
-        .cast::<PyMapping>()
-        .ok()
-        .filter(|_| obj.cast::<PyDict>().is_err());
+    let dict = obj.cast::<PyDict>().ok();
+    let mapping = match dict {
+        Some(_) => None,
+        None => obj.cast::<PyMapping>().ok(),
+    };
     let get = |name: &str| -> PyResult<Option<Bound<'_, PyAny>>> {
-        let value = if let Ok(d) = obj.cast::<PyDict>() {
+        let value = if let Some(d) = &dict {
             d.get_item(name)?
         } else if let Some(m) = &mapping {
             match m.get_item(name) {
@@ -256,10 +257,7 @@ fn group_from_py(
     };
     let kind = match string("kind")? {
         Some(kind) => kind,
-        None if obj.cast::<PyDict>().is_err()
-            && mapping.is_none()
-            && !obj.hasattr("block_size")? =>
-        {
+        None if dict.is_none() && mapping.is_none() && !obj.hasattr("block_size")? => {
             return Err(PyTypeError::new_err(format!(
                 "group {index} must be a dict or an object with kind and block_size, got {}",
                 obj.get_type().name()?

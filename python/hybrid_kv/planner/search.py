@@ -350,8 +350,7 @@ def uniform_sizing(buckets: Sequence[Bucket], block_size: int) -> Sizing:
             # A page holds a whole number of the state's widest elements, so that every
             # block's states stay aligned for their typed views (an fp32 state beside an fp8
             # one would otherwise start at an odd byte in every other block).
-            widest = max(DTYPE_SIZES[d] for d in spec.dtypes)
-            pages.append(round_up(spec.state_bytes, widest))
+            pages.append(round_up(spec.state_bytes, _unit_alignment((bucket,))))
             used.append(spec.state_bytes)
         else:
             pages.append(block_size * spec.bytes_per_token)
