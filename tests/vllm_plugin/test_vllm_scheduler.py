@@ -1112,6 +1112,13 @@ def _set(attribute: str, value: Any) -> Callable[[Any], None]:
     return change
 
 
+def _append(tokens: list[Any]) -> Callable[[Any], None]:
+    def change(request: Any) -> None:
+        request.append_output_token_ids(tokens)
+
+    return change
+
+
 @pytest.mark.parametrize(
     "changes,options,change,message",
     [
@@ -1135,6 +1142,10 @@ def _set(attribute: str, value: Any) -> Callable[[Any], None]:
         ({}, {}, _set("cache_salt", b"salt"), "cache_salt is of type bytes, not str"),
         ({}, {}, _set("cache_salt", 7), "cache_salt is of type int, not str"),
         ({"mm": (("img", 3, 20),)}, {}, _set("identifier", 7), "identifier is of type int"),
+        # Output tokens a caller appended before handing the request over.
+        ({}, {}, _append([7, 2**32]), "output_token_ids[1] is 4294967296, not a token id"),
+        # Tokens counted computed in blocks it does not hold (a KV connector's requests only).
+        ({}, {}, _set("num_computed_tokens", 5), "num_computed_tokens is 5 on arrival, not 0"),
     ],
     ids=[
         "token-2**32-tail",
@@ -1152,6 +1163,8 @@ def _set(attribute: str, value: Any) -> Callable[[Any], None]:
         "salt-bytes",
         "salt-int",
         "mm-identifier-int",
+        "outputs-on-arrival",
+        "computed-on-arrival",
     ],
 )
 def test_requests_the_core_cannot_hold_are_refused_and_the_engine_serves_the_rest(

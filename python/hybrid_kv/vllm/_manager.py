@@ -137,19 +137,24 @@ def _mm_problem(request: Request) -> str | None:
     return None
 
 
-def _prompt_problem(request: Request, error: Exception) -> str:
-    """Why the core refused to take the request's prompt (`error`, from making its companion),
+def _tokens_problem(request: Request, error: Exception) -> str:
+    """Why the core refused to take the request's tokens (`error`, from making its companion),
     naming vLLM's field: found again here, on the refusal path only."""
     if request.num_prompt_tokens == 0:
         return "prompt is empty"
-    for index, token in enumerate(request.prompt_token_ids or ()):
-        try:
-            value = operator.index(token)
-        except TypeError:
-            value = -1
-        if not 0 <= value < _TOKEN_LIMIT:
-            return f"prompt_token_ids[{index}] is {token!r}, not a token id in [0, 2^32)"
-    return f"prompt_token_ids or block_hashes hybrid-kv cannot take: {error}"
+    fields = (
+        ("prompt_token_ids", request.prompt_token_ids or ()),
+        ("output_token_ids", request.output_token_ids),
+    )
+    for field, tokens in fields:
+        for index, token in enumerate(tokens):
+            try:
+                value = operator.index(token)
+            except TypeError:
+                value = -1
+            if not 0 <= value < _TOKEN_LIMIT:
+                return f"{field}[{index}] is {token!r}, not a token id in [0, 2^32)"
+    return f"tokens or block_hashes hybrid-kv cannot take: {error}"
 
 
 class KVCacheBlocks:
@@ -595,6 +600,10 @@ class HybridKVCacheManager(_RunningSteps):
         request, rather than at its first scheduling call: its prompt is converted and checked
         once, as that call would. A prompt whose hashed blocks the companion does not read
         (vLLM supplies their hashes) is read now only when KV events will read it."""
+        if request.num_computed_tokens:
+            # vLLM's scheduler counts them computed in blocks the request does not hold (only a
+            # KV connector's requests, served by vLLM's manager, arrive so).
+            return f"num_computed_tokens is {request.num_computed_tokens} on arrival, not 0"
         problem = _mm_problem(request) if request.mm_features else None
         if problem is not None:
             return problem
@@ -605,7 +614,7 @@ class HybridKVCacheManager(_RunningSteps):
                 companion.prompt_token_ids  # noqa: B018
         except (TypeError, ValueError, OverflowError) as error:
             request.__dict__.pop(self._key, None)
-            return _prompt_problem(request, error)
+            return _tokens_problem(request, error)
         return None
 
     # ------------------------------------------------------------------ the scheduler's calls
