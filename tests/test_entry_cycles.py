@@ -1,13 +1,17 @@
-"""`_CallTimer` (through its target) and `_RunningSteps` (through the entry `_running_steps`
-sets) in reference cycles: the cycle collector sees their references, and a timer breaks a cycle
-no other object in it can. (`_RunningSteps` has no `__clear__`: see its `__traverse__`.)"""
+"""`_CallTimer` (through its target), `_RunningSteps` (through the entry `_running_steps` sets)
+and the entry's results, `_RunningBlocks` (through their wrap), in reference cycles: the cycle
+collector sees their references, and a timer breaks a cycle no other object in it can.
+(`_RunningSteps` and `_RunningBlocks` have no `__clear__`: see their `__traverse__`.)"""
 
 from __future__ import annotations
 
 import gc
+import types
 import weakref
 from typing import Any
 
+import hybrid_kv as hk
+import pytest
 from hybrid_kv import _core
 
 
@@ -46,4 +50,43 @@ def test_a_call_timer_timing_its_own_holder_is_collected() -> None:
     adapter._running_steps("slot", timer)
     ref = weakref.ref(adapter)
     del adapter, timer
+    assert _collected(ref)
+
+
+class _Holder:
+    """Keeps the last result of a running step; its `wrap` is the adapter's."""
+
+    last: Any = None
+
+    def wrap(self, blocks: Any, *_: Any) -> Any:
+        return blocks
+
+
+@pytest.mark.parametrize("through", ["wrap", "wrapped"])
+def test_running_blocks_kept_by_what_their_wrap_refers_to_are_collected(through: str) -> None:
+    # A running step's new blocks from the entry hold the adapter's wrap and what it made: an
+    # object keeping a result, that the wrap is bound to (or that the object it made refers
+    # to), is in a cycle through the result.
+    manager = hk.KVCacheManager([{"kind": "full", "block_size": 4}], 16, 64)
+    prompt = list(range(4))
+    companion = hk.Request("a", prompt, block_size=4)
+    manager.allocate_slots(companion, 4)
+    request = types.SimpleNamespace(
+        _all_token_ids=[*prompt, 9], num_computed_tokens=4, num_in_flight_tokens=0
+    )
+    request.__dict__["slot"] = _core._VllmSlot(companion, 4)
+    holder = _Holder()
+    # The "wrapped" wrap refers to nothing once it made its object (a list holding `holder`).
+    box = {} if through == "wrap" else {"holder": holder}
+    wrap = holder.wrap if through == "wrap" else (lambda blocks, *_: [box.pop("holder")])
+    adapter = _Adapter()
+    adapter._running_steps("slot", None, manager, wrap)
+    holder.last = adapter.allocate_slots(request, 1)
+    assert type(holder.last) is _core._RunningBlocks
+    assert holder.last.get_block_ids() == ([2],)
+    if through == "wrapped":
+        repr(holder.last)  # makes the wrapped object
+        assert not box
+    ref = weakref.ref(holder)
+    del adapter, holder, wrap
     assert _collected(ref)

@@ -476,6 +476,18 @@ impl PyRunningBlocks {
         self.wrapped(py)?.call_method0(intern!(py, "__reduce__"))
     }
 
+    /// `wrap` and what it made, for the cycle collector: a wrap referring to an object that
+    /// keeps these blocks (a method bound to an adapter holding its last result, say) makes a
+    /// cycle through them. There is no `__clear__` (`wrapped` is set once, without a lock): the
+    /// object keeping the blocks (an instance, a dict, a list) is cleared instead.
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.wrap)?;
+        if let Some(wrapped) = self.wrapped.get() {
+            visit.call(wrapped)?;
+        }
+        Ok(())
+    }
+
     /// Every other attribute is the adapter's `KVCacheBlocks`'.
     fn __getattr__<'py>(
         &self,

@@ -1047,6 +1047,33 @@ def test_streaming_input_requests_are_refused_and_the_engine_serves_the_rest(
         assert got == expected
 
 
+def _assert_refused_alone(options: harness.Options, bad: Any, message: str) -> None:
+    """`bad` is refused when added (not queued, no exception): it gets one validation error at
+    the next `update_from_output` naming the problem (`message`), and the other requests run
+    as they would without it."""
+    workload = WORKLOAD[:4]
+    plain = harness.Driver(harness.build_scheduler(options, hkv.Scheduler), workload)
+    expected = [(harness.summarize(o), harness.summarize_results(r)) for o, r in plain.run()]
+
+    scheduler = harness.build_scheduler(options, hkv.Scheduler)
+    assert scheduler.uses_hybrid_kv
+    scheduler.add_request(bad)  # no exception: that would stop the engine loop
+    assert bad.request_id not in scheduler.requests
+    got, refusals = [], []
+    for output, results in harness.Driver(scheduler, workload).run(max_steps=10_000):
+        refusals += _refusals(results)
+        for outputs in results:
+            for eco in outputs.values():
+                eco.outputs = [o for o in eco.outputs if o.request_id != bad.request_id]
+        got.append((harness.summarize(output), harness.summarize_results(results)))
+    (refusal,) = refusals
+    assert refusal.request_id == bad.request_id
+    assert refusal.finish_reason == FinishReason.ERROR
+    assert refusal.error.code == "validation_error"
+    assert message in refusal.error.message
+    assert got == expected
+
+
 @pytest.mark.parametrize(
     "field,changes",
     [
@@ -1065,28 +1092,103 @@ def test_requests_with_text_that_is_not_unicode_are_refused_and_the_engine_serve
     `schedule()`): it gets one validation error at the next `update_from_output`, and the other
     requests run as they would without it."""
     options = harness.Options(layout="gpt-oss", lora=True)
-    workload = WORKLOAD[:4]
-    plain = harness.Driver(harness.build_scheduler(options, hkv.Scheduler), workload)
-    expected = [(harness.summarize(o), harness.summarize_results(r)) for o, r in plain.run()]
-
-    scheduler = harness.build_scheduler(options, hkv.Scheduler)
-    assert scheduler.uses_hybrid_kv
     spec = dataclasses.replace(WORKLOAD[7], **{"request_id": "bad", **changes})
-    scheduler.add_request(harness.make_request(spec))
-    assert spec.request_id not in scheduler.requests
-    got, refusals = [], []
-    for output, results in harness.Driver(scheduler, workload).run(max_steps=10_000):
-        refusals += _refusals(results)
-        for outputs in results:
-            for eco in outputs.values():
-                eco.outputs = [o for o in eco.outputs if o.request_id != spec.request_id]
-        got.append((harness.summarize(output), harness.summarize_results(results)))
-    (refusal,) = refusals
-    assert refusal.request_id == spec.request_id
-    assert refusal.finish_reason == FinishReason.ERROR
-    assert refusal.error.code == "validation_error"
-    assert f"{field} is not valid Unicode" in refusal.error.message
-    assert got == expected
+    _assert_refused_alone(options, harness.make_request(spec), f"{field} is not valid Unicode")
+
+
+def _with_token(token: Any, position: int) -> tuple[Any, ...]:
+    """A 40-token prompt (two full 16-token blocks and a tail of 8) holding `token` at
+    `position`."""
+    prompt: list[Any] = list(range(100, 140))
+    prompt[position] = token
+    return tuple(prompt)
+
+
+def _set(attribute: str, value: Any) -> Callable[[Any], None]:
+    def change(request: Any) -> None:
+        target = request.mm_features[0] if attribute == "identifier" else request
+        setattr(target, attribute, value)
+
+    return change
+
+
+def _append(tokens: list[Any]) -> Callable[[Any], None]:
+    def change(request: Any) -> None:
+        request.append_output_token_ids(tokens)
+
+    return change
+
+
+@pytest.mark.parametrize(
+    "changes,options,change,message",
+    [
+        # Token ids the core (u32 tokens) cannot hold, where it reads them: in the tail after
+        # vLLM's hashed blocks, anywhere when it hashes the prompt itself (no prefix caching, or
+        # an xxHash option), and in the hashed blocks too when KV events will read them.
+        ({"prompt": _with_token(2**32, 38)}, {}, None, "prompt_token_ids[38] is 4294967296"),
+        ({"prompt": _with_token(-1, 20)}, {"prefix_caching": False}, None, "[20] is -1, not a"),
+        ({"prompt": _with_token(-1, 20)}, {"hash_algo": "xxhash"}, None, "[20] is -1, not a"),
+        ({"prompt": _with_token(2**64, 3)}, {"kv_events": True}, None, "[3] is 184467"),
+        ({"prompt": _with_token(5.0, 38)}, {}, None, "prompt_token_ids[38] is 5.0, not a"),
+        ({"prompt": _with_token(None, 38)}, {}, None, "prompt_token_ids[38] is None, not a"),
+        ({"prompt": ()}, {}, None, "prompt is empty"),
+        ({"prompt": ()}, {"prefix_caching": False}, None, "prompt is empty"),
+        # Multimodal placeholders the core cannot key (vLLM's processor makes none of them).
+        ({"mm": (("img", -5, 10),)}, {}, None, "item 0's mm_position (offset -5, length 10)"),
+        ({"mm": (("img", 5, 0),)}, {}, None, "item 0's mm_position length is 0, not positive"),
+        ({"mm": (("img", 2**70, 1),)}, {}, None, "does not lie in [0, 2^63)"),
+        ({"mm": (("img", 5.0, 3),)}, {}, None, "offset and length are not ints"),
+        # Keyed text that is not a string.
+        ({}, {}, _set("cache_salt", b"salt"), "cache_salt is of type bytes, not str"),
+        ({}, {}, _set("cache_salt", 7), "cache_salt is of type int, not str"),
+        ({"mm": (("img", 3, 20),)}, {}, _set("identifier", 7), "identifier is of type int"),
+        # Output tokens a caller appended before handing the request over.
+        ({}, {}, _append([7, 2**32]), "output_token_ids[1] is 4294967296, not a token id"),
+        # Tokens counted computed in blocks it does not hold (a KV connector's requests only).
+        ({}, {}, _set("num_computed_tokens", 5), "num_computed_tokens is 5 on arrival, not 0"),
+    ],
+    ids=[
+        "token-2**32-tail",
+        "token-negative-no-caching",
+        "token-negative-xxhash",
+        "token-2**64-hashed-kv-events",
+        "token-float",
+        "token-none",
+        "empty-prompt",
+        "empty-prompt-no-caching",
+        "mm-negative-offset",
+        "mm-zero-length",
+        "mm-offset-beyond-2**63",
+        "mm-float-offset",
+        "salt-bytes",
+        "salt-int",
+        "mm-identifier-int",
+        "outputs-on-arrival",
+        "computed-on-arrival",
+    ],
+)
+def test_requests_the_core_cannot_hold_are_refused_and_the_engine_serves_the_rest(
+    changes: dict[str, Any],
+    options: dict[str, Any],
+    change: Callable[[Any], None] | None,
+    message: str,
+) -> None:
+    """vLLM's scheduler takes these (its frontend refuses them; an in-process engine or another
+    frontend can hand them over) and hybrid-kv's manager cannot hold them: each is refused when
+    added, with a validation error naming the field, instead of raising inside `schedule()` (or
+    `add_request`) and stopping the engine loop for every client."""
+    config = dataclasses.replace(harness.Options(layout="gpt-oss"), **options)
+    spec = dataclasses.replace(WORKLOAD[7], **{"request_id": "bad", **changes})
+    scheduler = harness.build_scheduler(config, hkv.Scheduler)
+    bad = harness.make_request(
+        spec,
+        scheduler.hash_block_size,
+        scheduler.vllm_config.num_hash_lookahead_tokens,
+        config.hash_algo,
+    )
+    if change is not None:
+        change(bad)
+    _assert_refused_alone(config, bad, message)
 
 
 # ----- running horizon ----------------------------------------------------------------------------

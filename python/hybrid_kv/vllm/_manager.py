@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -108,6 +109,52 @@ def _prompt_embeds_inputs(
         )
         inputs.append((f"prompt_embeds:{digest.hex()}", start + lookahead, 1))
     return inputs
+
+
+# The core's token ids are u32; its multimodal offsets and ends are below 2^63.
+_TOKEN_LIMIT = 1 << 32
+_POSITION_LIMIT = (1 << 63) - 1
+
+
+def _mm_problem(request: Request) -> str | None:
+    """What of the request's multimodal placeholders the core cannot key (None if nothing):
+    vLLM's processor places every item on at least one prompt token; an in-process engine
+    can be handed any `PlaceholderRange`."""
+    for index, feature in enumerate(request.mm_features):
+        position = feature.mm_position
+        try:
+            offset = operator.index(position.offset)
+            length = operator.index(position.length)
+        except TypeError:
+            return f"multimodal item {index}'s mm_position offset and length are not ints"
+        if length <= 0:
+            return f"multimodal item {index}'s mm_position length is {length}, not positive"
+        if offset < 0 or offset + length > _POSITION_LIMIT:
+            return (
+                f"multimodal item {index}'s mm_position (offset {offset}, length {length}) "
+                f"does not lie in [0, 2^63)"
+            )
+    return None
+
+
+def _tokens_problem(request: Request, error: Exception) -> str:
+    """Why the core refused to take the request's tokens (`error`, from making its companion),
+    naming vLLM's field: found again here, on the refusal path only."""
+    if request.num_prompt_tokens == 0:
+        return "prompt is empty"
+    fields = (
+        ("prompt_token_ids", request.prompt_token_ids or ()),
+        ("output_token_ids", request.output_token_ids),
+    )
+    for field, tokens in fields:
+        for index, token in enumerate(tokens):
+            try:
+                value = operator.index(token)
+            except TypeError:
+                value = -1
+            if not 0 <= value < _TOKEN_LIMIT:
+                return f"{field}[{index}] is {token!r}, not a token id in [0, 2^32)"
+    return f"tokens or block_hashes hybrid-kv cannot take: {error}"
 
 
 class KVCacheBlocks:
@@ -546,6 +593,29 @@ class HybridKVCacheManager(_RunningSteps):
             slot = _VllmSlot(companion, request.num_prompt_tokens)
             request.__dict__[self._key] = slot
         return self._sync_companion(request, slot)
+
+    def refusal(self, request: Request) -> str | None:
+        """What of a newly arrived request this manager cannot take, naming vLLM's field (None
+        if it takes it all). The request's companion is made here, before vLLM queues the
+        request, rather than at its first scheduling call: its prompt is converted and checked
+        once, as that call would. A prompt whose hashed blocks the companion does not read
+        (vLLM supplies their hashes) is read now only when KV events will read it."""
+        if request.num_computed_tokens:
+            # vLLM's scheduler counts them computed in blocks the request does not hold (only a
+            # KV connector's requests, served by vLLM's manager, arrive so).
+            return f"num_computed_tokens is {request.num_computed_tokens} on arrival, not 0"
+        problem = _mm_problem(request) if request.mm_features else None
+        if problem is not None:
+            return problem
+        try:
+            companion = self._companion(request)
+            if self._events is not None and self._supplied_hashes(request) is not None:
+                # KV events read those tokens at the request's first allocation: read now.
+                companion.prompt_token_ids  # noqa: B018
+        except (TypeError, ValueError, OverflowError) as error:
+            request.__dict__.pop(self._key, None)
+            return _tokens_problem(request, error)
+        return None
 
     # ------------------------------------------------------------------ the scheduler's calls
 

@@ -45,30 +45,32 @@ STREAMING_INPUT_REFUSAL = (
     "requests yet"
 )
 
-NOT_UNICODE_REFUSAL = (
-    "this server's scheduler (hybrid_kv.vllm) does not serve a request whose {field} is not "
-    "valid Unicode (it holds a lone surrogate)"
-)
+REFUSAL = "this server's scheduler (hybrid_kv.vllm) does not serve a request whose {problem}"
 
 
-def _text_not_unicode(request: Request) -> str | None:
+def _text_problem(request: Request) -> str | None:
     """What of the request's text that keys hybrid-kv's tables (its id, cache salt, LoRA
-    adapter, multimodal identifiers) is not valid Unicode: a Python string holding a lone
-    surrogate, which an in-process engine can be handed (vLLM's msgpack transport cannot carry
-    one), and which the core's keys (UTF-8) cannot hold. None if all of it is."""
+    adapter, multimodal identifiers) the core's keys (UTF-8 strings) cannot hold: a value that
+    is not a `str`, or a string holding a lone surrogate, which an in-process engine can be
+    handed (vLLM's msgpack transport carries neither). None if it can hold all of it."""
     lora = request.lora_request
     fields = [
         ("request id", request.request_id),
         ("cache_salt", request.cache_salt),
+        # Joined as the manager keys the adapter (by name and path, whatever their types).
         ("LoRA adapter", None if lora is None else f"{lora.lora_name}{lora.lora_path}"),
     ]
     fields += [("multimodal identifier", f.identifier) for f in request.mm_features]
     for field, text in fields:
-        if text is not None and not text.isascii():
+        if text is None:
+            continue
+        if not isinstance(text, str):
+            return f"{field} is of type {type(text).__name__}, not str"
+        if not text.isascii():
             try:
                 text.encode()
             except UnicodeEncodeError:
-                return field
+                return f"{field} is not valid Unicode (it holds a lone surrogate)"
     return None
 
 
@@ -104,7 +106,7 @@ class _HybridKvMixin:
     kv_cache_manager: HybridKVCacheManager | VllmKVCacheManager
 
     def __init__(self, vllm_config: VllmConfig, *args: Any, **kwargs: Any) -> None:
-        # Streaming-input requests refused since the last output (see `add_request`).
+        # Requests refused since the last output (see `add_request`).
         self._refused: list[tuple[Request, str]] = []
 
         def factory(**manager_kwargs: Any) -> HybridKVCacheManager | VllmKVCacheManager:
@@ -123,20 +125,22 @@ class _HybridKvMixin:
         return isinstance(self.kv_cache_manager, HybridKVCacheManager)
 
     def add_request(self, request: Request) -> None:
-        """vLLM's `add_request`, except, when hybrid-kv's manager serves, for streaming-input
-        (resumable) requests and requests whose keyed text is not valid Unicode: those are
-        refused. An exception here (or in the manager, later) would stop vLLM's engine loop for
-        every client, so the request is not queued, and the next `update_from_output` finishes
-        it with a validation error (the client's HTTP 400), as vLLM finishes a request that
-        fails validation; the engine keeps serving the others."""
+        """vLLM's `add_request`, except, when hybrid-kv's manager serves, for requests it
+        cannot take: streaming-input (resumable) requests, requests whose keyed text is not a
+        valid Unicode string, and requests whose prompt or multimodal placeholders the core
+        cannot hold (`HybridKVCacheManager.refusal`, which makes the request's companion now).
+        An exception here (or in the manager, later) would stop vLLM's engine loop for every
+        client, so the request is not queued, and the next `update_from_output` finishes it
+        with a validation error (the client's HTTP 400), as vLLM finishes a request that fails
+        validation; the engine keeps serving the others."""
         if self.uses_hybrid_kv:
             reason = None
             if request.resumable:
                 reason = STREAMING_INPUT_REFUSAL
             else:
-                field = _text_not_unicode(request)
-                if field is not None:
-                    reason = NOT_UNICODE_REFUSAL.format(field=field)
+                problem = _text_problem(request) or self.kv_cache_manager.refusal(request)  # type: ignore[union-attr]
+                if problem is not None:
+                    reason = REFUSAL.format(problem=problem)
             if reason is not None:
                 logger.warning("hybrid-kv: refusing request %r: %s", request.request_id, reason)
                 self._refused.append((request, reason))
