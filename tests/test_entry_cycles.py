@@ -90,3 +90,52 @@ def test_running_blocks_kept_by_what_their_wrap_refers_to_are_collected(through:
     ref = weakref.ref(holder)
     del adapter, holder, wrap
     assert _collected(ref)
+
+
+class _Request:
+    """A vLLM-like request (its counts and tokens in its `__dict__`, as vLLM's)."""
+
+    def __init__(self, **fields: Any) -> None:
+        self.__dict__.update(fields)
+
+
+def _running_request(manager: hk.KVCacheManager, key: str) -> Any:
+    """A vLLM-like request whose next one-token step the entry answers (its slot under `key`)."""
+    prompt = list(range(4))
+    companion = hk.Request("a", prompt, block_size=4)
+    manager.allocate_slots(companion, 4)
+    request = _Request(_all_token_ids=[*prompt, 9], num_computed_tokens=4, num_in_flight_tokens=0)
+    request.__dict__[key] = _core._VllmSlot(companion, 4)
+    return request
+
+
+def test_the_entry_holds_a_request_whose_slot_it_cached_until_it_is_forgotten() -> None:
+    manager = hk.KVCacheManager([{"kind": "full", "block_size": 4}], 16, 64)
+    adapter = _Adapter()
+    adapter._running_steps("slot", None, manager, adapter.wrap)
+    request = _running_request(manager, "slot")
+    ref = weakref.ref(request)
+    assert adapter.allocate_slots(request, 1).get_block_ids() == ([2],)
+    del request
+    gc.collect()
+    request = ref()
+    assert request is not None  # cached: held by the entry
+    adapter._forget_slot(request)
+    adapter._forget_slot(request)  # forgetting twice changes nothing
+    del request
+    assert ref() is None  # no cycle: freed at once
+
+
+def test_a_request_in_a_cycle_through_the_entrys_cache_of_slots_is_collected() -> None:
+    # The adapter caches the request's slot (holding the request); the request refers back to
+    # the adapter.
+    manager = hk.KVCacheManager([{"kind": "full", "block_size": 4}], 16, 64)
+    adapter = _Adapter()
+    adapter._running_steps("slot", None, manager, adapter.wrap)
+    request = _running_request(manager, "slot")
+    request.manager = adapter
+    assert adapter.allocate_slots(request, 1).get_block_ids() == ([2],)
+    refs = weakref.ref(adapter), weakref.ref(request)
+    del adapter, request
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None]

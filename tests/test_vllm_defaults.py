@@ -495,6 +495,10 @@ def test_allocate_running_syncs_a_vllm_request_in_one_call() -> None:
     vllm_req._all_token_ids[-1] = 2**40
     with pytest.raises(hk.OutOfRangeError):
         m.allocate_running(vllm_req, slot, 1, 0)
+    for not_a_token in ("x", 1.0, None):
+        vllm_req._all_token_ids[-1] = not_a_token
+        with pytest.raises(TypeError):
+            m.allocate_running(vllm_req, slot, 1, 0)
     vllm_req._all_token_ids[-1] = 101
     with pytest.raises(TypeError):
         m.allocate_running(vllm_req, [req, 9, -1, 0, 0], 1, 0)
@@ -510,6 +514,15 @@ def test_allocate_running_syncs_a_vllm_request_in_one_call() -> None:
     # A sync takes each token once, however often it runs.
     assert m.sync_companion(vllm_req, slot) is req and m.sync_companion(vllm_req, slot) is req
     assert slot.seen == 10 and req.num_tokens == 10
+    # Ints of other types (numpy's, bool) are token ids as ints are.
+    vllm_req._all_token_ids += [np.int64(102), True]
+    vllm_req.num_computed_tokens = 11
+    assert m.allocate_running(vllm_req, slot, 1, 0) is not None
+    assert list(req.output_token_ids[-2:]) == [102, 1]
+    # A step that fills the slots its blocks hold leaves no horizon in the slot: every later
+    # step starts past them. The manager's own horizon (for any next call) still stands.
+    assert (req.num_computed_tokens, m.running_horizon(req)) == (11, (12, 16, 2**64 - 1))
+    assert slot.horizon is None and slot.running_calls == 4
 
 
 def test_the_scheduler_and_hash_block_sizes_can_be_given_as_vllm_resolves_them() -> None:

@@ -909,7 +909,8 @@ class _RunningSteps:
     `KVCacheManager.running_horizon`) returns `empty` at once; one outside it is
     `core.allocate_running` with its new blocks wrapped, when a core was set; every other call
     is `self._allocate_slots(request, num_new_tokens, **given)`, the other arguments given passed
-    by name (an argument given as None counts as not given)."""
+    by name (an argument given as None counts as not given). A request's slot is cached by the
+    request's address (the request held meanwhile) until `_forget_slot(request)`."""
 
     def __new__(cls, *_args: object, **_kwargs: object) -> _RunningSteps: ...
     def _running_steps(
@@ -922,6 +923,8 @@ class _RunningSteps:
         """Sets the slot key, the empty result and, with `core` and `wrap`, the core that
         running steps outside the horizon go to straight from `allocate_slots` and the wrapper
         of their new blocks (once; later calls change nothing)."""
+    def _forget_slot(self, request: Any) -> None:
+        """Forgets the slot `allocate_slots` cached for `request` (its slot left its dict)."""
     def allocate_slots(
         self,
         request: Any,

@@ -925,7 +925,9 @@ impl Coordinator {
     /// [`RunningHorizon`] of a request with these tables, `None` unless its next call takes
     /// [`Coordinator::running_step`]. Each bound is the tightest over the groups: a step that
     /// needs no new block in any group, caches no block in any group and removes none is the
-    /// running step's no-op.
+    /// running step's no-op. With `past`, also `None` when the blocks hold no slot past `past`
+    /// tokens: no running step that starts with at least that many computed lies inside (the
+    /// other bounds are then not searched).
     pub(crate) fn running_horizon(
         &self,
         pool: &BlockPool,
@@ -933,13 +935,23 @@ impl Coordinator {
         request: &Request,
         enable_caching: bool,
         max_model_len: usize,
+        past: Option<usize>,
     ) -> Option<RunningHorizon> {
         let num_prompt_tokens = request.num_prompt_tokens();
         if !self.fast_running || tables.iter().any(|t| t.num_cached.is_none()) {
             return None;
         }
+        let slots = self
+            .groups
+            .iter()
+            .zip(tables)
+            .map(|(m, t)| t.blocks.len() * m.spec.block_size)
+            .fold(max_model_len, usize::min);
+        if past.is_some_and(|past| slots <= past) {
+            return None;
+        }
         let mut horizon = RunningHorizon {
-            slots: max_model_len,
+            slots,
             cache: usize::MAX,
             removal: usize::MAX,
         };
@@ -948,7 +960,6 @@ impl Coordinator {
         let mut previous: Option<(HorizonState, usize, usize)> = None;
         for (g, (m, t)) in self.groups.iter().zip(tables).enumerate() {
             let bs = m.spec.block_size;
-            horizon.slots = horizon.slots.min(t.blocks.len() * bs);
             let state = HorizonState {
                 num_cached: t.num_cached,
                 removable: m.first_removable(t, num_prompt_tokens),

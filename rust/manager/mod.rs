@@ -1444,6 +1444,25 @@ impl KVCacheManager {
         &self,
         request: impl Into<RequestKey<'a>>,
     ) -> Result<Option<RunningHorizon>> {
+        self.horizon(request, None)
+    }
+
+    /// [`Self::running_horizon`] for the running steps that start with at least `computed`
+    /// tokens computed (the next ones after a call that left the request with `computed`):
+    /// also `None` when its blocks hold no slot past `computed`, as no such step lies inside.
+    pub fn running_horizon_past<'a>(
+        &self,
+        request: impl Into<RequestKey<'a>>,
+        computed: usize,
+    ) -> Result<Option<RunningHorizon>> {
+        self.horizon(request, Some(computed))
+    }
+
+    fn horizon<'a>(
+        &self,
+        request: impl Into<RequestKey<'a>>,
+        past: Option<usize>,
+    ) -> Result<Option<RunningHorizon>> {
         let state = self.state(request)?;
         Ok(self.coordinator.running_horizon(
             &self.pool,
@@ -1451,6 +1470,7 @@ impl KVCacheManager {
             &state.request,
             self.enable_caching,
             self.max_model_len,
+            past,
         ))
     }
 

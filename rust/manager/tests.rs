@@ -1659,3 +1659,31 @@ fn decode_leaves_the_running_horizon_only_at_block_boundaries() {
         assert_eq!(outside, expected, "{groups:?}");
     }
 }
+
+/// `running_horizon_past(r, c)` is the running horizon while the blocks hold a slot past `c`
+/// tokens, and None once they hold none (no running step that starts at `c` or later fits).
+#[test]
+fn the_horizon_past_a_count_ends_where_the_slots_do() {
+    let groups = vec![GroupSpec::full(4), GroupSpec::sliding_window(4, 6)];
+    let mut m = KVCacheManager::new(&ManagerConfig::new(groups, 64, 256)).unwrap();
+    m.add_request("r", &tokens(0, 6), ExtraKeys::default())
+        .unwrap();
+    admit(&mut m, "r").unwrap();
+    let mut seen_none = 0;
+    for c in 6..30usize {
+        m.append_token_ids("r", &[500 + c as u32]).unwrap();
+        m.allocate_slots("r", &new_tokens(1, c)).unwrap().unwrap();
+        let full = m.running_horizon("r").unwrap().unwrap();
+        let past = m.running_horizon_past("r", c + 1).unwrap();
+        if full.slots <= c + 1 {
+            assert_eq!(past, None, "at {c}");
+            seen_none += 1;
+        } else {
+            assert_eq!(past, Some(full), "at {c}");
+        }
+        // Below the slots, any count gives the whole horizon.
+        assert_eq!(m.running_horizon_past("r", 0).unwrap(), Some(full));
+    }
+    // Blocks of 4 fill every fourth step.
+    assert_eq!(seen_none, 6);
+}

@@ -535,6 +535,65 @@ pub(crate) fn read_int_list_in_steps(
     })
 }
 
+/// The value of an exact `int` below 2^30 read from the object in the layout
+/// [`detect_int_layout`] verified; None for anything else (the caller's generic path).
+#[inline]
+pub(crate) fn small_exact_int(value: &Bound<'_, PyAny>) -> Option<u32> {
+    let layout = (*INT_LAYOUT.get_or_init(|| detect_int_layout(value.py())))?;
+    let item = value.as_ptr();
+    // SAFETY: `value` is alive (borrowed); `Py_TYPE` reads a word CPython changes only with
+    // every other thread stopped; `small_int` only gets an exact `int` (immutable).
+    unsafe {
+        if pyo3::ffi::Py_TYPE(item) != std::ptr::addr_of_mut!(pyo3::ffi::PyLong_Type) {
+            return None;
+        }
+        small_int(item, layout)
+    }
+}
+
+/// Items `from..from + out.len()` of a list of token ids, read into `out` as [`read_int_list`]
+/// reads a list (exact one-digit `int`s directly): `Ok(false)` if the list is shorter or an
+/// item is not an `int` (`out` then holds no meaning), an error if one is out of range. A
+/// running request's new tokens (a few a step) are read so.
+pub(crate) fn read_int_list_slice(
+    list: &Bound<'_, PyList>,
+    from: usize,
+    out: &mut [u32],
+) -> PyResult<bool> {
+    let py = list.py();
+    let layout = *INT_LAYOUT.get_or_init(|| detect_int_layout(py));
+    let int_type = std::ptr::addr_of_mut!(pyo3::ffi::PyLong_Type);
+    pyo3::sync::critical_section::with_critical_section(list.as_any(), || {
+        let Some(end) = from.checked_add(out.len()).filter(|&end| end <= list.len()) else {
+            return Ok(false);
+        };
+        // SAFETY: as in `read_int_list_locked`: the list cannot change while this runs (its
+        // critical section, or the GIL and no Python code run below), so `ob_item` points to
+        // at least `end` live item pointers for the whole loop.
+        let items: &[*mut pyo3::ffi::PyObject] = unsafe {
+            let list = list.as_ptr().cast::<pyo3::ffi::PyListObject>();
+            &std::slice::from_raw_parts((*list).ob_item, end)[from..]
+        };
+        for (i, (slot, &item)) in out.iter_mut().zip(items).enumerate() {
+            // SAFETY: as in `read_int_list_locked`.
+            let fast = match layout {
+                Some(layout) if unsafe { pyo3::ffi::Py_TYPE(item) } == int_type => unsafe {
+                    small_int(item, layout)
+                },
+                _ => None,
+            };
+            *slot = match fast {
+                Some(token) => token,
+                None => match int_item(py, item, from + i)? {
+                    Some(token) => token,
+                    None => return Ok(false),
+                },
+            };
+        }
+        Ok(true)
+    })
+}
+
 /// [`read_int_list_in_steps`] while the list cannot change: inside its critical section
 /// (free-threaded builds) or with the GIL held and no Python code run (other builds).
 fn read_int_list_locked(

@@ -341,19 +341,22 @@ impl PyKVCacheBlocks {
 
 impl PyKVCacheManager {
     /// `allocate_running`, the new blocks (per group) handed back as `pack` makes them: None
-    /// when out of blocks, `Some(None)` when nothing is new.
-    pub(crate) fn allocate_running_with<T: Send>(
+    /// when out of blocks, `Some(None)` when nothing is new. vLLM's request's attributes are
+    /// read from its instance dict `fields` when given (`_VllmSlot::sync`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn allocate_running_with<'py, T: Send>(
         &self,
-        py: Python<'_>,
-        request: &Bound<'_, PyAny>,
-        slot: &Bound<'_, PyVllmSlot>,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
+        fields: Option<&Bound<'py, PyDict>>,
+        slot: &Bound<'py, PyVllmSlot>,
         num_new_tokens: Count,
         num_lookahead_tokens: Count,
         pack: impl Fn(&[Vec<BlockId>]) -> T + Send + Sync,
     ) -> PyResult<Option<Option<T>>> {
         let slot = slot.get();
         // Drops the horizon first: until the call succeeds, no later call is a known no-op.
-        let companion = slot.sync(request, true)?;
+        let companion = slot.sync(request, fields, true)?;
         let args = AllocateArgs {
             num_new_tokens: num_new_tokens.get(),
             num_lookahead_tokens: num_lookahead_tokens.get(),
@@ -432,7 +435,13 @@ impl PyKVCacheManager {
                 return Ok(((None, None), None));
             }
             let new = (!new_blocks.iter().all(Vec::is_empty)).then(|| pack(new_blocks));
-            let reach = manager.running_horizon(r.handle)?;
+            // The request's computed tokens after this step: later running steps start there.
+            let computed = args
+                .num_computed_tokens
+                .saturating_add(args.num_new_computed_tokens)
+                .saturating_add(args.num_external_computed_tokens)
+                .saturating_add(args.num_new_tokens);
+            let reach = manager.running_horizon_past(r.handle, computed)?;
             Ok(((Some(new), reach), reach))
         })
     }
@@ -952,6 +961,7 @@ impl PyKVCacheManager {
         let new = self.allocate_running_with(
             py,
             request,
+            None,
             slot,
             num_new_tokens,
             num_lookahead_tokens,
@@ -967,7 +977,7 @@ impl PyKVCacheManager {
         request: &Bound<'py, PyAny>,
         slot: &Bound<'py, PyVllmSlot>,
     ) -> PyResult<Bound<'py, PyRequest>> {
-        slot.get().sync(request, false).cloned()
+        slot.get().sync(request, None, false).cloned()
     }
 
     /// Caches the request's full blocks of its first `num_computed_tokens` tokens (after an

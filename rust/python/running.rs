@@ -4,17 +4,18 @@
 //! is answered from the slot before any Python frame runs; one outside it goes to the core
 //! straight from here; every other call goes on to the adapter's `_allocate_slots`.
 
-use super::convert::{count_of, Count, UInt, U32};
+use super::convert::{count_of, read_int_list_slice, small_exact_int, Count, UInt, U32};
 use super::manager::{id_lists, PyKVCacheBlocks, PyKVCacheManager};
 use super::request::{lock, merge_supplied, read_supplied, PyRequest};
 use crate::manager::RunningHorizon;
-use crate::types::BlockId;
+use crate::types::{BlockId, FastHashBuilder};
 use pyo3::exceptions::PyNotImplementedError;
 use pyo3::prelude::*;
 use pyo3::pyclass::{PyTraverseError, PyVisit};
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyInt, PyList, PyString, PyTuple, PyType};
 use pyo3::{ffi, intern};
+use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
 /// What a slot knows besides its companion.
@@ -60,9 +61,16 @@ impl PyVllmSlot {
     pub(crate) fn sync<'a, 'py>(
         &'a self,
         request: &Bound<'py, PyAny>,
+        fields: Option<&Bound<'py, PyDict>>,
         progress: bool,
     ) -> PyResult<&'a Bound<'py, PyRequest>> {
         let py = request.py();
+        // An attribute of vLLM's request: from its instance dict `fields` when given and there
+        // (vLLM's `Request` keeps them there), else looked up.
+        let read = |name: &Bound<'py, PyString>| match fields.map(|f| f.get_item(name)) {
+            Some(Ok(Some(value))) => Ok(value),
+            _ => request.getattr(name),
+        };
         let companion = self.companion.bind(py);
         let from = {
             let mut state = lock(&self.state);
@@ -71,10 +79,10 @@ impl PyVllmSlot {
             }
             state.seen
         };
-        let all = request.getattr(intern!(py, "_all_token_ids"))?;
+        let all = read(intern!(py, "_all_token_ids"))?;
         let all = all.cast::<PyList>()?;
         let counts = if progress {
-            let count = |name, what: &str| count_of(&request.getattr(name)?, what);
+            let count = |name, what: &str| count_of(&read(name)?, what);
             Some((
                 count(intern!(py, "num_computed_tokens"), "num_computed_tokens")?,
                 count(intern!(py, "num_in_flight_tokens"), "num_in_flight_tokens")?,
@@ -103,8 +111,11 @@ impl PyVllmSlot {
             heap.resize(num_tokens - from, 0);
             &mut heap[..]
         };
-        for (token, i) in tokens.iter_mut().zip(from..) {
-            *token = all.get_item(i)?.extract::<U32>()?.get();
+        if !read_int_list_slice(all, from, tokens)? {
+            // An item that is not an int: its error.
+            for (token, i) in tokens.iter_mut().zip(from..) {
+                *token = all.get_item(i)?.extract::<U32>()?.get();
+            }
         }
         let tokens = &*tokens;
         // vLLM's hashes of the new full blocks, for a companion that takes them.
@@ -114,7 +125,7 @@ impl PyVllmSlot {
             .map(Vec::len);
         let new_hashes = match supplied_from {
             Some(start) => {
-                let hashes = request.getattr(intern!(py, "block_hashes"))?;
+                let hashes = read(intern!(py, "block_hashes"))?;
                 Some((start, read_supplied(&hashes, start)?))
             }
             None => None,
@@ -152,35 +163,47 @@ impl PyVllmSlot {
     }
 
     /// Whether `allocate_slots(request, n, num_lookahead_tokens=k)` of a running request lies
-    /// inside the slot's horizon and its counts pass the call's checks, the request's counts
-    /// read from its `__dict__` (`fields`). False whenever anything does not hold or cannot be
-    /// read there (the full call then decides, and raises if it must).
-    fn inside_horizon(&self, fields: &Bound<'_, PyDict>, n: i128, k: i128) -> bool {
-        let py = fields.py();
-        let field = |name| fields.get_item(name).ok().flatten();
-        let count = |name| exact_int(&field(name)?);
-        let (Some(computed), Some(in_flight), Some(num_tokens)) = (
-            count(intern!(py, "num_computed_tokens")),
-            count(intern!(py, "num_in_flight_tokens")),
-            field(intern!(py, "_all_token_ids"))
-                .and_then(|t| t.cast::<PyList>().ok().map(|t| t.len() as i128)),
-        ) else {
+    /// inside the slot's horizon and its counts pass the call's checks, given the request's
+    /// counts (`RunningCounts::read`). False whenever anything does not hold or the counts could
+    /// not be read (the full call then decides, and raises if it must).
+    fn inside_horizon(&self, counts: Option<RunningCounts>, n: i128, k: i128) -> bool {
+        let Some(counts) = counts else {
             return false;
         };
         let Some(h) = lock(&self.state).horizon else {
             return false;
         };
         let count = |v: i128| usize::try_from(v).ok();
-        let (Some(computed), Some(in_flight), Some(num_tokens), Some(n), Some(k)) = (
-            count(computed),
-            count(in_flight),
-            count(num_tokens),
-            count(n),
-            count(k),
-        ) else {
+        let (Some(n), Some(k)) = (count(n), count(k)) else {
             return false;
         };
-        h.admits(computed, in_flight, num_tokens, n, k)
+        h.admits(counts.computed, counts.in_flight, counts.num_tokens, n, k)
+    }
+}
+
+/// A vLLM request's counts that a running step inside its horizon reads.
+#[derive(Clone, Copy)]
+struct RunningCounts {
+    computed: usize,
+    in_flight: usize,
+    num_tokens: usize,
+}
+
+impl RunningCounts {
+    /// The counts read from the request's `__dict__` (`fields`); None when one is not there or
+    /// not an exact int (list) there.
+    fn read(fields: &Bound<'_, PyDict>) -> Option<Self> {
+        let py = fields.py();
+        let field = |name| fields.get_item(name).ok().flatten();
+        let count = |name| usize::try_from(exact_int(&field(name)?)?).ok();
+        Some(RunningCounts {
+            computed: count(intern!(py, "num_computed_tokens"))?,
+            in_flight: count(intern!(py, "num_in_flight_tokens"))?,
+            num_tokens: field(intern!(py, "_all_token_ids"))?
+                .cast::<PyList>()
+                .ok()?
+                .len(),
+        })
     }
 }
 
@@ -246,6 +269,83 @@ struct Entry {
     /// blocks wrapped by calling `wrap(blocks, None, False)`; None: they go to
     /// `_allocate_slots` (the adapter has more to do, e.g. collect KV events).
     direct: Option<(Py<PyKVCacheManager>, Py<PyAny>)>,
+    /// The slots of the requests that reached the entry, by the address of vLLM's request
+    /// (each held, so that no other object takes its address while it is here).
+    slots: Mutex<SlotCache>,
+}
+
+/// The slot of a vLLM request by its address (see [`Entry::slot`]).
+type SlotCache = HashMap<usize, (Py<PyAny>, Py<PyVllmSlot>), FastHashBuilder>;
+
+/// Requests whose slots [`Entry::slot`] keeps at most; past it, it starts over.
+const MOST_CACHED_SLOTS: usize = 1 << 14;
+
+impl Entry {
+    /// The slot of vLLM's `request`, whose instance dict is `fields`: the cached one, or the
+    /// one in `fields` under the key, then cached; `Err(())` when `fields` holds none. With
+    /// the cached one, `Ok(None)` when the step (`counts`, `n`, `k`) lies inside the slot's
+    /// horizon (decided under the cache's lock: the slot is not taken).
+    fn slot<'py>(
+        &self,
+        request: &Bound<'py, PyAny>,
+        fields: &Bound<'py, PyDict>,
+        step: (Option<RunningCounts>, i128, i128),
+    ) -> Result<Option<Bound<'py, PyVllmSlot>>, ()> {
+        let py = request.py();
+        let address = request.as_ptr() as usize;
+        let (counts, n, k) = step;
+        if let Some((_, slot)) = lock(&self.slots).get(&address) {
+            if slot.get().inside_horizon(counts, n, k) {
+                return Ok(None);
+            }
+            return Ok(Some(slot.bind(py).clone()));
+        }
+        let slot = fields
+            .get_item(self.key.bind(py))
+            .ok()
+            .flatten()
+            .and_then(|s| s.cast_into::<PyVllmSlot>().ok())
+            .ok_or(())?;
+        let entry = (request.clone().unbind(), slot.clone().unbind());
+        let mut slots = lock(&self.slots);
+        // Dropped once the lock is released (a drop may run Python code that calls back).
+        let dropped = (slots.len() >= MOST_CACHED_SLOTS).then(|| std::mem::take(&mut *slots));
+        let replaced = slots.insert(address, entry);
+        drop(slots);
+        drop((dropped, replaced));
+        if slot.get().inside_horizon(counts, n, k) {
+            return Ok(None);
+        }
+        Ok(Some(slot))
+    }
+
+    /// Forgets the slot of vLLM's `request` (its slot left its dict).
+    fn forget(&self, request: &Bound<'_, PyAny>) {
+        let removed = lock(&self.slots).remove(&(request.as_ptr() as usize));
+        drop(removed);
+    }
+}
+
+/// The instance dict of `object` (as `object.__dict__` for an object of a class defined in
+/// Python, without looking the attribute up on its type), or None if it has none.
+fn instance_dict<'py>(object: &Bound<'py, PyAny>) -> Option<Bound<'py, PyDict>> {
+    let py = object.py();
+    // SAFETY: `object` is a live object (borrowed for 'py); PyObject_GenericGetDict returns a
+    // new reference, or null with an exception set (no instance dict), which is cleared here.
+    // It takes no lock of ours and runs no Python code besides making an empty dict.
+    let dict = unsafe {
+        Bound::from_owned_ptr_or_opt(
+            py,
+            ffi::PyObject_GenericGetDict(object.as_ptr(), std::ptr::null_mut()),
+        )
+    };
+    match dict {
+        Some(dict) => dict.cast_into::<PyDict>().ok(),
+        None => {
+            drop(PyErr::take(py));
+            None
+        }
+    }
 }
 
 /// Base class of `hybrid_kv.vllm`'s manager: its `allocate_slots`.
@@ -257,6 +357,9 @@ pub(crate) struct PyRunningSteps {
 /// An exact Python int within i64 (no `__index__` call, so no Python code runs), widened so
 /// that sums cannot overflow; `None` otherwise.
 fn exact_int(value: &Bound<'_, PyAny>) -> Option<i128> {
+    if let Some(small) = small_exact_int(value) {
+        return Some(i128::from(small));
+    }
     value
         .cast_exact::<PyInt>()
         .ok()?
@@ -289,32 +392,30 @@ impl PyRunningSteps {
         if n <= 0 || k < 0 {
             return Ok(None);
         }
-        let Some(fields) = request
-            .getattr(intern!(py, "__dict__"))
-            .ok()
-            .and_then(|d| d.cast_into::<PyDict>().ok())
-        else {
+        let Some(fields) = instance_dict(request) else {
             return Ok(None);
         };
-        let Some(slot) = fields
-            .get_item(entry.key.bind(py))
-            .ok()
-            .flatten()
-            .and_then(|s| s.cast_into::<PyVllmSlot>().ok())
-        else {
-            return Ok(None);
+        let counts = RunningCounts::read(&fields);
+        let slot = match entry.slot(request, &fields, (counts, n, k)) {
+            Err(()) => return Ok(None),
+            Ok(None) => return Ok(Some(entry.empty.clone_ref(py))),
+            Ok(Some(slot)) => slot,
         };
-        if slot.get().inside_horizon(&fields, n, k) {
-            return Ok(Some(entry.empty.clone_ref(py)));
-        }
         let Some((core, wrap)) = &entry.direct else {
             return Ok(None);
         };
         let core = core.bind(py).get();
         // Both fit: exact ints within i64, positive.
         let count = |v: i128| UInt(v as u64);
-        let new =
-            core.allocate_running_with(py, request, &slot, count(n), count(k), NewIds::new)?;
+        let new = core.allocate_running_with(
+            py,
+            request,
+            Some(&fields),
+            &slot,
+            count(n),
+            count(k),
+            NewIds::new,
+        )?;
         Ok(Some(match new {
             None => py.None(),
             Some(None) => entry.empty.clone_ref(py),
@@ -541,15 +642,28 @@ impl PyRunningSteps {
         wrap: Option<Py<PyAny>>,
     ) {
         let direct = core.zip(wrap);
-        let _ = self.entry.set(Entry { key, empty, direct });
+        let _ = self.entry.set(Entry {
+            key,
+            empty,
+            direct,
+            slots: Mutex::new(SlotCache::default()),
+        });
+    }
+
+    /// Forgets the slot of vLLM's `request` (removed from its dict).
+    fn _forget_slot(&self, request: &Bound<'_, PyAny>) {
+        if let Some(entry) = self.entry.get() {
+            entry.forget(request);
+        }
     }
 
     /// The entry's references, for the cycle collector: a cycle through them and an object the
-    /// collector can clear (a `_CallTimer`, an instance dict) is collected. There is no
-    /// `__clear__`: the entry is read on every `allocate_slots` without a lock, and clearing it
-    /// would need one (measured at about 4% of `allocate_slots` in vLLM's scheduler). The
-    /// adapter's entry holds the core manager, its empty result, the `KVCacheBlocks` class and a
-    /// string, none of which refers back to the adapter.
+    /// collector can clear (a `_CallTimer`, an instance dict, the cache of slots) is collected.
+    /// `__clear__` empties only the cache of slots: the rest of the entry is read on every
+    /// `allocate_slots` without a lock, and clearing it would need one (measured at about 4% of
+    /// `allocate_slots` in vLLM's scheduler). The adapter's entry holds the core manager, its
+    /// empty result, the `KVCacheBlocks` class and a string, none of which refers back to the
+    /// adapter; the cache holds vLLM's requests and their slots.
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
         if let Some(entry) = self.entry.get() {
             visit.call(&entry.key)?;
@@ -558,8 +672,26 @@ impl PyRunningSteps {
                 visit.call(core)?;
                 visit.call(wrap)?;
             }
+            // Never held while Python code runs; held by another thread, its entries go
+            // unvisited this time (a missed reference can only keep a cycle alive longer).
+            if let Ok(slots) = entry.slots.try_lock() {
+                for (request, slot) in slots.values() {
+                    visit.call(request)?;
+                    visit.call(slot)?;
+                }
+            }
         }
         Ok(())
+    }
+
+    /// Empties the cache of slots (the cycle collector breaking a cycle through it; the cache
+    /// is refilled from the requests' dicts).
+    fn __clear__(&self) {
+        if let Some(entry) = self.entry.get() {
+            // As in `__traverse__`: never waits.
+            let cached = entry.slots.try_lock().map(|mut s| std::mem::take(&mut *s));
+            drop(cached);
+        }
     }
 
     /// vLLM's `allocate_slots`: a running step (`num_lookahead_tokens` the only other argument

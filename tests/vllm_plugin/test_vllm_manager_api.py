@@ -170,3 +170,37 @@ def test_a_copied_hit_is_adopted_as_the_original(how: str) -> None:
         new = manager.allocate_slots(req, len(PROMPT) - num_hit, num_hit, other)
         adopted.append((other.get_block_ids(), new.get_block_ids(), manager.get_block_ids("y")))
     assert adopted[1] == adopted[0]
+
+
+@pytest.mark.parametrize("layout", ["full", "gemma3"])
+def test_the_manager_keeps_no_request_once_it_is_freed_finished(layout: str) -> None:
+    # The adapter caches running requests' slots by request (holding them) and forgets a
+    # request when `free` sees it finished; preempted requests stay cached (they come back).
+    import gc
+    import weakref
+
+    scheduler = harness.build_scheduler(
+        harness.Options(layout=layout, num_blocks=120), hkv.Scheduler
+    )
+    refs = []
+    add = scheduler.add_request
+
+    def add_request(req: Any) -> None:
+        refs.append(weakref.ref(req))
+        add(req)
+
+    scheduler.add_request = add_request  # type: ignore[method-assign]
+    workload = [
+        harness.RequestSpec(f"r{i}", tuple(range(7000 + i, 7060 + i)), 40, i % 5) for i in range(12)
+    ]
+    driver = harness.Driver(scheduler, workload)
+    steps = 0
+    while not driver.done:
+        driver.timed_step()
+        steps += 1
+    # Every block is back (but the null block).
+    assert scheduler.kv_cache_manager.core.num_free_blocks == 119 and steps > 40
+    assert len(refs) == 12
+    del driver
+    gc.collect()
+    assert [ref() for ref in refs] == [None] * 12

@@ -756,6 +756,7 @@ class HybridKVCacheManager(_RunningSteps):
         if request.is_finished():
             # Dropping the companion removes the request from the core.
             del request.__dict__[self._key]
+            self._forget_slot(request)
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         try:
