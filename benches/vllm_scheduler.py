@@ -3,10 +3,13 @@
 Both schedulers are vLLM's `Scheduler` (`hybrid_kv.vllm.Scheduler` differs only in its
 `kv_cache_manager`), built offline on CPU with `hybrid_kv.vllm.testing` and driven through the same
 chat workload (shared system prompts, so most admissions hit the prefix cache) with a fake model
-that samples one token per running request. A step is `schedule()` + `update_from_output()`, each
-timed with `perf_counter_ns` around the call alone (adding arrived requests and playing the model
-are outside the timer). Synchronous scheduling, vLLM's default prefix-cache retention unless
-`--retention dense`; the pool is large enough that nobody is preempted.
+that samples one token per running request. A step is the scheduler's `add_request` calls for the
+requests arriving at it + `schedule()` + `update_from_output()`, each timed with `perf_counter_ns`
+around the call alone (making the arrived requests, the engine core's work, and playing the model
+are outside the timer; `hybrid_kv.vllm.Scheduler.add_request` makes a request's companion and
+checks what the core cannot hold, so it is counted, as its manager's `refusal` is in the share).
+Synchronous scheduling, vLLM's default prefix-cache retention unless `--retention dense`; the pool
+is large enough that nobody is preempted.
 
 The two sides run in alternating turns of `--turn` steps in one process; both make exactly the
 same decisions (the differential tests check this), so step i of one side is step i of the other.
@@ -80,6 +83,8 @@ MANAGER_CALLS = (
     "take_kv_cache_block_copies",
     "take_boundary_state_offloads",
     "cache_blocks",
+    # hybrid-kv's, from its scheduler's add_request (the request's companion is made there).
+    "refusal",
 )
 
 

@@ -584,21 +584,26 @@ class Driver:
     # The scheduler output of the last `timed_step`.
     last_output: SchedulerOutput | None = None
 
-    def _admit(self) -> None:
+    def _admit(self) -> int:
+        """Adds the requests that arrived by this step; returns the ns spent in the scheduler's
+        `add_request` calls (making the requests, the engine core's work, not counted)."""
+        elapsed = 0
         while (
             self._next < len(self.workload) and self.workload[self._next].arrival_step <= self.step
         ):
-            self.scheduler.add_request(
-                make_request(
-                    self.workload[self._next],
-                    # Requests are hashed every `hash_block_size` tokens (the gcd of the
-                    # groups' block sizes), as vLLM's engine core hashes them.
-                    self.scheduler.hash_block_size,
-                    self.scheduler.vllm_config.num_hash_lookahead_tokens,
-                    self.scheduler.vllm_config.cache_config.prefix_caching_hash_algo,
-                )
+            request = make_request(
+                self.workload[self._next],
+                # Requests are hashed every `hash_block_size` tokens (the gcd of the groups'
+                # block sizes), as vLLM's engine core hashes them.
+                self.scheduler.hash_block_size,
+                self.scheduler.vllm_config.num_hash_lookahead_tokens,
+                self.scheduler.vllm_config.cache_config.prefix_caching_hash_algo,
             )
+            t0 = time.perf_counter_ns()
+            self.scheduler.add_request(request)
+            elapsed += time.perf_counter_ns() - t0
             self._next += 1
+        return elapsed
 
     @property
     def done(self) -> bool:
@@ -672,11 +677,12 @@ class Driver:
         return DraftTokenIds(req_ids=req_ids, draft_token_ids=drafts)
 
     def timed_step(self) -> tuple[int, int, int]:
-        """One synchronous step: (ns in schedule(), ns in update_from_output(), requests
-        running). Adding arrived requests and playing the model are not timed."""
-        self._admit()
+        """One synchronous step: (ns in the scheduler's `add_request` calls of the requests
+        that arrived for it and in schedule(), ns in update_from_output(), requests running).
+        Making the arrived requests and playing the model are not timed."""
+        admitted = self._admit()
         self.step += 1
-        t0 = time.perf_counter_ns()
+        t0 = time.perf_counter_ns() - admitted
         output = self.scheduler.schedule()
         t1 = time.perf_counter_ns()
         self.last_output = output
