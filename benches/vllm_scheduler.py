@@ -5,9 +5,10 @@ Both schedulers are vLLM's `Scheduler` (`hybrid_kv.vllm.Scheduler` differs only 
 chat workload (shared system prompts, so most admissions hit the prefix cache) with a fake model
 that samples one token per running request. A step is the scheduler's `add_request` calls for the
 requests arriving at it + `schedule()` + `update_from_output()`, each timed with `perf_counter_ns`
-around the call alone (making the arrived requests, the engine core's work, and playing the model
-are outside the timer; `hybrid_kv.vllm.Scheduler.add_request` makes a request's companion and
-checks what the core cannot hold, so it is counted, as its manager's `refusal` is in the share).
+around the call alone (making the arriving requests, which vLLM's engine core does on its input
+thread, and playing the model are outside the timer; `hybrid_kv.vllm.Scheduler.add_request`
+makes a request's companion and checks what the core cannot hold, so it is counted, as its
+manager's `refusal` is in the share).
 Synchronous scheduling, vLLM's default prefix-cache retention unless `--retention dense`; the pool
 is large enough that nobody is preempted.
 
@@ -53,6 +54,7 @@ Run (from the repository root):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import shlex
@@ -101,9 +103,12 @@ def options_for(layout: str, size: int, dense: bool = False) -> harness.Options:
 
 
 def workload_for(size: int, steps: int) -> list[harness.RequestSpec]:
-    # Enough requests that `size` stay running for the measured steps.
-    return harness.chat_workload(
-        size * 3 + steps * max(1, size // 24),
+    """Twice `size` requests waiting at the start, then arrivals at a quarter above the rate
+    at which requests finish (`size` running, 160 output tokens on average): `size` stay
+    running and every step's `add_request` calls are those of a server in its steady state."""
+    backlog, rate = 2 * size, size / 128
+    specs = harness.chat_workload(
+        backlog + int(steps * rate) + size,
         seed=7,
         num_system_prompts=8,
         system_len=(600, 1400),
@@ -111,6 +116,10 @@ def workload_for(size: int, steps: int) -> list[harness.RequestSpec]:
         max_tokens=(64, 256),
         arrivals_per_step=10**9,
     )
+    return [
+        dataclasses.replace(spec, arrival_step=0 if i < backlog else int((i - backlog) / rate))
+        for i, spec in enumerate(specs)
+    ]
 
 
 class Side:
@@ -422,7 +431,14 @@ def manager_share(
     native: bool = True,
 ) -> tuple[float, dict[str, tuple[float, float, float]]]:
     """The manager's share of the step, and per call: (share, ns per call, calls per step);
-    timed by `NativeTimers`, or with `native=False` by Python wrappers (`instrument`)."""
+    timed by `NativeTimers`, or with `native=False` by Python wrappers (`instrument`).
+
+    The cycle collector's automatic collections are off meanwhile, and its youngest generation
+    is collected after each step, outside the timers: a collection is triggered by the objects
+    that survive the step (mostly the arriving requests, vLLM's `Request`s with their token
+    lists, the same on both sides) and lands in whichever call allocates past the threshold,
+    which would count a pause of hundreds of microseconds to that call. Its cost is in the steps
+    the first pass times."""
     side = Side("share", options, workload, cls)
     if native:
         timers, restore = instrument_native(side.scheduler.kv_cache_manager)
@@ -434,6 +450,7 @@ def manager_share(
             return dict(totals)
 
     freeze_heap(freeze)
+    gc.disable()
     step_total = 0
     kept: dict[str, int] = {}
     num_steps = 0
@@ -441,6 +458,7 @@ def manager_share(
         for _ in range(steps):
             if side.driver.done:
                 break
+            gc.collect(0)
             before = read()
             schedule_ns, update_ns, running = side.driver.timed_step()
             if running == side.size:
@@ -450,6 +468,7 @@ def manager_share(
                     kept[key] = kept.get(key, 0) + value - before.get(key, 0)
     finally:
         restore()
+        gc.enable()
         gc.unfreeze()
     bias = native_bias() if native else wrapper_bias()
     allocations = kept.get("allocate_slots#calls", 0)
