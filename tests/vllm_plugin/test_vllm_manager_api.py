@@ -198,6 +198,11 @@ def test_the_manager_keeps_no_request_once_it_is_freed_finished(layout: str) -> 
     while not driver.done:
         driver.timed_step()
         steps += 1
+        if steps == 12:
+            # Aborted, whether running, preempted or waiting.
+            aborted = [r.request_id for r in [*scheduler.running, *scheduler.waiting][::3]]
+            assert aborted
+            scheduler.finish_requests(aborted, RequestStatus.FINISHED_ABORTED)
     # Every block is back (but the null block).
     assert scheduler.kv_cache_manager.core.num_free_blocks == 119 and steps > 40
     assert len(refs) == 12
