@@ -70,6 +70,40 @@ CASES = {
         assert req.supplied_block_hashes.shape == (7, 2)
         disarm()
     """,
+    "running_steps_slot_cache": """
+        from hybrid_kv import _core
+
+        class Adapter(_core._RunningSteps):
+            def wrap(self, blocks, *_):
+                return blocks
+
+        class VllmRequest:
+            def __init__(self, **fields):
+                self.__dict__.update(fields)
+
+        def running(i):
+            companion = hk.Request(f"v{i}", list(range(4)), block_size=4)
+            m.allocate_slots(companion, 4)
+            r = VllmRequest(_all_token_ids=[0, 1, 2, 3, 9], num_computed_tokens=4,
+                            num_in_flight_tokens=0)
+            r.__dict__["slot"] = _core._VllmSlot(companion, 4)
+            return r
+
+        adapter = Adapter()
+        adapter._running_steps("slot", None, m, adapter.wrap)
+        a, b = running(0), running(1)
+        # The step caches `a`'s slot; its result's allocation runs a finalizer that steps `b`
+        # (cached too) and forgets it.
+        arm(lambda: (adapter.allocate_slots(b, 1), adapter._forget_slot(b)))
+        assert adapter.allocate_slots(a, 1).get_block_ids() is not None
+        disarm()
+        # Inside the horizon now: answered from the cached slot.
+        a.num_computed_tokens, a._all_token_ids = 5, [0, 1, 2, 3, 9, 10]
+        arm(lambda: adapter._forget_slot(a))
+        assert adapter.allocate_slots(a, 1) is None
+        adapter.allocate_slots(b, 1)
+        disarm()
+    """,
 }
 
 
