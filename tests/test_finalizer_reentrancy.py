@@ -211,3 +211,50 @@ def test_a_finalizer_run_during_any_call_can_call_back_into_the_objects(layout: 
         pytest.fail(f"{layout}: deadlocked (a lock held while a finalizer ran)")
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip() == "ok"
+
+
+FIRST_INT_READ = textwrap.dedent(
+    """
+    import gc
+    import hybrid_kv as hk
+    from hybrid_kv import _core
+
+    class Adapter(_core._RunningSteps):
+        def _allocate_slots(self, *_, **__):
+            return "python"
+
+    adapter = Adapter()
+    adapter._running_steps("slot", None)
+    reentered = []
+
+    def read_ints(phase, info):
+        # A collection that starts inside the process's first read of an int reads ints too.
+        if phase == "start" and not reentered:
+            reentered.append(hk.Request("x", [1, 2, 3], block_size=4).num_tokens)
+
+    gc.collect()
+    gc.callbacks.append(read_ints)
+    gc.set_threshold(1)
+    # The entry reads its count first: the process's first read of an int.
+    assert adapter.allocate_slots(adapter, 1) == "python"
+    gc.set_threshold(700)
+    assert reentered == [3], reentered
+    print("ok")
+    """
+)
+
+
+def test_a_collection_inside_the_first_read_of_an_int_can_read_ints() -> None:
+    # The first read of an int checks how this interpreter lays ints out, which makes Python
+    # objects (a collection may start there, and its callbacks or finalizers read ints too).
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", FIRST_INT_READ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("deadlocked (the first read of an int re-entered)")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == "ok"

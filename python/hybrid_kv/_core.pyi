@@ -910,7 +910,8 @@ class _RunningSteps:
     `core.allocate_running` with its new blocks wrapped, when a core was set; every other call
     is `self._allocate_slots(request, num_new_tokens, **given)`, the other arguments given passed
     by name (an argument given as None counts as not given). A request's slot is cached by the
-    request's address (the request held meanwhile) until `_forget_slot(request)`."""
+    request's address (the request held meanwhile) until `_forget_slot(request)`, and used only
+    while it is still the one in the request's `__dict__` (that dict, and held by it)."""
 
     def __new__(cls, *_args: object, **_kwargs: object) -> _RunningSteps: ...
     def _running_steps(

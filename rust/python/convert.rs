@@ -411,6 +411,25 @@ enum IntLayout {
 
 static INT_LAYOUT: std::sync::OnceLock<Option<IntLayout>> = std::sync::OnceLock::new();
 
+/// The `int` layout of this interpreter ([`detect_int_layout`], at first use). Detecting it
+/// makes Python objects, so a collection may start inside it and its callbacks or finalizers
+/// read ints too: it runs outside the cell's lock (`get_or_init` would deadlock on that
+/// re-entry, or on a thread it switched to meanwhile). Callers that race all detect the same.
+#[inline]
+fn int_layout(py: Python<'_>) -> Option<IntLayout> {
+    match INT_LAYOUT.get() {
+        Some(layout) => *layout,
+        None => first_int_layout(py),
+    }
+}
+
+#[cold]
+fn first_int_layout(py: Python<'_>) -> Option<IntLayout> {
+    let layout = detect_int_layout(py);
+    let _ = INT_LAYOUT.set(layout);
+    layout
+}
+
 /// Offsets of the size word and of the first digit in an `int` object, after the object header.
 /// `ffi::PyObject` is the header of the interpreter PyO3 builds for (two words with the GIL,
 /// four on free-threaded builds).
@@ -529,7 +548,7 @@ pub(crate) fn read_int_list_in_steps(
 ) -> PyResult<Option<Vec<u32>>> {
     let py = list.py();
     // Runs Python code the first time: outside the critical section.
-    let layout = *INT_LAYOUT.get_or_init(|| detect_int_layout(py));
+    let layout = int_layout(py);
     pyo3::sync::critical_section::with_critical_section(list.as_any(), || {
         read_int_list_locked(list, layout, step.max(1), on_step)
     })
@@ -539,7 +558,7 @@ pub(crate) fn read_int_list_in_steps(
 /// [`detect_int_layout`] verified; None for anything else (the caller's generic path).
 #[inline]
 pub(crate) fn small_exact_int(value: &Bound<'_, PyAny>) -> Option<u32> {
-    let layout = (*INT_LAYOUT.get_or_init(|| detect_int_layout(value.py())))?;
+    let layout = int_layout(value.py())?;
     let item = value.as_ptr();
     // SAFETY: `value` is alive (borrowed); `Py_TYPE` reads a word CPython changes only with
     // every other thread stopped; `small_int` only gets an exact `int` (immutable).
@@ -561,7 +580,7 @@ pub(crate) fn read_int_list_slice(
     out: &mut [u32],
 ) -> PyResult<bool> {
     let py = list.py();
-    let layout = *INT_LAYOUT.get_or_init(|| detect_int_layout(py));
+    let layout = int_layout(py);
     let int_type = std::ptr::addr_of_mut!(pyo3::ffi::PyLong_Type);
     pyo3::sync::critical_section::with_critical_section(list.as_any(), || {
         let Some(end) = from.checked_add(out.len()).filter(|&end| end <= list.len()) else {

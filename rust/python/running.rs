@@ -269,22 +269,44 @@ struct Entry {
     /// blocks wrapped by calling `wrap(blocks, None, False)`; None: they go to
     /// `_allocate_slots` (the adapter has more to do, e.g. collect KV events).
     direct: Option<(Py<PyKVCacheManager>, Py<PyAny>)>,
-    /// The slots of the requests that reached the entry, by the address of vLLM's request
-    /// (each held, so that no other object takes its address while it is here).
+    /// The slots of the requests that reached the entry, by the address of vLLM's request.
     slots: Mutex<SlotCache>,
 }
 
 /// The slot of a vLLM request by its address (see [`Entry::slot`]).
-type SlotCache = HashMap<usize, (Py<PyAny>, Py<PyVllmSlot>), FastHashBuilder>;
+type SlotCache = HashMap<usize, Cached, FastHashBuilder>;
+
+/// A slot the entry found in a vLLM request's instance dict. The request and the dict are held,
+/// so that no other object takes either address while it is here.
+struct Cached {
+    request: Py<PyAny>,
+    fields: Py<PyDict>,
+    slot: Py<PyVllmSlot>,
+}
+
+impl Cached {
+    /// Whether the slot is still the one in the request's instance dict `fields`, as far as
+    /// can be told without looking it up there: `fields` is the dict the slot was found in,
+    /// and something besides the cache holds the slot (a slot deleted from that dict, or
+    /// replaced there, is held by the cache alone, unless other code kept it).
+    #[inline]
+    fn current(&self, fields: &Bound<'_, PyDict>) -> bool {
+        // SAFETY: the slot is alive (held here); reading its reference count races with
+        // nothing that matters: with the GIL no other thread changes it meanwhile, and a
+        // free-threaded build's count is at least the references we can see.
+        self.fields.as_ptr() == fields.as_ptr() && unsafe { ffi::Py_REFCNT(self.slot.as_ptr()) } > 1
+    }
+}
 
 /// Requests whose slots [`Entry::slot`] keeps at most; past it, it starts over.
 const MOST_CACHED_SLOTS: usize = 1 << 14;
 
 impl Entry {
-    /// The slot of vLLM's `request`, whose instance dict is `fields`: the cached one, or the
-    /// one in `fields` under the key, then cached; `Err(())` when `fields` holds none. With
-    /// the cached one, `Ok(None)` when the step (`counts`, `n`, `k`) lies inside the slot's
-    /// horizon (decided under the cache's lock: the slot is not taken).
+    /// The slot of vLLM's `request`, whose instance dict is `fields`: the cached one while it
+    /// is current ([`Cached::current`]), else the one in `fields` under the key, then cached;
+    /// `Err(())` when `fields` holds none (the request's cached slot, if any, is then
+    /// forgotten). `Ok(None)` when the step (`counts`, `n`, `k`) lies inside the slot's horizon
+    /// (with the cached slot, decided under the cache's lock: the slot is not taken).
     fn slot<'py>(
         &self,
         request: &Bound<'py, PyAny>,
@@ -294,19 +316,29 @@ impl Entry {
         let py = request.py();
         let address = request.as_ptr() as usize;
         let (counts, n, k) = step;
-        if let Some((_, slot)) = lock(&self.slots).get(&address) {
-            if slot.get().inside_horizon(counts, n, k) {
-                return Ok(None);
+        if let Some(cached) = lock(&self.slots).get(&address) {
+            if cached.current(fields) {
+                if cached.slot.get().inside_horizon(counts, n, k) {
+                    return Ok(None);
+                }
+                return Ok(Some(cached.slot.bind(py).clone()));
             }
-            return Ok(Some(slot.bind(py).clone()));
         }
-        let slot = fields
+        let found = fields
             .get_item(self.key.bind(py))
             .ok()
             .flatten()
-            .and_then(|s| s.cast_into::<PyVllmSlot>().ok())
-            .ok_or(())?;
-        let entry = (request.clone().unbind(), slot.clone().unbind());
+            .and_then(|s| s.cast_into::<PyVllmSlot>().ok());
+        let Some(slot) = found else {
+            // Its slot left its dict: a slot cached for it is no longer the request's.
+            self.forget(request);
+            return Err(());
+        };
+        let entry = Cached {
+            request: request.clone().unbind(),
+            fields: fields.clone().unbind(),
+            slot: slot.clone().unbind(),
+        };
         let mut slots = lock(&self.slots);
         // Dropped once the lock is released (a drop may run Python code that calls back).
         let dropped = (slots.len() >= MOST_CACHED_SLOTS).then(|| std::mem::take(&mut *slots));
@@ -663,7 +695,7 @@ impl PyRunningSteps {
     /// `allocate_slots` without a lock, and clearing it would need one (measured at about 4% of
     /// `allocate_slots` in vLLM's scheduler). The adapter's entry holds the core manager, its
     /// empty result, the `KVCacheBlocks` class and a string, none of which refers back to the
-    /// adapter; the cache holds vLLM's requests and their slots.
+    /// adapter; the cache holds vLLM's requests, their dicts and their slots.
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
         if let Some(entry) = self.entry.get() {
             visit.call(&entry.key)?;
@@ -675,9 +707,10 @@ impl PyRunningSteps {
             // Never held while Python code runs; held by another thread, its entries go
             // unvisited this time (a missed reference can only keep a cycle alive longer).
             if let Ok(slots) = entry.slots.try_lock() {
-                for (request, slot) in slots.values() {
-                    visit.call(request)?;
-                    visit.call(slot)?;
+                for cached in slots.values() {
+                    visit.call(&cached.request)?;
+                    visit.call(&cached.fields)?;
+                    visit.call(&cached.slot)?;
                 }
             }
         }

@@ -209,3 +209,37 @@ def test_the_manager_keeps_no_request_once_it_is_freed_finished(layout: str) -> 
     del driver
     gc.collect()
     assert [ref() for ref in refs] == [None] * 12
+
+
+def running_through_the_entry(manager: Any, request_id: str) -> Any:
+    """A request whose prompt was computed and whose first decode step reached the manager's
+    entry (which caches the request's slot)."""
+    req = request(request_id)
+    manager.allocate_slots(req, len(PROMPT))
+    req.num_computed_tokens = len(PROMPT)
+    req.append_output_token_ids(1)
+    assert manager.allocate_slots(req, 1) is not None
+    req.num_computed_tokens += 1
+    return req
+
+
+def test_a_preempted_request_refused_when_added_again_leaves_the_core() -> None:
+    # A scheduler adding a preempted request again: its new token cannot be taken, so its
+    # slot leaves its dict, and the entry's cache holds it no longer either.
+    _, ours = managers("full")
+    req = running_through_the_entry(ours, "a")
+    ours.free(req)
+    req.status = RequestStatus.PREEMPTED
+    req.num_computed_tokens = 0
+    req.append_output_token_ids(-1)
+    assert "is -1, not a token id" in ours.refusal(req)
+    assert ours.core.num_requests == 0
+
+
+def test_freeing_a_finished_request_whose_slot_left_its_dict_frees_its_blocks() -> None:
+    _, ours = managers("full")
+    req = running_through_the_entry(ours, "a")
+    del req.__dict__[ours._key]
+    req.status = RequestStatus.FINISHED_STOPPED
+    ours.free(req)
+    assert (ours.core.num_requests, ours.core.num_free_blocks) == (0, 99)

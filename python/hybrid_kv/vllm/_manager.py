@@ -614,6 +614,8 @@ class HybridKVCacheManager(_RunningSteps):
                 companion.prompt_token_ids  # noqa: B018
         except (TypeError, ValueError, OverflowError) as error:
             request.__dict__.pop(self._key, None)
+            # A request that ran before (a scheduler adding it again) may have its slot cached.
+            self._forget_slot(request)
             return _tokens_problem(request, error)
         return None
 
@@ -750,6 +752,9 @@ class HybridKVCacheManager(_RunningSteps):
     def free(self, request: Request) -> None:
         slot = request.__dict__.get(self._key)
         if slot is None:
+            if request.is_finished():
+                # A slot the running steps cached may have left its dict some other way.
+                self._forget_slot(request)
             return
         slot.drop_horizon()
         self.core.free(slot.request)

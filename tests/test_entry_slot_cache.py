@@ -1,0 +1,97 @@
+"""The entry's cache of slots (`_RunningSteps`, by the address of vLLM's request) answers only
+from the slot in the request's `__dict__`: a slot that left the dict (deleted, replaced, or the
+dict replaced) is not used, and the cache no longer holds it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import hybrid_kv as hk
+import pytest
+from hybrid_kv import _core
+
+FULL = {"kind": "full", "block_size": 4}
+PYTHON_PATH = "the adapter's _allocate_slots"
+
+
+class _Adapter(_core._RunningSteps):
+    """An adapter as `hybrid_kv.vllm`'s manager subclasses the entry's class; its Python path
+    only says it was taken."""
+
+    def wrap(self, blocks: Any, *_: Any) -> Any:
+        return blocks
+
+    def _allocate_slots(self, *_: Any, **__: Any) -> str:
+        return PYTHON_PATH
+
+
+class _Request:
+    """A vLLM-like request (its counts and tokens in its `__dict__`, as vLLM's)."""
+
+    def __init__(self, **fields: Any) -> None:
+        self.__dict__.update(fields)
+
+
+def _running(manager: hk.KVCacheManager, request_id: str, first: int) -> tuple[Any, Any]:
+    """A vLLM-like request whose next one-token step reaches the core (4 tokens computed in
+    one full block), and its slot (under "slot")."""
+    prompt = list(range(first, first + 4))
+    companion = hk.Request(request_id, prompt, block_size=4)
+    manager.allocate_slots(companion, 4)
+    request = _Request(_all_token_ids=[*prompt, 9], num_computed_tokens=4, num_in_flight_tokens=0)
+    slot = _core._VllmSlot(companion, 4)
+    request.__dict__["slot"] = slot
+    return request, slot
+
+
+def _setup() -> tuple[hk.KVCacheManager, _Adapter, Any]:
+    manager = hk.KVCacheManager([FULL], 16, 64)
+    adapter = _Adapter()
+    adapter._running_steps("slot", None, manager, adapter.wrap)
+    request, _ = _running(manager, "a", 0)
+    # The first step reaches the core from the entry (block 2), which caches the slot.
+    assert adapter.allocate_slots(request, 1).get_block_ids() == ([2],)
+    request.num_computed_tokens = 5
+    request._all_token_ids.append(10)
+    return manager, adapter, request
+
+
+def _without_slot(request: Any) -> dict[str, Any]:
+    return {k: v for k, v in request.__dict__.items() if k != "slot"}
+
+
+@pytest.mark.parametrize("how", ["deleted", "dict-cleared", "dict-replaced"])
+def test_a_slot_that_left_the_requests_dict_is_not_used_and_not_kept(how: str) -> None:
+    manager, adapter, request = _setup()
+    assert manager.num_requests == 1
+    if how == "deleted":
+        del request.__dict__["slot"]
+    elif how == "dict-cleared":
+        fields = _without_slot(request)
+        request.__dict__.clear()
+        request.__dict__.update(fields)
+    else:
+        request.__dict__ = _without_slot(request)
+    # As with no slot ever cached: the adapter's path, and the companion, held by nothing,
+    # has left the core.
+    assert adapter.allocate_slots(request, 1) == PYTHON_PATH
+    assert manager.num_requests == 0
+
+
+@pytest.mark.parametrize("how", ["replaced-in-dict", "dict-replaced"])
+def test_a_slot_replaced_in_the_requests_dict_is_the_one_used(how: str) -> None:
+    manager, adapter, request = _setup()
+    other, slot = _running(manager, "b", 100)  # holds block 3
+    fields = dict(request.__dict__, slot=slot)
+    fields["_all_token_ids"] = other._all_token_ids
+    fields["num_computed_tokens"] = 4
+    if how == "replaced-in-dict":
+        request.__dict__.update(fields)
+    else:
+        request.__dict__ = fields
+    del other
+    # Request "b"'s step (its second block), not request "a"'s inside its horizon (no block).
+    (new,) = adapter.allocate_slots(request, 1).get_block_ids()
+    assert len(new) == 1
+    assert [list(ids) for ids in manager.get_block_ids("b")] == [[3, *new]]
+    assert manager.num_requests == 1  # "a" is held by nothing now
