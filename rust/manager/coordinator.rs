@@ -891,10 +891,7 @@ impl Coordinator {
     ) -> Result<()> {
         const MOST: usize = 16;
         if self.groups.len() > MOST {
-            for (m, t) in self.groups.iter().zip(tables.iter_mut()) {
-                m.remove_skipped_blocks(pool, t, processed, prompt, scratch)?;
-            }
-            return Ok(());
+            return self.remove_skipped_blocks(pool, tables, processed, prompt, scratch);
         }
         // Per group with a walk to make: (group, slot the walk starts below, blocks freed).
         let mut walks = [(0usize, 0usize, 0usize); MOST];

@@ -11,7 +11,7 @@ use super::errors::{InvalidArgumentError, InvalidConfigError, OutOfRangeError};
 use super::hashing::extra_keys;
 use super::pool::event_to_py;
 use super::request::{lock, PyRequest};
-use super::running::PyVllmSlot;
+use super::running::{PyVllmSlot, VllmFields};
 use crate::error::Result as CoreResult;
 use crate::hashing::{ExtraKeys, HashAlgo, TokenId};
 use crate::manager::registry::{DropQueue, HeldHorizon, Lookup, Registry, Synced};
@@ -342,13 +342,13 @@ impl PyKVCacheBlocks {
 impl PyKVCacheManager {
     /// `allocate_running`, the new blocks (per group) handed back as `pack` makes them: None
     /// when out of blocks, `Some(None)` when nothing is new. vLLM's request's attributes are
-    /// read from its instance dict `fields` when given (`_VllmSlot::sync`).
+    /// read from what the entry read of it (`fields`) when given (`_VllmSlot::sync`).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn allocate_running_with<'py, T: Send>(
         &self,
         py: Python<'py>,
         request: &Bound<'py, PyAny>,
-        fields: Option<&Bound<'py, PyDict>>,
+        fields: Option<&VllmFields<'_, 'py>>,
         slot: &Bound<'py, PyVllmSlot>,
         num_new_tokens: Count,
         num_lookahead_tokens: Count,

@@ -61,13 +61,13 @@ impl PyVllmSlot {
     pub(crate) fn sync<'a, 'py>(
         &'a self,
         request: &Bound<'py, PyAny>,
-        fields: Option<&Bound<'py, PyDict>>,
+        fields: Option<&VllmFields<'_, 'py>>,
         progress: bool,
     ) -> PyResult<&'a Bound<'py, PyRequest>> {
         let py = request.py();
-        // An attribute of vLLM's request: from its instance dict `fields` when given and there
-        // (vLLM's `Request` keeps them there), else looked up.
-        let read = |name: &Bound<'py, PyString>| match fields.map(|f| f.get_item(name)) {
+        // An attribute of vLLM's request: from its instance dict when given and there (vLLM's
+        // `Request` keeps them there), else looked up.
+        let read = |name: &Bound<'py, PyString>| match fields.map(|f| f.dict.get_item(name)) {
             Some(Ok(Some(value))) => Ok(value),
             _ => request.getattr(name),
         };
@@ -81,14 +81,16 @@ impl PyVllmSlot {
         };
         let all = read(intern!(py, "_all_token_ids"))?;
         let all = all.cast::<PyList>()?;
-        let counts = if progress {
-            let count = |name, what: &str| count_of(&read(name)?, what);
-            Some((
-                count(intern!(py, "num_computed_tokens"), "num_computed_tokens")?,
-                count(intern!(py, "num_in_flight_tokens"), "num_in_flight_tokens")?,
-            ))
-        } else {
-            None
+        let counts = match (progress, fields.and_then(|f| f.counts)) {
+            (false, _) => None,
+            (true, Some(read)) => Some((read.computed, read.in_flight)),
+            (true, None) => {
+                let count = |name, what: &str| count_of(&read(name)?, what);
+                Some((
+                    count(intern!(py, "num_computed_tokens"), "num_computed_tokens")?,
+                    count(intern!(py, "num_in_flight_tokens"), "num_in_flight_tokens")?,
+                ))
+            }
         };
         let lost = |num_tokens: usize, seen: usize| {
             PyNotImplementedError::new_err(format!(
@@ -181,9 +183,16 @@ impl PyVllmSlot {
     }
 }
 
+/// What of a vLLM request the entry has read: its instance dict, and its counts when they are
+/// exact ints there (`RunningCounts::read`; a sync then does not read them again).
+pub(crate) struct VllmFields<'a, 'py> {
+    pub(crate) dict: &'a Bound<'py, PyDict>,
+    pub(crate) counts: Option<RunningCounts>,
+}
+
 /// A vLLM request's counts that a running step inside its horizon reads.
 #[derive(Clone, Copy)]
-struct RunningCounts {
+pub(crate) struct RunningCounts {
     computed: usize,
     in_flight: usize,
     num_tokens: usize,
@@ -442,7 +451,10 @@ impl PyRunningSteps {
         let new = core.allocate_running_with(
             py,
             request,
-            Some(&fields),
+            Some(&VllmFields {
+                dict: &fields,
+                counts,
+            }),
             &slot,
             count(n),
             count(k),
