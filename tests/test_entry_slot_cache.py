@@ -95,3 +95,71 @@ def test_a_slot_replaced_in_the_requests_dict_is_the_one_used(how: str) -> None:
     assert len(new) == 1
     assert [list(ids) for ids in manager.get_block_ids("b")] == [[3, *new]]
     assert manager.num_requests == 1  # "a" is held by nothing now
+
+
+_EMPTY = object()
+
+
+def _inside_setup() -> tuple[hk.KVCacheManager, _Adapter, Any, Any]:
+    """`_setup` with a distinct empty result: the request, 5 tokens computed in 8 slots, has
+    its next one-token steps inside its horizon."""
+    manager = hk.KVCacheManager([FULL], 16, 64)
+    adapter = _Adapter()
+    adapter._running_steps("slot", _EMPTY, manager, adapter.wrap)
+    request, slot = _running(manager, "a", 0)
+    assert adapter.allocate_slots(request, 1).get_block_ids() == ([2],)
+    request.num_computed_tokens = 5
+    request._all_token_ids.append(10)
+    assert slot.horizon is not None and slot.running_calls == 1
+    return manager, adapter, request, slot
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda a, r: a.allocate_slots(r, 1),
+        lambda a, r: a.allocate_slots(r, 1, num_lookahead_tokens=0),
+        lambda a, r: a.allocate_slots(r, 2, num_lookahead_tokens=1),
+        # A keyword name equal to the interned one but another object.
+        lambda a, r: a.allocate_slots(r, 1, **{"".join(["num_lookahead", "_tokens"]): 0}),
+        lambda a, r: a.allocate_slots(r, 1, num_lookahead_tokens=None),
+    ],
+)
+def test_every_shape_of_a_running_step_inside_the_horizon_gets_the_empty_result(
+    call: Any,
+) -> None:
+    manager, adapter, request, slot = _inside_setup()
+    free = manager.num_free_blocks
+    assert call(adapter, request) is _EMPTY
+    assert (slot.running_calls, manager.num_free_blocks) == (1, free)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        # Two-digit ints whose low digit alone would put the step inside the horizon.
+        ("num_new_tokens", 2**30 + 1),
+        ("num_lookahead_tokens", 2**30),
+        ("num_computed_tokens", 2**30 + 5),
+        ("num_in_flight_tokens", 2**30),
+        # Not exact ints.
+        ("num_new_tokens", True),
+        ("num_computed_tokens", 5.0),
+    ],
+)
+def test_a_step_with_a_count_the_short_path_does_not_read_is_decided_in_full(
+    field: str, value: Any
+) -> None:
+    manager, adapter, request, slot = _inside_setup()
+    n, k = 1, 0
+    if field == "num_new_tokens":
+        n = value
+    elif field == "num_lookahead_tokens":
+        k = value
+    else:
+        request.__dict__[field] = value
+    try:
+        result = adapter.allocate_slots(request, n, num_lookahead_tokens=k)
+    except (TypeError, ValueError, OverflowError, hk.HybridKvError):
+        return
+    assert result is not _EMPTY

@@ -402,7 +402,7 @@ fn extract_native_ids(native: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
 /// How this interpreter stores a one-digit `int`, read directly by [`read_int_list`]; `None`
 /// when the layout is not one we know (then every item goes through the C API).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum IntLayout {
+pub(crate) enum IntLayout {
     /// CPython 3.10 and 3.11: `ob_size` (signed digit count), then 30-bit digits.
     SizeThenDigits,
     /// CPython 3.12 and later: `lv_tag` (digit count << 3 | sign bits), then 30-bit digits.
@@ -416,7 +416,7 @@ static INT_LAYOUT: std::sync::OnceLock<Option<IntLayout>> = std::sync::OnceLock:
 /// read ints too: it runs outside the cell's lock (`get_or_init` would deadlock on that
 /// re-entry, or on a thread it switched to meanwhile). Callers that race all detect the same.
 #[inline]
-fn int_layout(py: Python<'_>) -> Option<IntLayout> {
+pub(crate) fn int_layout(py: Python<'_>) -> Option<IntLayout> {
     match INT_LAYOUT.get() {
         Some(layout) => *layout,
         None => first_int_layout(py),
@@ -559,9 +559,21 @@ pub(crate) fn read_int_list_in_steps(
 #[inline]
 pub(crate) fn small_exact_int(value: &Bound<'_, PyAny>) -> Option<u32> {
     let layout = int_layout(value.py())?;
-    let item = value.as_ptr();
-    // SAFETY: `value` is alive (borrowed); `Py_TYPE` reads a word CPython changes only with
-    // every other thread stopped; `small_int` only gets an exact `int` (immutable).
+    // SAFETY: `value` is alive (borrowed).
+    unsafe { small_int_of(value.as_ptr(), layout) }
+}
+
+/// The value of `item` when it is an exact one-digit int (`small_int`), else None.
+///
+/// # Safety
+/// `item` is a live object, borrowed for the call.
+#[inline(always)]
+pub(crate) unsafe fn small_int_of(
+    item: *mut pyo3::ffi::PyObject,
+    layout: IntLayout,
+) -> Option<u32> {
+    // SAFETY: per the contract; `Py_TYPE` reads a word CPython changes only with every other
+    // thread stopped, and `small_int` only gets an exact `int` (immutable).
     unsafe {
         if pyo3::ffi::Py_TYPE(item) != std::ptr::addr_of_mut!(pyo3::ffi::PyLong_Type) {
             return None;

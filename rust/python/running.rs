@@ -4,7 +4,10 @@
 //! is answered from the slot before any Python frame runs; one outside it goes to the core
 //! straight from here; every other call goes on to the adapter's `_allocate_slots`.
 
-use super::convert::{count_of, read_int_list_slice, small_exact_int, Count, UInt, U32};
+use super::convert::{
+    count_of, int_layout, read_int_list_slice, small_exact_int, small_int_of, Count, IntLayout,
+    UInt, U32,
+};
 use super::manager::{id_lists, PyKVCacheBlocks, PyKVCacheManager};
 use super::request::{lock, merge_supplied, read_supplied, PyRequest};
 use crate::manager::RunningHorizon;
@@ -168,6 +171,21 @@ impl PyVllmSlot {
     /// inside the slot's horizon and its counts pass the call's checks, given the request's
     /// counts (`RunningCounts::read`). False whenever anything does not hold or the counts could
     /// not be read (the full call then decides, and raises if it must).
+    /// `inside_horizon` for counts known to be below 2^30 (`RunningCounts::read_small`).
+    #[inline(always)]
+    fn inside_small(&self, counts: RunningCounts, n: u32, k: u32) -> bool {
+        let Some(h) = lock(&self.state).horizon else {
+            return false;
+        };
+        h.admits(
+            counts.computed,
+            counts.in_flight,
+            counts.num_tokens,
+            n as usize,
+            k as usize,
+        )
+    }
+
     fn inside_horizon(&self, counts: Option<RunningCounts>, n: i128, k: i128) -> bool {
         let Some(counts) = counts else {
             return false;
@@ -199,6 +217,25 @@ pub(crate) struct RunningCounts {
 }
 
 impl RunningCounts {
+    /// `read`, when every count is a one-digit int (below 2^30; see `small_int`).
+    #[inline(always)]
+    fn read_small(fields: &Bound<'_, PyDict>, layout: IntLayout) -> Option<Self> {
+        let py = fields.py();
+        let count = |name| {
+            let value = dict_item(fields, name)?;
+            // SAFETY: `value` is alive (held).
+            unsafe { small_int_of(value.as_ptr(), layout) }.map(|v| v as usize)
+        };
+        let computed = count(intern!(py, "num_computed_tokens"))?;
+        let in_flight = count(intern!(py, "num_in_flight_tokens"))?;
+        let all = dict_item(fields, intern!(py, "_all_token_ids"))?;
+        Some(RunningCounts {
+            computed,
+            in_flight,
+            num_tokens: all.cast::<PyList>().ok()?.len(),
+        })
+    }
+
     /// The counts read from the request's `__dict__` (`fields`); None when one is not there or
     /// not an exact int (list) there.
     fn read(fields: &Bound<'_, PyDict>) -> Option<Self> {
@@ -1083,6 +1120,111 @@ unsafe fn forward(call: FastCall, name: &Bound<'_, PyString>) -> *mut ffi::PyObj
 /// # Safety
 /// As `direct_entry!` states: the thread is attached and every pointer is alive for the call.
 unsafe fn allocate_slots_call(py: Python<'_>, call: FastCall) -> PyResult<*mut ffi::PyObject> {
+    // SAFETY: per the contract.
+    if let Some(empty) = unsafe { step_inside_cached(py, &call) } {
+        return Ok(empty);
+    }
+    // SAFETY: per the contract.
+    unsafe { allocate_slots_rest(py, call) }
+}
+
+/// The scheduler's running step, `allocate_slots(request, n)` or `allocate_slots(request, n,
+/// num_lookahead_tokens=k)`, of a request whose slot is cached and current, inside the slot's
+/// horizon, with every count a one-digit int (every count below 2^30): the shared empty result
+/// (a new reference), decided with as little code as decides it. None for anything else, with
+/// nothing changed and no error set: `allocate_slots_rest` then decides the call as it would
+/// have.
+///
+/// Most of the scheduler's calls are such steps, each made between stretches of the
+/// scheduler's Python, which leave little of this module's code in the instruction cache: the
+/// path is kept short and straight, the rest of the entry out of line.
+///
+/// # Safety
+/// As `direct_entry!` states: the thread is attached and every pointer is alive for the call.
+#[inline(always)]
+unsafe fn step_inside_cached(py: Python<'_>, call: &FastCall) -> Option<*mut ffi::PyObject> {
+    if call.nargs != 2 {
+        return None;
+    }
+    let layout = int_layout(py)?;
+    // SAFETY: per the contract, `args` holds `nargs` live positional values, then one per name
+    // in `kwnames` (null or a live tuple), and `slf` is an instance of the class the
+    // descriptor was made for (`_running_steps_entry`: `_RunningSteps`), which CPython checks
+    // before it calls the descriptor's function. The values are only read (`small_int_of`).
+    let (steps, request, n, k) = unsafe {
+        let k = if call.kwnames.is_null() {
+            0
+        } else if ffi::PyTuple_GET_SIZE(call.kwnames) == 1
+            && ffi::PyTuple_GET_ITEM(call.kwnames, 0)
+                == intern!(py, "num_lookahead_tokens").as_ptr()
+        {
+            small_int_of(*call.args.add(2), layout)?
+        } else {
+            return None;
+        };
+        let steps = pyo3::Borrowed::from_ptr(py, call.slf).cast_unchecked::<PyRunningSteps>();
+        (
+            steps,
+            *call.args,
+            small_int_of(*call.args.add(1), layout)?,
+            k,
+        )
+    };
+    let entry = steps.get().entry.get()?;
+    if n == 0 {
+        return None;
+    }
+    // SAFETY: `request` is alive for the call. PyObject_GenericGetDict returns a new reference,
+    // or null with an exception set (no instance dict), which is cleared; it runs no Python
+    // code besides making an empty dict.
+    let fields = unsafe {
+        let dict = ffi::PyObject_GenericGetDict(request, std::ptr::null_mut());
+        if dict.is_null() {
+            ffi::PyErr_Clear();
+            return None;
+        }
+        Bound::from_owned_ptr(py, dict)
+    };
+    let fields = fields.cast_into::<PyDict>().ok()?;
+    let counts = RunningCounts::read_small(&fields, layout)?;
+    let slots = lock(&entry.slots);
+    let cached = slots.get(&(request as usize))?;
+    let inside = cached.current(&fields) && cached.slot.get().inside_small(counts, n, k);
+    drop(slots);
+    inside.then(|| entry.empty.clone_ref(py).into_ptr())
+}
+
+/// `dict[key]` when it is there: a new reference; None when it is not or the lookup raised
+/// (the error cleared: the caller's fallback looks again and raises it).
+#[inline(always)]
+fn dict_item<'py>(
+    dict: &Bound<'py, PyDict>,
+    key: &Bound<'py, PyString>,
+) -> Option<Bound<'py, PyAny>> {
+    let mut value = std::ptr::null_mut();
+    // SAFETY: both are live; PyDict_GetItemRef stores a new reference (or null) in `value` and
+    // returns 1 when found, 0 when not, -1 with an exception set. A str key's lookup runs no
+    // Python code (its hash is cached; comparing strs calls nothing).
+    unsafe {
+        match ffi::compat::PyDict_GetItemRef(dict.as_ptr(), key.as_ptr(), &mut value) {
+            1 => Some(Bound::from_owned_ptr(dict.py(), value)),
+            0 => None,
+            _ => {
+                ffi::PyErr_Clear();
+                None
+            }
+        }
+    }
+}
+
+/// `allocate_slots` of a `_RunningSteps` instance, for every call `step_inside_cached` does not
+/// answer.
+///
+/// # Safety
+/// As `direct_entry!` states: the thread is attached and every pointer is alive for the call.
+#[cold]
+#[inline(never)]
+unsafe fn allocate_slots_rest(py: Python<'_>, call: FastCall) -> PyResult<*mut ffi::PyObject> {
     // SAFETY: per the contract, every pointer is a live object for the call (`kwnames` a
     // tuple or null).
     let (slf, argv, num_keywords, kwnames) = unsafe {
