@@ -199,6 +199,28 @@ pub struct BlockHasher {
 
 pub const MAX_BLOCK_SIZE: usize = 1 << 20;
 
+/// The hash a request's first block chains from, for `algo` and `seed`. The last one made on
+/// each thread is kept: every request of a manager has the same, and a SHA-256 of the seed
+/// cost about as much as the rest of making a request whose block hashes are supplied.
+fn none_hash(algo: HashAlgo, seed: &str) -> BlockHash {
+    thread_local! {
+        static LAST: std::cell::RefCell<Option<(HashAlgo, String, BlockHash)>> =
+            const { std::cell::RefCell::new(None) };
+    }
+    let kept = LAST.with_borrow(|last| match last {
+        Some((a, s, hash)) if *a == algo && s == seed => Some(*hash),
+        _ => None,
+    });
+    if let Some(hash) = kept {
+        return hash;
+    }
+    let mut seed_bytes = b"hybrid-kv/none-hash/".to_vec();
+    seed_bytes.extend_from_slice(seed.as_bytes());
+    let hash = algo.digest(&seed_bytes);
+    LAST.set(Some((algo, seed.to_owned(), hash)));
+    hash
+}
+
 /// A hash block size hashers accept: 1 to [`MAX_BLOCK_SIZE`] tokens.
 fn check_block_size(block_size: usize) -> Result<()> {
     if block_size == 0 || block_size > MAX_BLOCK_SIZE {
@@ -212,12 +234,10 @@ fn check_block_size(block_size: usize) -> Result<()> {
 impl BlockHasher {
     pub fn new(block_size: usize, algo: HashAlgo, seed: &str) -> Result<Self> {
         check_block_size(block_size)?;
-        let mut seed_bytes = b"hybrid-kv/none-hash/".to_vec();
-        seed_bytes.extend_from_slice(seed.as_bytes());
         Ok(BlockHasher {
             algo,
             block_size,
-            none_hash: algo.digest(&seed_bytes),
+            none_hash: none_hash(algo, seed),
             lookahead: 0,
             supplied: false,
         })

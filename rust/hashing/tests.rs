@@ -154,6 +154,38 @@ fn algorithms_and_seeds_give_different_but_stable_hashes() {
 }
 
 #[test]
+fn the_none_hash_is_the_seeds_whatever_hasher_was_made_before() {
+    // The last none hash made on a thread is kept: hashers made in any order of algorithms and
+    // seeds (one a prefix of another) chain from the digest of their own seed.
+    let expected = |algo: HashAlgo, seed: &str| {
+        let mut bytes = b"hybrid-kv/none-hash/".to_vec();
+        bytes.extend_from_slice(seed.as_bytes());
+        algo.digest(&bytes)
+    };
+    let order = [
+        (HashAlgo::Sha256, "s"),
+        (HashAlgo::Sha256, "s"),
+        (HashAlgo::Sha256, "s1"),
+        (HashAlgo::Xxh3, "s1"),
+        (HashAlgo::Blake3, "s1"),
+        (HashAlgo::Sha256, ""),
+        (HashAlgo::Sha256, "s"),
+    ];
+    for (algo, seed) in order {
+        let h = BlockHasher::new(4, algo, seed).unwrap();
+        assert_eq!(h.none_hash(), expected(algo, seed), "{algo:?} {seed:?}");
+    }
+    let other = std::thread::spawn(|| {
+        BlockHasher::new(4, HashAlgo::Blake3, "t")
+            .unwrap()
+            .none_hash()
+    });
+    assert_eq!(other.join().unwrap(), expected(HashAlgo::Blake3, "t"));
+    let h = BlockHasher::new(4, HashAlgo::Sha256, "s").unwrap();
+    assert_eq!(h.none_hash(), expected(HashAlgo::Sha256, "s"));
+}
+
+#[test]
 fn known_answer_for_the_default_hash_is_stable() {
     // Pins the byte encoding: a change here breaks caches shared across processes/versions.
     let h = BlockHasher::new(4, HashAlgo::Xxh3, "").unwrap();
