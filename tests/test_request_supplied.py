@@ -92,6 +92,37 @@ def test_the_keys_are_the_first_16_bytes_of_each_hash() -> None:
     assert hk.Request("own", list(range(48))).supplied_block_hashes is None
 
 
+class _Hash(bytes):
+    """A bytes subclass (read through the generic path, not the exact-bytes one)."""
+
+
+@pytest.mark.parametrize("shape", ["list", "tuple", "subclass-first", "subclass-last"])
+def test_a_long_list_of_hashes_is_keyed_the_same_whatever_holds_it(shape: str) -> None:
+    # 40 hashes of assorted lengths (more than the reader loads ahead).
+    hashes: list[bytes] = [bytes((i + k) % 256 for k in range(i % 33)) for i in range(40)]
+    held: object = list(hashes)
+    if shape == "tuple":
+        held = tuple(hashes)
+    elif shape == "subclass-first":
+        held = [_Hash(hashes[0]), *hashes[1:]]
+    elif shape == "subclass-last":
+        held = [*hashes[:-1], _Hash(hashes[-1])]
+    request = hk.Request("k", list(range(640)), block_hashes=held)
+    keys = request.supplied_block_hashes
+    assert keys is not None and keys.shape == (40, 2)
+    for (lo, hi), h in zip(keys.tolist(), hashes, strict=True):
+        assert int(lo) | int(hi) << 64 == int.from_bytes(h[:16].ljust(16, b"\0"), "little")
+
+
+@pytest.mark.parametrize("bad", [None, "ab", bytearray(b"ab"), 7])
+@pytest.mark.parametrize("at", [0, 20, 39])
+def test_a_non_bytes_hash_anywhere_in_a_long_list_is_a_type_error(bad: object, at: int) -> None:
+    hashes: list[object] = [bytes([i]) * 32 for i in range(40)]
+    hashes[at] = bad
+    with pytest.raises(TypeError, match="bytes"):
+        hk.Request("t", list(range(640)), block_hashes=hashes)
+
+
 def test_equal_hashes_share_blocks_whatever_the_tokens() -> None:
     # The hashes alone key the blocks: two prompts with the caller's same hashes hit.
     manager = hk.KVCacheManager(GROUPS[:1], 16, 1024, prefix_cache_retention_interval=None)

@@ -10,6 +10,7 @@ use crate::manager::registry::{Prehashed, RequestRecord};
 use crate::types::BlockHash;
 use numpy::{PyArray1, PyArray2};
 use pyo3::exceptions::PyTypeError;
+use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::pyclass::{PyTraverseError, PyVisit};
 use pyo3::types::{PyBytes, PyList, PySequence};
@@ -123,11 +124,63 @@ fn supplied_hash(item: &Bound<'_, PyAny>) -> PyResult<BlockHash> {
                 .map_or_else(|_| "?".into(), |n| n.to_string())
         ))
     })?;
-    let data = bytes.as_bytes();
+    Ok(hash_of_bytes(bytes.as_bytes()))
+}
+
+/// Ahead of the item read, the items whose contents are loaded (each is an object of its own,
+/// usually not in the caches when a request arrives).
+const PREFETCH_HASHES: usize = 8;
+
+/// [`read_supplied`] of a list whose items from `start` on are all exact `bytes`, each read
+/// straight from the object; None (nothing read) if one is not.
+fn read_bytes_list(list: &Bound<'_, PyList>, start: usize) -> Option<Vec<BlockHash>> {
+    let bytes_type = std::ptr::addr_of_mut!(ffi::PyBytes_Type);
+    pyo3::sync::critical_section::with_critical_section(list.as_any(), || {
+        let len = list.len();
+        if start >= len {
+            return Some(Vec::new());
+        }
+        // SAFETY: the list cannot change while this runs: on free-threaded builds we hold its
+        // critical section, which every list mutation takes, and on other builds this thread
+        // holds the GIL (`list` is bound to it) and runs no Python code below (only reads
+        // `bytes` objects, which are immutable), nor waits, so the critical section is not
+        // suspended. So `ob_item` points to `len` live item pointers for the whole loop, each a
+        // reference the list keeps alive; an exact `bytes` object's size and contents are
+        // never written after it is made.
+        unsafe {
+            let items = std::slice::from_raw_parts(
+                (*list.as_ptr().cast::<ffi::PyListObject>()).ob_item,
+                len,
+            );
+            let items = &items[start..];
+            for &item in items.iter().take(PREFETCH_HASHES) {
+                crate::sync::prefetch(&*item);
+            }
+            let mut out = Vec::with_capacity(items.len());
+            for (i, &item) in items.iter().enumerate() {
+                if let Some(&ahead) = items.get(i + PREFETCH_HASHES) {
+                    crate::sync::prefetch(&*ahead);
+                }
+                if ffi::Py_TYPE(item) != bytes_type {
+                    return None;
+                }
+                let size = usize::try_from(ffi::Py_SIZE(item)).ok()?;
+                let data =
+                    std::slice::from_raw_parts(ffi::PyBytes_AS_STRING(item).cast::<u8>(), size);
+                out.push(hash_of_bytes(data));
+            }
+            Some(out)
+        }
+    })
+}
+
+/// The key of a supplied hash: its first 16 bytes (fewer: zero-padded), little-endian.
+#[inline]
+fn hash_of_bytes(data: &[u8]) -> BlockHash {
     let mut key = [0u8; 16];
     let n = data.len().min(16);
     key[..n].copy_from_slice(&data[..n]);
-    Ok(BlockHash(u128::from_le_bytes(key)))
+    BlockHash(u128::from_le_bytes(key))
 }
 
 /// The items of `hashes` (a sequence of bytes) from index `start` on, as keys.
@@ -135,6 +188,9 @@ pub(crate) fn read_supplied(hashes: &Bound<'_, PyAny>, start: usize) -> PyResult
     // Sized once (a `Result` collect would grow the vector from empty).
     let mut out = Vec::new();
     if let Ok(list) = hashes.cast::<PyList>() {
+        if let Some(read) = read_bytes_list(list, start) {
+            return Ok(read);
+        }
         out.reserve(list.len().saturating_sub(start));
         for i in start..list.len() {
             out.push(supplied_hash(&list.get_item(i)?)?);
