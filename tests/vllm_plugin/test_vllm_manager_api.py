@@ -243,3 +243,25 @@ def test_freeing_a_finished_request_whose_slot_left_its_dict_frees_its_blocks() 
     req.status = RequestStatus.FINISHED_STOPPED
     ours.free(req)
     assert (ours.core.num_requests, ours.core.num_free_blocks) == (0, 99)
+
+
+@pytest.mark.parametrize("outputs", [0, 1, 20])
+def test_a_request_first_seen_with_outputs_has_a_companion_holding_them(outputs: int) -> None:
+    # vLLM's own manager and ours answer the same for a request that already holds output
+    # tokens when ours first sees it (e.g. one that ran under another manager): the
+    # companion made for it takes every token, not only the prompt.
+    stock, ours = managers("gemma3")
+    answers = []
+    for manager in (stock, ours):
+        req = request("late")
+        for token in range(outputs):
+            req.append_output_token_ids(7000 + token)
+        if manager is ours:
+            assert ours.refusal(req) is None
+        blocks, hit, _ = manager.get_computed_blocks(req)
+        new = manager.allocate_slots(req, req.num_tokens, hit, blocks)
+        answers.append((hit, None if new is None else new.get_block_ids()))
+        if manager is ours:
+            companion = req.__dict__[ours._key].request
+            assert companion.num_tokens == len(PROMPT) + outputs
+    assert answers[0] == answers[1]

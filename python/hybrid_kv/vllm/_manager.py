@@ -590,8 +590,12 @@ class HybridKVCacheManager(_RunningSteps):
             )
             if request.skip_reading_prefix_cache:
                 companion.skip_reading_prefix_cache = True
-            slot = _VllmSlot(companion, request.num_prompt_tokens)
+            num_prompt_tokens = request.num_prompt_tokens
+            slot = _VllmSlot(companion, num_prompt_tokens)
             request.__dict__[self._key] = slot
+            if len(request._all_token_ids) == num_prompt_tokens:
+                # A new request: nothing past its prompt for the companion to take.
+                return companion
         return self._sync_companion(request, slot)
 
     def refusal(self, request: Request) -> str | None:
