@@ -926,6 +926,17 @@ class _RunningSteps:
         of their new blocks (once; later calls change nothing)."""
     def _forget_slot(self, request: Any) -> None:
         """Forgets the slot `allocate_slots` cached for `request` (its slot left its dict)."""
+    def _companion_params(
+        self, block_size: int, hash_algo: str, hash_seed: str, lookahead: int, supply: bool
+    ) -> None:
+        """Sets how `_new_companion` makes companions (once; later calls change nothing): the
+        hash block size, the core's hash algorithm and seed, vLLM's lookahead tokens, and
+        whether vLLM's block hashes may be taken."""
+    def _new_companion(self, request: Any) -> Request | None:
+        """A plain vLLM request's companion, made and put in a new slot in its `__dict__` (its
+        tokens past the prompt taken): None, nothing changed, for a request that has a slot,
+        LoRA, multimodal inputs or prompt embeddings, or a field vLLM's `Request` keeps
+        elsewhere or of another type."""
     def allocate_slots(
         self,
         request: Any,

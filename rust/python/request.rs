@@ -219,7 +219,7 @@ impl PyRequest {
     #[new]
     #[pyo3(signature = (request_id, prompt_token_ids, cache_salt = None, lora_name = None, mm_inputs = None, *, block_size = UInt(16), hash_algo = Text::Static("xxh3"), hash_seed = Text::Static(""), lora_id = None, block_hashes = None), text_signature = "(request_id, prompt_token_ids, cache_salt=None, lora_name=None, mm_inputs=None, *, block_size=16, hash_algo='xxh3', hash_seed='', lora_id=None, block_hashes=None)")]
     #[allow(clippy::too_many_arguments)]
-    fn new(
+    pub(crate) fn new(
         request_id: Text,
         prompt_token_ids: &Bound<'_, PyAny>,
         cache_salt: Option<Text>,
@@ -353,7 +353,7 @@ impl PyRequest {
     }
 
     #[setter]
-    fn set_skip_reading_prefix_cache(&self, value: bool) {
+    pub(crate) fn set_skip_reading_prefix_cache(&self, value: bool) {
         lock(&self.record).skip_reading_prefix_cache = value;
     }
 

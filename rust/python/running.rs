@@ -4,6 +4,7 @@
 //! is answered from the slot before any Python frame runs; one outside it goes to the core
 //! straight from here; every other call goes on to the adapter's `_allocate_slots`.
 
+use super::convert::Text;
 use super::convert::{
     count_of, int_layout, read_int_list_slice, small_exact_int, small_int_of, Count, IntLayout,
     UInt, U32,
@@ -16,7 +17,7 @@ use pyo3::exceptions::PyNotImplementedError;
 use pyo3::prelude::*;
 use pyo3::pyclass::{PyTraverseError, PyVisit};
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyInt, PyList, PyString, PyTuple, PyType};
+use pyo3::types::{PyBool, PyDict, PyInt, PyList, PyString, PyTuple, PyType};
 use pyo3::{ffi, intern};
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
@@ -430,6 +431,18 @@ fn instance_dict<'py>(object: &Bound<'py, PyAny>) -> Option<Bound<'py, PyDict>> 
 #[pyclass(frozen, subclass, name = "_RunningSteps", module = "hybrid_kv._core")]
 pub(crate) struct PyRunningSteps {
     entry: OnceLock<Entry>,
+    /// How a new request's companion is made (`_companion_params`).
+    companions: OnceLock<CompanionParams>,
+}
+
+/// The adapter's hashing options for a new request's companion.
+struct CompanionParams {
+    block_size: u64,
+    hash_algo: Py<PyString>,
+    hash_seed: Py<PyString>,
+    lookahead: usize,
+    /// Whether vLLM's block hashes may be taken (a SHA-256 option, prefix caching on).
+    supply: bool,
 }
 
 /// An exact Python int within i64 (no `__index__` call, so no Python code runs), widened so
@@ -708,6 +721,7 @@ impl PyRunningSteps {
     fn new(_args: &Bound<'_, PyTuple>, _kwargs: Option<&Bound<'_, PyDict>>) -> Self {
         PyRunningSteps {
             entry: OnceLock::new(),
+            companions: OnceLock::new(),
         }
     }
 
@@ -729,6 +743,126 @@ impl PyRunningSteps {
             direct,
             slots: Mutex::new(SlotCache::default()),
         });
+    }
+
+    /// Sets how `_new_companion` makes a request's companion (once; later calls change
+    /// nothing): the hash block size, the core's hash algorithm and seed, vLLM's lookahead
+    /// tokens, and whether vLLM's block hashes may be taken.
+    fn _companion_params(
+        &self,
+        block_size: Count,
+        hash_algo: Py<PyString>,
+        hash_seed: Py<PyString>,
+        lookahead: Count,
+        supply: bool,
+    ) {
+        let _ = self.companions.set(CompanionParams {
+            block_size: block_size.0,
+            hash_algo,
+            hash_seed,
+            lookahead: lookahead.get(),
+            supply,
+        });
+    }
+
+    /// The adapter's `_companion` for a vLLM request that has no slot yet and nothing a plain
+    /// prompt lacks (no LoRA, multimodal inputs or prompt embeddings; every field where vLLM's
+    /// `Request` keeps it, of its type): its companion made, with vLLM's block hashes when they
+    /// cover exactly its hashable blocks, its slot put in its `__dict__`, and anything past
+    /// its prompt taken. None, with nothing changed, for any other request (the adapter then
+    /// makes it in Python). The companion's own errors (e.g. a token id out of range) are
+    /// raised as `hybrid_kv.Request` raises them, before the slot is put in the dict.
+    fn _new_companion<'py>(
+        &self,
+        request: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyRequest>>> {
+        let py = request.py();
+        let (Some(entry), Some(params)) = (self.entry.get(), self.companions.get()) else {
+            return Ok(None);
+        };
+        let Some(fields) = instance_dict(request) else {
+            return Ok(None);
+        };
+        match entry.key.bind(py).cast::<PyString>() {
+            Ok(key) if dict_item(&fields, key).is_none() => {}
+            _ => return Ok(None),
+        }
+        let field = |name: &Bound<'py, PyString>| dict_item(&fields, name);
+        let is_none = |name| field(name).is_some_and(|v| v.is_none());
+        let empty_list = |name| {
+            field(name).is_some_and(|v| v.cast_exact::<PyList>().is_ok_and(|l| l.is_empty()))
+        };
+        if !(is_none(intern!(py, "lora_request"))
+            && is_none(intern!(py, "prompt_embeds"))
+            && empty_list(intern!(py, "mm_features")))
+        {
+            return Ok(None);
+        }
+        let (Some(tokens), Some(all), Some(num_prompt), Some(request_id), Some(salt)) = (
+            field(intern!(py, "prompt_token_ids")).filter(|t| t.cast::<PyList>().is_ok()),
+            field(intern!(py, "_all_token_ids")).and_then(|a| a.cast_into::<PyList>().ok()),
+            field(intern!(py, "num_prompt_tokens"))
+                .and_then(|n| exact_int(&n))
+                .and_then(|n| usize::try_from(n).ok()),
+            field(intern!(py, "request_id")).and_then(|id| id.extract::<Text>().ok()),
+            field(intern!(py, "cache_salt")).and_then(|salt| {
+                if salt.is_none() {
+                    Some(None)
+                } else {
+                    salt.extract::<Text>().ok().map(Some)
+                }
+            }),
+        ) else {
+            return Ok(None);
+        };
+        let Some(skip) = field(intern!(py, "skip_reading_prefix_cache"))
+            .and_then(|v| v.cast_exact::<PyBool>().ok().map(|b| b.is_true()))
+        else {
+            return Ok(None);
+        };
+        // vLLM's hashes when they cover exactly the blocks hashable so far (as the adapter's
+        // `_supplied_hashes`); none: the companion hashes its prompt itself.
+        let hashes = if params.supply {
+            let Some(hasher) = field(intern!(py, "_block_hasher")) else {
+                return Ok(None);
+            };
+            let hashable = all.len().saturating_sub(params.lookahead) as u64 / params.block_size;
+            match field(intern!(py, "block_hashes")) {
+                None => return Ok(None),
+                Some(hashes) => (!hasher.is_none()
+                    && hashes
+                        .cast::<PyList>()
+                        .is_ok_and(|list| list.len() as u64 == hashable))
+                .then_some(hashes),
+            }
+        } else {
+            None
+        };
+        let companion = PyRequest::new(
+            request_id,
+            &tokens,
+            salt,
+            None,
+            None,
+            UInt(params.block_size),
+            params.hash_algo.bind(py).extract::<Text>()?,
+            params.hash_seed.bind(py).extract::<Text>()?,
+            None,
+            hashes.as_ref(),
+        )?;
+        if skip {
+            companion.set_skip_reading_prefix_cache(true);
+        }
+        let companion = Bound::new(py, companion)?;
+        let slot = Bound::new(
+            py,
+            PyVllmSlot::new(companion.clone().unbind(), UInt(num_prompt as u64)),
+        )?;
+        fields.set_item(entry.key.bind(py), &slot)?;
+        if all.len() != num_prompt {
+            slot.get().sync(request, None, false)?;
+        }
+        Ok(Some(companion))
     }
 
     /// Forgets the slot of vLLM's `request` (removed from its dict).

@@ -533,6 +533,13 @@ class HybridKVCacheManager(_RunningSteps):
             # Nothing to do after a running step but wrap its new blocks: steps outside the
             # horizon go to the core straight from `allocate_slots` too.
             self._running_steps(self._key, self.empty_kv_cache_blocks, self.core, KVCacheBlocks)
+        self._companion_params(
+            hash_block_size,
+            self._core_hash,
+            self._hash_seed,
+            num_hash_lookahead_tokens,
+            self._supply_hashes and enable_caching,
+        )
 
     # ------------------------------------------------------------------ companion requests
 
@@ -560,6 +567,10 @@ class HybridKVCacheManager(_RunningSteps):
         """The request's `hybrid_kv.Request`, brought up to date with vLLM's."""
         slot = request.__dict__.get(self._key)
         if slot is None:
+            # A plain request's companion is made in one call to the core's entry.
+            companion = self._new_companion(request)
+            if companion is not None:
+                return companion
             lora = request.lora_request
             inputs = [
                 (f.identifier, f.mm_position.offset, f.mm_position.length)
