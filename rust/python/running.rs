@@ -1405,6 +1405,24 @@ unsafe fn allocate_slots_rest(py: Python<'_>, call: FastCall) -> PyResult<*mut f
             return Ok(result.into_ptr());
         }
     }
+    // The scheduler's admission (and any other call) with both counts positional and every
+    // other argument a distinct known name given a value that is not None: the adapter's
+    // `_allocate_slots` with the arguments as CPython passed them, which it binds as the
+    // generic path below would (no dict built, no second parse of the arguments).
+    // SAFETY: per the contract.
+    if call.nargs == 2 && unsafe { plain_keywords(py, &call) } {
+        // SAFETY: the array holds `slf` and the call's values, alive for the call; the result
+        // is a new reference or null with an exception set.
+        return unsafe {
+            let vector = call.with_receiver();
+            Ok(ffi::PyObject_VectorcallMethod(
+                intern!(py, "_allocate_slots").as_ptr(),
+                vector.as_ptr(),
+                call.nargs as usize + 1,
+                call.kwnames,
+            ))
+        };
+    }
     // Anything else: `_RunningSteps.allocate_slots(slf, *args, **kwargs)`, as CPython passed
     // them.
     static METHOD: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
@@ -1425,6 +1443,38 @@ unsafe fn allocate_slots_rest(py: Python<'_>, call: FastCall) -> PyResult<*mut f
             call.kwnames,
         ))
     }
+}
+
+/// Whether every keyword of `call` is one of [`PARAMETERS`] (the interned name itself), none
+/// twice, and no keyword's value is None (which the generic path counts as not given).
+///
+/// # Safety
+/// As `direct_entry!` states: every pointer is alive for the call.
+unsafe fn plain_keywords(py: Python<'_>, call: &FastCall) -> bool {
+    let names = parameter_names(py);
+    let mut seen = [false; PARAMETERS.len()];
+    // SAFETY: per the contract, `kwnames` is null or a live tuple whose items are alive, and
+    // `values()` holds one live value per name after the positional ones.
+    unsafe {
+        let values = call.values();
+        let count = call.num_keywords();
+        if count == 0 {
+            return false;
+        }
+        for k in 0..count {
+            let name = ffi::PyTuple_GET_ITEM(call.kwnames, k as ffi::Py_ssize_t);
+            let Some(i) = names.iter().position(|n| n.as_ptr() == name) else {
+                return false;
+            };
+            if std::mem::replace(&mut seen[i], true) {
+                return false;
+            }
+            if values[call.nargs as usize + k] == ffi::Py_None() {
+                return false;
+            }
+        }
+    }
+    true
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

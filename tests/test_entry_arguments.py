@@ -1,0 +1,101 @@
+"""The `allocate_slots` entry of `_RunningSteps` hands every call it does not answer to the
+adapter's `_allocate_slots` with the arguments given: both counts, then the others by name, an
+argument given as None left out (as not given), whichever way the call was made (keywords by
+their usual names, the scheduler's admission, or names built at run time)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hybrid_kv import _core
+
+NAMES = (
+    "num_new_computed_tokens",
+    "new_computed_blocks",
+    "num_lookahead_tokens",
+    "num_external_computed_tokens",
+    "delay_cache_blocks",
+    "num_encoder_tokens",
+    "full_sequence_must_fit",
+    "reserved_blocks",
+    "has_scheduled_reqs",
+    "skip_zeroing_group_ids",
+)
+
+
+class _Recorder(_core._RunningSteps):
+    """An adapter whose Python path records what it got."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def _allocate_slots(self, *args: Any, **kwargs: Any) -> str:
+        self.calls.append((args, kwargs))
+        return "python"
+
+
+def _built(name: str) -> str:
+    """`name` as a str object made at run time (equal, not the interned one)."""
+    return "".join(list(name))
+
+
+def test_the_schedulers_admission_reaches_the_adapter_with_its_arguments() -> None:
+    adapter = _Recorder()
+    hit = object()
+    result = adapter.allocate_slots(
+        "req",
+        30,
+        num_new_computed_tokens=16,
+        new_computed_blocks=hit,
+        num_lookahead_tokens=0,
+        num_external_computed_tokens=0,
+        delay_cache_blocks=False,
+        skip_zeroing_group_ids=(),
+        num_encoder_tokens=0,
+        full_sequence_must_fit=False,
+        reserved_blocks=0,
+        has_scheduled_reqs=True,
+    )
+    assert result == "python"
+    ((args, kwargs),) = adapter.calls
+    assert args == ("req", 30)
+    assert kwargs == {
+        "num_new_computed_tokens": 16,
+        "new_computed_blocks": hit,
+        "num_lookahead_tokens": 0,
+        "num_external_computed_tokens": 0,
+        "delay_cache_blocks": False,
+        "skip_zeroing_group_ids": (),
+        "num_encoder_tokens": 0,
+        "full_sequence_must_fit": False,
+        "reserved_blocks": 0,
+        "has_scheduled_reqs": True,
+    }
+    assert kwargs["new_computed_blocks"] is hit
+
+
+@pytest.mark.parametrize("none_at", [None, *NAMES])
+@pytest.mark.parametrize("built", [False, True])
+@pytest.mark.parametrize("count", [2, 5, 10])
+def test_every_way_of_giving_the_arguments_reaches_the_adapter_alike(
+    none_at: str | None, built: bool, count: int
+) -> None:
+    given = {name: (i + 1) * 7 for i, name in enumerate(NAMES[:count])}
+    if none_at is not None:
+        given[none_at] = None
+    call = {(_built(k) if built else k): v for k, v in given.items()}
+    adapter = _Recorder()
+    assert adapter.allocate_slots("req", 3, **call) == "python"
+    ((args, kwargs),) = adapter.calls
+    assert args == ("req", 3)
+    assert kwargs == {k: v for k, v in given.items() if v is not None}
+
+
+def test_an_unknown_or_repeated_argument_is_a_type_error_and_reaches_nothing() -> None:
+    adapter = _Recorder()
+    with pytest.raises(TypeError):
+        adapter.allocate_slots("req", 3, num_new_computed_tokens=1, bogus=2)
+    with pytest.raises(TypeError):
+        adapter.allocate_slots("req", 3, 1, num_new_computed_tokens=1)
+    assert adapter.calls == []
