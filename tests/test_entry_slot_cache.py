@@ -163,3 +163,48 @@ def test_a_step_with_a_count_the_short_path_does_not_read_is_decided_in_full(
     except (TypeError, ValueError, OverflowError, hk.HybridKvError):
         return
     assert result is not _EMPTY
+
+
+def _new_blocks() -> Any:
+    """A running step's new blocks as the entry returns them (a `_RunningBlocks`)."""
+    manager = hk.KVCacheManager([FULL, FULL], 16, 64)
+    adapter = _Adapter()
+    adapter._running_steps("slot", _EMPTY, manager, lambda blocks, *_: blocks)
+    request, _ = _running(manager, "a", 0)
+    blocks = adapter.allocate_slots(request, 1)
+    assert type(blocks) is _core._RunningBlocks
+    return blocks
+
+
+@pytest.mark.parametrize(
+    "call, expected",
+    [
+        (lambda b: b.get_block_ids(), ([3], [4])),
+        (lambda b: b.get_block_ids(True), ([3], [4])),
+        (lambda b: b.get_block_ids(False), ([3], [4])),
+        (lambda b: b.get_block_ids(allow_none=True), ([3], [4])),
+        (lambda b: b.get_block_ids(**{"".join(["allow", "_none"]): True}), ([3], [4])),
+        (lambda b: b.get_block_ids(True, group_ids=[1]), ([4],)),
+        (lambda b: b.get_block_ids(group_ids=[0]), ([3],)),
+        (lambda b: b._get_block_ids(allow_none=True), ([3], [4])),
+    ],
+)
+def test_a_running_steps_new_blocks_read_alike_every_way(call: Any, expected: Any) -> None:
+    # (With `group_ids` the wrapped result answers: here the core's blocks, as arrays.)
+    ids = call(_new_blocks())
+    assert tuple(list(group) for group in ids) == expected
+    assert type(ids) is tuple
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda b: b.get_block_ids(1),
+        lambda b: b.get_block_ids(allow_none=None),
+        lambda b: b.get_block_ids(True, True),
+        lambda b: b.get_block_ids(bogus=True),
+    ],
+)
+def test_a_running_steps_new_blocks_refuse_what_the_method_refuses(call: Any) -> None:
+    with pytest.raises(TypeError):
+        call(_new_blocks())

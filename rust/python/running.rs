@@ -620,8 +620,10 @@ impl PyRunningBlocks {
 impl PyRunningBlocks {
     /// vLLM's `KVCacheBlocks.get_block_ids`: block ids per group as lists; None if empty and
     /// `allow_none` (never: a running step's result that took no block is the empty result).
+    /// (The class's `get_block_ids` is a direct entry, `running_block_ids`, which answers the
+    /// scheduler's reads and passes every other call on to this method.)
     #[pyo3(signature = (allow_none = false, *, group_ids = None))]
-    fn get_block_ids<'py>(
+    fn _get_block_ids<'py>(
         &self,
         py: Python<'py>,
         allow_none: bool,
@@ -1121,7 +1123,20 @@ macro_rules! direct_entry {
 
 pub(crate) use direct_entry;
 
+static RUNNING_IDS: EntryDef = EntryDef(ffi::PyMethodDef {
+    ml_name: c"get_block_ids".as_ptr(),
+    ml_meth: ffi::PyMethodDefPointer {
+        PyCFunctionFastWithKeywords: running_block_ids_entry,
+    },
+    ml_flags: ffi::METH_FASTCALL | ffi::METH_KEYWORDS,
+    ml_doc: c"get_block_ids($self, allow_none=False, *, group_ids=None)\n--\n\n\
+vLLM's `KVCacheBlocks.get_block_ids`: block ids per group as lists; None if empty and allow_none \
+(never: a running step's result that took no block is the empty result)."
+        .as_ptr(),
+});
+
 direct_entry!(empty_block_ids_entry, empty_block_ids);
+direct_entry!(running_block_ids_entry, running_block_ids);
 direct_entry!(allocate_slots_entry, allocate_slots_call);
 
 /// The arguments CPython passes a `METH_FASTCALL | METH_KEYWORDS` function (see
@@ -1225,6 +1240,41 @@ unsafe fn empty_block_ids(py: Python<'_>, call: FastCall) -> PyResult<*mut ffi::
             return Ok(ffi::Py_NewRef(ffi::Py_None()));
         }
         Ok(forward(call, intern!(py, "_get_block_ids")))
+    }
+}
+
+/// `get_block_ids` of a running step's new blocks (`_RunningBlocks`): the scheduler's read,
+/// `get_block_ids()`, `get_block_ids(b)` or `get_block_ids(allow_none=b)` with `b` a bool (the
+/// keyword name being the interned constant), builds the lists here; every other call is
+/// passed on, arguments unchanged, to `_get_block_ids`.
+///
+/// # Safety
+/// As `direct_entry!` states: the thread is attached and every pointer is alive for the call.
+unsafe fn running_block_ids(py: Python<'_>, call: FastCall) -> PyResult<*mut ffi::PyObject> {
+    // SAFETY: per the contract; only identities are compared before the call is answered or
+    // passed on. `slf` is an instance of `_RunningBlocks`: CPython checks a method
+    // descriptor's receiver against the class it was made for (`register`) before calling.
+    unsafe {
+        let flag = match (call.nargs, call.num_keywords()) {
+            (0, 0) => Some(ffi::Py_False()),
+            (1, 0) => Some(*call.args),
+            (0, 1)
+                if ffi::PyTuple_GET_ITEM(call.kwnames, 0) == intern!(py, "allow_none").as_ptr() =>
+            {
+                Some(*call.args)
+            }
+            _ => None,
+        };
+        let allow_none = match flag {
+            Some(flag) if flag == ffi::Py_True() => true,
+            Some(flag) if flag == ffi::Py_False() => false,
+            _ => return Ok(forward(call, intern!(py, "_get_block_ids"))),
+        };
+        let blocks = pyo3::Borrowed::from_ptr(py, call.slf).cast_unchecked::<PyRunningBlocks>();
+        Ok(match id_lists(py, blocks.get().ids.groups(), allow_none)? {
+            Some(lists) => lists.into_ptr(),
+            None => ffi::Py_NewRef(ffi::Py_None()),
+        })
     }
 }
 
@@ -1482,5 +1532,10 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_empty_block_ids_entry, m)?)?;
     m.add_class::<PyRunningSteps>()?;
     m.add_class::<PyRunningBlocks>()?;
+    let running_blocks = m.py().get_type::<PyRunningBlocks>();
+    running_blocks.setattr(
+        intern!(m.py(), "get_block_ids"),
+        descriptor(&running_blocks, &RUNNING_IDS)?,
+    )?;
     m.add_class::<PyVllmSlot>()
 }
