@@ -5,23 +5,15 @@ their usual names, the scheduler's admission, or names built at run time)."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import pytest
 from hybrid_kv import _core
 
-NAMES = (
-    "num_new_computed_tokens",
-    "new_computed_blocks",
-    "num_lookahead_tokens",
-    "num_external_computed_tokens",
-    "delay_cache_blocks",
-    "num_encoder_tokens",
-    "full_sequence_must_fit",
-    "reserved_blocks",
-    "has_scheduled_reqs",
-    "skip_zeroing_group_ids",
-)
+# The arguments after the two counts, as the entry's signature names them.
+NAMES = tuple(inspect.signature(_core._RunningSteps.allocate_slots).parameters)[3:]
+assert len(NAMES) == 10 and "num_lookahead_tokens" in NAMES
 
 
 class _Recorder(_core._RunningSteps):

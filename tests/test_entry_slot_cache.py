@@ -44,15 +44,23 @@ def _running(manager: hk.KVCacheManager, request_id: str, first: int) -> tuple[A
     return request, slot
 
 
-def _setup() -> tuple[hk.KVCacheManager, _Adapter, Any]:
+def _stepped(empty: Any = None) -> tuple[hk.KVCacheManager, _Adapter, Any, Any]:
+    """A manager, an adapter whose empty result is `empty`, and a request and its slot after
+    one step from the entry: 5 tokens computed in 8 slots, its next one-token steps inside its
+    horizon."""
     manager = hk.KVCacheManager([FULL], 16, 64)
     adapter = _Adapter()
-    adapter._running_steps("slot", None, manager, adapter.wrap)
-    request, _ = _running(manager, "a", 0)
+    adapter._running_steps("slot", empty, manager, adapter.wrap)
+    request, slot = _running(manager, "a", 0)
     # The first step reaches the core from the entry (block 2), which caches the slot.
     assert adapter.allocate_slots(request, 1).get_block_ids() == ([2],)
     request.num_computed_tokens = 5
     request._all_token_ids.append(10)
+    return manager, adapter, request, slot
+
+
+def _setup() -> tuple[hk.KVCacheManager, _Adapter, Any]:
+    manager, adapter, request, _ = _stepped()
     return manager, adapter, request
 
 
@@ -101,15 +109,8 @@ _EMPTY = object()
 
 
 def _inside_setup() -> tuple[hk.KVCacheManager, _Adapter, Any, Any]:
-    """`_setup` with a distinct empty result: the request, 5 tokens computed in 8 slots, has
-    its next one-token steps inside its horizon."""
-    manager = hk.KVCacheManager([FULL], 16, 64)
-    adapter = _Adapter()
-    adapter._running_steps("slot", _EMPTY, manager, adapter.wrap)
-    request, slot = _running(manager, "a", 0)
-    assert adapter.allocate_slots(request, 1).get_block_ids() == ([2],)
-    request.num_computed_tokens = 5
-    request._all_token_ids.append(10)
+    """`_stepped` with a distinct empty result."""
+    manager, adapter, request, slot = _stepped(_EMPTY)
     assert slot.horizon is not None and slot.running_calls == 1
     return manager, adapter, request, slot
 

@@ -1060,32 +1060,44 @@ pub(crate) struct EntryDef(pub(crate) ffi::PyMethodDef);
 // flags and function pointer), from any thread.
 unsafe impl Sync for EntryDef {}
 
-static ENTRY: EntryDef = EntryDef(ffi::PyMethodDef {
-    ml_name: c"allocate_slots".as_ptr(),
-    ml_meth: ffi::PyMethodDefPointer {
-        PyCFunctionFastWithKeywords: allocate_slots_entry,
-    },
-    ml_flags: ffi::METH_FASTCALL | ffi::METH_KEYWORDS,
-    // The signature line is `_RunningSteps.allocate_slots`' (tests compare them).
-    ml_doc: c"allocate_slots($self, request, num_new_tokens, num_new_computed_tokens=None, \
+impl EntryDef {
+    /// The definition of a `METH_FASTCALL | METH_KEYWORDS` method `name` calling `function`,
+    /// documented by `doc` (its first line the signature, as CPython's `__text_signature__`
+    /// reads it).
+    pub(crate) const fn fast(
+        name: &'static std::ffi::CStr,
+        function: ffi::PyCFunctionFastWithKeywords,
+        doc: &'static std::ffi::CStr,
+    ) -> Self {
+        EntryDef(ffi::PyMethodDef {
+            ml_name: name.as_ptr(),
+            ml_meth: ffi::PyMethodDefPointer {
+                PyCFunctionFastWithKeywords: function,
+            },
+            ml_flags: ffi::METH_FASTCALL | ffi::METH_KEYWORDS,
+            ml_doc: doc.as_ptr(),
+        })
+    }
+}
+
+// The signature line is `_RunningSteps.allocate_slots`' (tests compare them).
+static ENTRY: EntryDef = EntryDef::fast(
+    c"allocate_slots",
+    allocate_slots_entry,
+    c"allocate_slots($self, request, num_new_tokens, num_new_computed_tokens=None, \
 new_computed_blocks=None, num_lookahead_tokens=None, num_external_computed_tokens=None, \
 delay_cache_blocks=None, num_encoder_tokens=None, full_sequence_must_fit=None, \
 reserved_blocks=None, has_scheduled_reqs=None, skip_zeroing_group_ids=None)\n--\n\n\
 vLLM's `allocate_slots`: the running step `allocate_slots(request, n, num_lookahead_tokens=k)` \
-is answered here; every other call is `_RunningSteps.allocate_slots`' with the same arguments."
-        .as_ptr(),
-});
+is answered here; every other call is `_RunningSteps.allocate_slots`' with the same arguments.",
+);
 
-static EMPTY_IDS: EntryDef = EntryDef(ffi::PyMethodDef {
-    ml_name: c"get_block_ids".as_ptr(),
-    ml_meth: ffi::PyMethodDefPointer {
-        PyCFunctionFastWithKeywords: empty_block_ids_entry,
-    },
-    ml_flags: ffi::METH_FASTCALL | ffi::METH_KEYWORDS,
-    ml_doc: c"get_block_ids($self, allow_none=False, *, group_ids=None)\n--\n\n\
-Block ids per group as lists (all empty); None with allow_none."
-        .as_ptr(),
-});
+static EMPTY_IDS: EntryDef = EntryDef::fast(
+    c"get_block_ids",
+    empty_block_ids_entry,
+    c"get_block_ids($self, allow_none=False, *, group_ids=None)\n--\n\n\
+Block ids per group as lists (all empty); None with allow_none.",
+);
 
 /// Defines `$entry`, the C function of a direct entry's method descriptor
 /// (`METH_FASTCALL | METH_KEYWORDS`: `slf` an instance of the descriptor's class, which CPython
@@ -1123,17 +1135,13 @@ macro_rules! direct_entry {
 
 pub(crate) use direct_entry;
 
-static RUNNING_IDS: EntryDef = EntryDef(ffi::PyMethodDef {
-    ml_name: c"get_block_ids".as_ptr(),
-    ml_meth: ffi::PyMethodDefPointer {
-        PyCFunctionFastWithKeywords: running_block_ids_entry,
-    },
-    ml_flags: ffi::METH_FASTCALL | ffi::METH_KEYWORDS,
-    ml_doc: c"get_block_ids($self, allow_none=False, *, group_ids=None)\n--\n\n\
+static RUNNING_IDS: EntryDef = EntryDef::fast(
+    c"get_block_ids",
+    running_block_ids_entry,
+    c"get_block_ids($self, allow_none=False, *, group_ids=None)\n--\n\n\
 vLLM's `KVCacheBlocks.get_block_ids`: block ids per group as lists; None if empty and allow_none \
-(never: a running step's result that took no block is the empty result)."
-        .as_ptr(),
-});
+(never: a running step's result that took no block is the empty result).",
+);
 
 direct_entry!(empty_block_ids_entry, empty_block_ids);
 direct_entry!(running_block_ids_entry, running_block_ids);

@@ -196,14 +196,11 @@ extern "C" {
     fn PyInstanceMethod_New(function: *mut ffi::PyObject) -> *mut ffi::PyObject;
 }
 
-static TIMED: EntryDef = EntryDef(ffi::PyMethodDef {
-    ml_name: c"timed".as_ptr(),
-    ml_meth: ffi::PyMethodDefPointer {
-        PyCFunctionFastWithKeywords: timed_call,
-    },
-    ml_flags: ffi::METH_FASTCALL | ffi::METH_KEYWORDS,
-    ml_doc: c"The target's call, timed by its _CallTimer.".as_ptr(),
-});
+static TIMED: EntryDef = EntryDef::fast(
+    c"timed",
+    timed_call,
+    c"The target's call, timed by its _CallTimer.",
+);
 
 direct_entry!(timed_call, timed);
 
