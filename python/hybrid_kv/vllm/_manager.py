@@ -803,9 +803,10 @@ class HybridKVCacheManager(_RunningSteps):
 
     def estimate_cached_tokens(self, request: Request) -> int:
         """Tokens of the request's own blocks in the prefix cache, the least over groups."""
-        if request.__dict__.get(self._key) is None:
+        slot = request.__dict__.get(self._key)
+        if slot is None:
             return 0
-        return self.core.estimate_cached_tokens(self._companion(request))
+        return self.core.estimate_cached_tokens(self._sync_companion(request, slot))
 
     def take_events(self) -> list[Any]:
         if self._events is None:
