@@ -265,3 +265,36 @@ def test_a_request_first_seen_with_outputs_has_a_companion_holding_them(outputs:
             companion = req.__dict__[ours._key].request
             assert companion.num_tokens == len(PROMPT) + outputs
     assert answers[0] == answers[1]
+
+
+PER_STEP = ("new_step_starts", "take_new_block_ids", "take_boundary_state_offloads", "take_events")
+
+
+def test_the_per_step_calls_bound_to_the_core_answer_as_the_methods() -> None:
+    _, ours = managers("gemma3")
+    req = request("step")
+    ours.allocate_slots(req, len(PROMPT))
+    for name in PER_STEP:
+        assert name in ours.__dict__, name
+        method = getattr(type(ours), name).__get__(ours)
+        assert getattr(ours, name)() == method()
+    # Each call gives a new list (the scheduler may keep or change it).
+    assert ours.take_events() is not ours.take_events()
+
+
+def test_a_subclass_override_of_a_per_step_call_is_kept() -> None:
+    _, ours = managers("gemma3")
+
+    class Counting(type(ours)):  # type: ignore[misc]
+        def new_step_starts(self) -> None:
+            self.steps = getattr(self, "steps", 0) + 1
+            super().new_step_starts()
+
+    for name in PER_STEP:
+        ours.__dict__.pop(name, None)
+    ours.__class__ = Counting
+    ours._bind_per_step_calls()
+    assert "new_step_starts" not in ours.__dict__
+    assert "take_new_block_ids" in ours.__dict__
+    ours.new_step_starts()
+    assert ours.steps == 1
