@@ -172,30 +172,19 @@ impl PyVllmSlot {
     /// inside the slot's horizon and its counts pass the call's checks, given the request's
     /// counts (`RunningCounts::read`). False whenever anything does not hold or the counts could
     /// not be read (the full call then decides, and raises if it must).
-    /// `inside_horizon` for counts known to be below 2^30 (`RunningCounts::read_small`).
-    #[inline(always)]
-    fn inside_small(&self, counts: RunningCounts, n: u32, k: u32) -> bool {
-        let Some(h) = lock(&self.state).horizon else {
-            return false;
-        };
-        h.admits(
-            counts.computed,
-            counts.in_flight,
-            counts.num_tokens,
-            n as usize,
-            k as usize,
-        )
+    fn inside_horizon(&self, counts: Option<RunningCounts>, n: i128, k: i128) -> bool {
+        let count = |v: i128| usize::try_from(v).ok();
+        match (counts, count(n), count(k)) {
+            (Some(counts), Some(n), Some(k)) => self.admits(counts, n, k),
+            _ => false,
+        }
     }
 
-    fn inside_horizon(&self, counts: Option<RunningCounts>, n: i128, k: i128) -> bool {
-        let Some(counts) = counts else {
-            return false;
-        };
+    /// Whether the slot's horizon admits a step of `n` tokens and `k` lookahead tokens with
+    /// these counts (false with no horizon).
+    #[inline(always)]
+    fn admits(&self, counts: RunningCounts, n: usize, k: usize) -> bool {
         let Some(h) = lock(&self.state).horizon else {
-            return false;
-        };
-        let count = |v: i128| usize::try_from(v).ok();
-        let (Some(n), Some(k)) = (count(n), count(k)) else {
             return false;
         };
         h.admits(counts.computed, counts.in_flight, counts.num_tokens, n, k)
@@ -218,38 +207,35 @@ pub(crate) struct RunningCounts {
 }
 
 impl RunningCounts {
+    /// The counts read from the request's `__dict__` (`fields`); None when one is not there or
+    /// not an exact int (list) there.
+    fn read(fields: &Bound<'_, PyDict>) -> Option<Self> {
+        Self::read_with(fields, |value| usize::try_from(exact_int(value)?).ok())
+    }
+
     /// `read`, when every count is a one-digit int (below 2^30; see `small_int`).
     #[inline(always)]
     fn read_small(fields: &Bound<'_, PyDict>, layout: IntLayout) -> Option<Self> {
-        let py = fields.py();
-        let count = |name| {
-            let value = dict_item(fields, name)?;
-            // SAFETY: `value` is alive (held).
+        Self::read_with(fields, |value| {
+            // SAFETY: `value` is alive (held by the caller).
             unsafe { small_int_of(value.as_ptr(), layout) }.map(|v| v as usize)
-        };
-        let computed = count(intern!(py, "num_computed_tokens"))?;
-        let in_flight = count(intern!(py, "num_in_flight_tokens"))?;
+        })
+    }
+
+    /// The counts, each read from its field by `count`.
+    #[inline(always)]
+    fn read_with(
+        fields: &Bound<'_, PyDict>,
+        count: impl Fn(&Bound<'_, PyAny>) -> Option<usize>,
+    ) -> Option<Self> {
+        let py = fields.py();
+        let computed = count(&dict_item(fields, intern!(py, "num_computed_tokens"))?)?;
+        let in_flight = count(&dict_item(fields, intern!(py, "num_in_flight_tokens"))?)?;
         let all = dict_item(fields, intern!(py, "_all_token_ids"))?;
         Some(RunningCounts {
             computed,
             in_flight,
             num_tokens: all.cast::<PyList>().ok()?.len(),
-        })
-    }
-
-    /// The counts read from the request's `__dict__` (`fields`); None when one is not there or
-    /// not an exact int (list) there.
-    fn read(fields: &Bound<'_, PyDict>) -> Option<Self> {
-        let py = fields.py();
-        let field = |name| fields.get_item(name).ok().flatten();
-        let count = |name| usize::try_from(exact_int(&field(name)?)?).ok();
-        Some(RunningCounts {
-            computed: count(intern!(py, "num_computed_tokens"))?,
-            in_flight: count(intern!(py, "num_in_flight_tokens"))?,
-            num_tokens: field(intern!(py, "_all_token_ids"))?
-                .cast::<PyList>()
-                .ok()?
-                .len(),
         })
     }
 }
@@ -407,6 +393,7 @@ impl Entry {
 
 /// The instance dict of `object` (as `object.__dict__` for an object of a class defined in
 /// Python, without looking the attribute up on its type), or None if it has none.
+#[inline]
 fn instance_dict<'py>(object: &Bound<'py, PyAny>) -> Option<Bound<'py, PyDict>> {
     let py = object.py();
     // SAFETY: `object` is a live object (borrowed for 'py); PyObject_GenericGetDict returns a
@@ -1357,7 +1344,7 @@ unsafe fn step_inside_cached(py: Python<'_>, call: &FastCall) -> Option<*mut ffi
         let steps = pyo3::Borrowed::from_ptr(py, call.slf).cast_unchecked::<PyRunningSteps>();
         (
             steps,
-            *call.args,
+            pyo3::Borrowed::from_ptr(py, *call.args),
             small_int_of(*call.args.add(1), layout)?,
             k,
         )
@@ -1366,22 +1353,12 @@ unsafe fn step_inside_cached(py: Python<'_>, call: &FastCall) -> Option<*mut ffi
     if n == 0 {
         return None;
     }
-    // SAFETY: `request` is alive for the call. PyObject_GenericGetDict returns a new reference,
-    // or null with an exception set (no instance dict), which is cleared; it runs no Python
-    // code besides making an empty dict.
-    let fields = unsafe {
-        let dict = ffi::PyObject_GenericGetDict(request, std::ptr::null_mut());
-        if dict.is_null() {
-            ffi::PyErr_Clear();
-            return None;
-        }
-        Bound::from_owned_ptr(py, dict)
-    };
-    let fields = fields.cast_into::<PyDict>().ok()?;
+    let fields = instance_dict(&request)?;
     let counts = RunningCounts::read_small(&fields, layout)?;
     let slots = lock(&entry.slots);
-    let cached = slots.get(&(request as usize))?;
-    let inside = cached.current(&fields) && cached.slot.get().inside_small(counts, n, k);
+    let cached = slots.get(&(request.as_ptr() as usize))?;
+    let inside =
+        cached.current(&fields) && cached.slot.get().admits(counts, n as usize, k as usize);
     drop(slots);
     inside.then(|| entry.empty.clone_ref(py).into_ptr())
 }
