@@ -27,13 +27,26 @@ class _Recorder(_core._RunningSteps):
         return "python"
 
 
+class _EntryRecorder(_Recorder):
+    """`_Recorder` with `allocate_slots` behind the direct entry, as `hybrid_kv.vllm`'s manager
+    puts it in its class body."""
+
+    allocate_slots = _core._running_steps_entry()
+
+
+ADAPTERS = pytest.mark.parametrize("cls", [_Recorder, _EntryRecorder], ids=["method", "entry"])
+
+
 def _built(name: str) -> str:
     """`name` as a str object made at run time (equal, not the interned one)."""
     return "".join(list(name))
 
 
-def test_the_schedulers_admission_reaches_the_adapter_with_its_arguments() -> None:
-    adapter = _Recorder()
+@ADAPTERS
+def test_the_schedulers_admission_reaches_the_adapter_with_its_arguments(
+    cls: type[_Recorder],
+) -> None:
+    adapter = cls()
     hit = object()
     result = adapter.allocate_slots(
         "req",
@@ -70,22 +83,26 @@ def test_the_schedulers_admission_reaches_the_adapter_with_its_arguments() -> No
 @pytest.mark.parametrize("none_at", [None, *NAMES])
 @pytest.mark.parametrize("built", [False, True])
 @pytest.mark.parametrize("count", [2, 5, 10])
+@ADAPTERS
 def test_every_way_of_giving_the_arguments_reaches_the_adapter_alike(
-    none_at: str | None, built: bool, count: int
+    cls: type[_Recorder], none_at: str | None, built: bool, count: int
 ) -> None:
     given = {name: (i + 1) * 7 for i, name in enumerate(NAMES[:count])}
     if none_at is not None:
         given[none_at] = None
     call = {(_built(k) if built else k): v for k, v in given.items()}
-    adapter = _Recorder()
+    adapter = cls()
     assert adapter.allocate_slots("req", 3, **call) == "python"
     ((args, kwargs),) = adapter.calls
     assert args == ("req", 3)
     assert kwargs == {k: v for k, v in given.items() if v is not None}
 
 
-def test_an_unknown_or_repeated_argument_is_a_type_error_and_reaches_nothing() -> None:
-    adapter = _Recorder()
+@ADAPTERS
+def test_an_unknown_or_repeated_argument_is_a_type_error_and_reaches_nothing(
+    cls: type[_Recorder],
+) -> None:
+    adapter = cls()
     with pytest.raises(TypeError):
         adapter.allocate_slots("req", 3, num_new_computed_tokens=1, bogus=2)
     with pytest.raises(TypeError):

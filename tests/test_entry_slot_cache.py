@@ -1,6 +1,7 @@
 """The entry's cache of slots (`_RunningSteps`, by the address of vLLM's request) answers only
 from the slot in the request's `__dict__`: a slot that left the dict (deleted, replaced, or the
-dict replaced) is not used, and the cache no longer holds it."""
+dict replaced) is not used, and the cache no longer holds it. Each holds for `allocate_slots` as
+the class's method and behind the direct entry (`_running_steps_entry`)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,16 @@ class _Adapter(_core._RunningSteps):
         return PYTHON_PATH
 
 
+class _EntryAdapter(_Adapter):
+    """`_Adapter` with `allocate_slots` behind the direct entry, as `hybrid_kv.vllm`'s manager
+    puts it in its class body: every test here holds for both."""
+
+    allocate_slots = _core._running_steps_entry()
+
+
+ADAPTERS = pytest.mark.parametrize("cls", [_Adapter, _EntryAdapter], ids=["method", "entry"])
+
+
 class _Request:
     """A vLLM-like request (its counts and tokens in its `__dict__`, as vLLM's)."""
 
@@ -44,12 +55,14 @@ def _running(manager: hk.KVCacheManager, request_id: str, first: int) -> tuple[A
     return request, slot
 
 
-def _stepped(empty: Any = None) -> tuple[hk.KVCacheManager, _Adapter, Any, Any]:
+def _stepped(
+    cls: type[_Adapter], empty: Any = None
+) -> tuple[hk.KVCacheManager, _Adapter, Any, Any]:
     """A manager, an adapter whose empty result is `empty`, and a request and its slot after
     one step from the entry: 5 tokens computed in 8 slots, its next one-token steps inside its
     horizon."""
     manager = hk.KVCacheManager([FULL], 16, 64)
-    adapter = _Adapter()
+    adapter = cls()
     adapter._running_steps("slot", empty, manager, adapter.wrap)
     request, slot = _running(manager, "a", 0)
     # The first step reaches the core from the entry (block 2), which caches the slot.
@@ -59,8 +72,8 @@ def _stepped(empty: Any = None) -> tuple[hk.KVCacheManager, _Adapter, Any, Any]:
     return manager, adapter, request, slot
 
 
-def _setup() -> tuple[hk.KVCacheManager, _Adapter, Any]:
-    manager, adapter, request, _ = _stepped()
+def _setup(cls: type[_Adapter]) -> tuple[hk.KVCacheManager, _Adapter, Any]:
+    manager, adapter, request, _ = _stepped(cls)
     return manager, adapter, request
 
 
@@ -69,8 +82,11 @@ def _without_slot(request: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("how", ["deleted", "dict-cleared", "dict-replaced"])
-def test_a_slot_that_left_the_requests_dict_is_not_used_and_not_kept(how: str) -> None:
-    manager, adapter, request = _setup()
+@ADAPTERS
+def test_a_slot_that_left_the_requests_dict_is_not_used_and_not_kept(
+    cls: type[_Adapter], how: str
+) -> None:
+    manager, adapter, request = _setup(cls)
     assert manager.num_requests == 1
     if how == "deleted":
         del request.__dict__["slot"]
@@ -87,8 +103,11 @@ def test_a_slot_that_left_the_requests_dict_is_not_used_and_not_kept(how: str) -
 
 
 @pytest.mark.parametrize("how", ["replaced-in-dict", "dict-replaced"])
-def test_a_slot_replaced_in_the_requests_dict_is_the_one_used(how: str) -> None:
-    manager, adapter, request = _setup()
+@ADAPTERS
+def test_a_slot_replaced_in_the_requests_dict_is_the_one_used(
+    cls: type[_Adapter], how: str
+) -> None:
+    manager, adapter, request = _setup(cls)
     other, slot = _running(manager, "b", 100)  # holds block 3
     fields = dict(request.__dict__, slot=slot)
     fields["_all_token_ids"] = other._all_token_ids
@@ -108,9 +127,9 @@ def test_a_slot_replaced_in_the_requests_dict_is_the_one_used(how: str) -> None:
 _EMPTY = object()
 
 
-def _inside_setup() -> tuple[hk.KVCacheManager, _Adapter, Any, Any]:
+def _inside_setup(cls: type[_Adapter]) -> tuple[hk.KVCacheManager, _Adapter, Any, Any]:
     """`_stepped` with a distinct empty result."""
-    manager, adapter, request, slot = _stepped(_EMPTY)
+    manager, adapter, request, slot = _stepped(cls, _EMPTY)
     assert slot.horizon is not None and slot.running_calls == 1
     return manager, adapter, request, slot
 
@@ -126,10 +145,12 @@ def _inside_setup() -> tuple[hk.KVCacheManager, _Adapter, Any, Any]:
         lambda a, r: a.allocate_slots(r, 1, num_lookahead_tokens=None),
     ],
 )
+@ADAPTERS
 def test_every_shape_of_a_running_step_inside_the_horizon_gets_the_empty_result(
+    cls: type[_Adapter],
     call: Any,
 ) -> None:
-    manager, adapter, request, slot = _inside_setup()
+    manager, adapter, request, slot = _inside_setup(cls)
     free = manager.num_free_blocks
     assert call(adapter, request) is _EMPTY
     assert (slot.running_calls, manager.num_free_blocks) == (1, free)
@@ -148,10 +169,11 @@ def test_every_shape_of_a_running_step_inside_the_horizon_gets_the_empty_result(
         ("num_computed_tokens", 5.0),
     ],
 )
+@ADAPTERS
 def test_a_step_with_a_count_the_short_path_does_not_read_is_decided_in_full(
-    field: str, value: Any
+    cls: type[_Adapter], field: str, value: Any
 ) -> None:
-    manager, adapter, request, slot = _inside_setup()
+    manager, adapter, request, slot = _inside_setup(cls)
     n, k = 1, 0
     if field == "num_new_tokens":
         n = value

@@ -1411,11 +1411,12 @@ unsafe fn allocate_slots_rest(py: Python<'_>, call: FastCall) -> PyResult<*mut f
         let lookahead = match (&kwnames, argv.get(2)) {
             (None, _) => Some(None),
             // SAFETY: a one-name tuple's item 0 is alive while the tuple is; its value is argv[2].
+            // Given as None it counts as not given, as `_RunningSteps.allocate_slots` counts it.
             (Some(names), Some(&value)) if num_keywords == 1 => unsafe {
                 let name = pyo3::Borrowed::from_ptr(py, ffi::PyTuple_GET_ITEM(names.as_ptr(), 0));
                 let expected = intern!(py, "num_lookahead_tokens");
                 (name.is(expected) || name.eq(expected)?)
-                    .then(|| Some(pyo3::Borrowed::from_ptr(py, value)))
+                    .then(|| (value != ffi::Py_None()).then(|| pyo3::Borrowed::from_ptr(py, value)))
             },
             _ => None,
         };
