@@ -8,6 +8,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import hybrid_kv as hk
 import pytest
 from hybrid_kv import _core
 
@@ -108,3 +109,29 @@ def test_an_unknown_or_repeated_argument_is_a_type_error_and_reaches_nothing(
     with pytest.raises(TypeError):
         adapter.allocate_slots("req", 3, 1, num_new_computed_tokens=1)
     assert adapter.calls == []
+
+
+def test_companion_params_refuse_a_zero_block_size_and_new_companions_stay_unmade() -> None:
+    # (A block size of 0 once divided by zero in `_new_companion`: a panic.)
+    adapter = _Recorder()
+    adapter._running_steps("slot", None)
+    with pytest.raises(hk.OutOfRangeError, match="block_size"):
+        adapter._companion_params(0, "sha256", "", 0, True)
+    fields = {
+        "lora_request": None,
+        "prompt_embeds": None,
+        "mm_features": [],
+        "prompt_token_ids": [1, 2, 3, 4, 5],
+        "_all_token_ids": [1, 2, 3, 4, 5],
+        "num_prompt_tokens": 5,
+        "request_id": "r",
+        "cache_salt": None,
+        "skip_reading_prefix_cache": False,
+        "_block_hasher": object(),
+        "block_hashes": [],
+    }
+    request = type("Request", (), {})()
+    request.__dict__.update(fields)
+    # No parameters set: the adapter makes the companion in Python.
+    assert adapter._new_companion(request) is None
+    assert "slot" not in request.__dict__

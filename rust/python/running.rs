@@ -9,6 +9,7 @@ use super::convert::{
     count_of, int_layout, read_int_list_slice, small_exact_int, small_int_of, Count, IntLayout,
     UInt, U32,
 };
+use super::errors::OutOfRangeError;
 use super::manager::{id_lists, PyKVCacheBlocks, PyKVCacheManager};
 use super::request::{lock, merge_supplied, read_supplied, PyRequest};
 use crate::manager::RunningHorizon;
@@ -736,7 +737,8 @@ impl PyRunningSteps {
 
     /// Sets how `_new_companion` makes a request's companion (once; later calls change
     /// nothing): the hash block size, the core's hash algorithm and seed, vLLM's lookahead
-    /// tokens, and whether vLLM's block hashes may be taken.
+    /// tokens, and whether vLLM's block hashes may be taken. A block size of 0 is an
+    /// `OutOfRangeError` (no request's blocks could be counted).
     fn _companion_params(
         &self,
         block_size: Count,
@@ -744,7 +746,12 @@ impl PyRunningSteps {
         hash_seed: Py<PyString>,
         lookahead: Count,
         supply: bool,
-    ) {
+    ) -> PyResult<()> {
+        if block_size.0 == 0 {
+            return Err(OutOfRangeError::new_err(
+                "block_size must be at least 1, got 0",
+            ));
+        }
         let _ = self.companions.set(CompanionParams {
             block_size: block_size.0,
             hash_algo,
@@ -752,6 +759,7 @@ impl PyRunningSteps {
             lookahead: lookahead.get(),
             supply,
         });
+        Ok(())
     }
 
     /// The adapter's `_companion` for a vLLM request that has no slot yet and nothing a plain
