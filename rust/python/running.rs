@@ -325,9 +325,13 @@ impl Cached {
     /// replaced there, is held by the cache alone, unless other code kept it).
     #[inline]
     fn current(&self, fields: &Bound<'_, PyDict>) -> bool {
-        // SAFETY: the slot is alive (held here); reading its reference count races with
-        // nothing that matters: with the GIL no other thread changes it meanwhile, and a
-        // free-threaded build's count is at least the references we can see.
+        // SAFETY: the slot is alive (held here), and reading its reference count is a plain
+        // read of its header. With the GIL no other thread changes the count meanwhile. On a
+        // free-threaded build the count is the sum of two fields read without a lock: another
+        // thread taking or dropping a reference to this slot meanwhile can make it off by those
+        // references (never by the cache's own, which cannot change while the cache's lock is
+        // held), and only a call for the same request does that (the slot's calls do not
+        // overlap, see `PyVllmSlot`).
         self.fields.as_ptr() == fields.as_ptr() && unsafe { ffi::Py_REFCNT(self.slot.as_ptr()) } > 1
     }
 }
@@ -1380,8 +1384,10 @@ fn dict_item<'py>(
 ) -> Option<Bound<'py, PyAny>> {
     let mut value = std::ptr::null_mut();
     // SAFETY: both are live; PyDict_GetItemRef stores a new reference (or null) in `value` and
-    // returns 1 when found, 0 when not, -1 with an exception set. A str key's lookup runs no
-    // Python code (its hash is cached; comparing strs calls nothing).
+    // returns 1 when found, 0 when not, -1 with an exception set. The lookup runs Python code
+    // only if the dict holds a key of another type whose hash equals the str's and whose
+    // `__eq__` is Python's (a str key's hash is cached; comparing strs calls nothing): no
+    // caller holds a lock of this module while it runs, and what the caller uses it holds.
     unsafe {
         match ffi::compat::PyDict_GetItemRef(dict.as_ptr(), key.as_ptr(), &mut value) {
             1 => Some(Bound::from_owned_ptr(dict.py(), value)),
