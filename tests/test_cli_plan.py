@@ -204,6 +204,27 @@ def test_a_closed_pipe_ends_quietly() -> None:
     assert stderr == ""
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", "gemma-3-27b", "--memory", "40GiB", "--json"],  # fails while printing
+        ["demo"],  # fits in the buffer: fails at the final flush
+    ],
+)
+def test_output_that_cannot_be_written_is_one_line_and_exit_1(argv: list[str]) -> None:
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            [sys.executable, "-m", "hybrid_kv", *argv],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=os.environ.copy(),
+        )
+    assert result.returncode == 1
+    assert result.stderr == "hybrid-kv: error: [Errno 28] No space left on device\n"
+
+
 def test_version_names_the_vllm_semantics(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as caught:
         main(["--version"])

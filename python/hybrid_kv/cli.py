@@ -2,7 +2,8 @@
 
 Errors a user can fix (bad sizes, unknown models, budgets that cannot admit one request) print
 one line on stderr and exit with status 2; a simulation that stops without finishing exits
-with 1; Ctrl-C exits with 130 and a closed output pipe (`... --json | head`) with 141, both
+with 1, as does output that cannot be written (`> /dev/full`: one line naming the system's
+error); Ctrl-C exits with 130 and a closed output pipe (`... --json | head`) with 141, both
 without a traceback.
 """
 
@@ -59,16 +60,37 @@ class CommandError(Exception):
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `hybrid-kv` and `python -m hybrid_kv`; returns the exit code."""
     try:
-        return _run(sys.argv[1:] if argv is None else argv)
+        code = _run(sys.argv[1:] if argv is None else argv)
+        # Output still buffered (a short report to a file) fails here rather than in the
+        # interpreter's final flush, where the exit code would not say so.
+        sys.stdout.flush()
+        return code
     except KeyboardInterrupt:
         print("hybrid-kv: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # The reader went away (`| head`): say nothing more, and keep the interpreter's final
         # flush of stdout from failing again.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        _discard_stdout()
         return 141
+    except OSError as error:
+        # Output that cannot be written (`> /dev/full`, a full disk, a terminal gone), or a
+        # file the system refuses: one line, not a traceback. What a failed write left in
+        # stdout's buffer is dropped rather than failing again at the interpreter's final flush.
+        print(f"hybrid-kv: error: {error}", file=sys.stderr)
+        try:
+            sys.stdout.flush()
+        except OSError:
+            _discard_stdout()
+        return 1
+
+
+def _discard_stdout() -> None:
+    """Point stdout at the null device, so what a failed write left in its buffer does not fail
+    again at the interpreter's final flush."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _run(argv: list[str]) -> int:
