@@ -71,6 +71,37 @@ def test_plan_options_reach_the_planner(capsys: pytest.CaptureFixture[str]) -> N
     assert plan["mamba_cache_mode"] == "none"
 
 
+@pytest.mark.parametrize(
+    ("text", "tokens"),
+    [("8192", 8192), ("8K", 8192), ("8k", 8000), ("2.5k", 2500), (" 4k", 4000)],
+)
+def test_token_counts_read_as_vllm_reads_them(
+    text: str, tokens: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # vLLM's --max-model-len and --max-num-batched-tokens take 32k (32,000) and 32K (32,768).
+    argv = ["plan", "llama-3.1-8b", "--memory", "16GiB", "--strategy", "vllm", "--json"]
+    assert main([*argv, "--max-model-len", text, "--max-num-batched-tokens", text]) == 0
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert (plan["max_model_len"], plan["max_in_flight_tokens"]) == (tokens, tokens)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("1.5K", "'1.5K': no decimals with a binary suffix like K (did you mean 1.5k?)"),
+        ("1e3", "not a token count: '1e3'"),
+        ("16kb", "not a token count: '16kb'"),
+    ],
+)
+def test_a_bad_token_count_is_named(
+    text: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(["plan", "llama-3.1-8b", "--memory", "16GiB", "--max-model-len", text])
+    assert caught.value.code == 2
+    assert f"argument --max-model-len: {message}" in capsys.readouterr().err
+
+
 def test_plan_sizes_the_budget_from_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "llama-3.1-8b", "--gpu-memory", "80GiB", "--max-model-len", "8192"]) == 0
     out = capsys.readouterr().out

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -216,7 +219,10 @@ def _add_plan_options(
 ) -> None:
     default = "the config's" + (f", at most {max_model_len_cap:,}" if max_model_len_cap else "")
     parser.add_argument(
-        "--max-model-len", type=int, default=None, help=f"longest request (default: {default})"
+        "--max-model-len",
+        type=_token_count,
+        default=None,
+        help=f"longest request, e.g. 32768, 32K or 32k as vLLM reads them (default: {default})",
     )
     parser.add_argument(
         "--strategy",
@@ -234,12 +240,42 @@ def _add_plan_options(
     )
     parser.add_argument(
         "--max-num-batched-tokens",
-        type=int,
+        type=_token_count,
         default=batched_default,
         metavar="N",
         help="tokens per scheduler step; sliding-window groups reserve blocks for them"
         + (f" (default {batched_default})" if batched_default else ""),
     )
+
+
+_TOKEN_COUNT_RE = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _token_count(text: str) -> int:
+    """A token count as vLLM's `--max-model-len` and `--max-num-batched-tokens` read it
+    (`human_readable_int`): an integer, or a number with a decimal suffix (`32k` = 32,000,
+    `25.6k` = 25,600) or a whole number with a binary one (`32K` = 32,768). Range checks are
+    the planner's."""
+    value = text.strip()
+    match = _TOKEN_COUNT_RE.fullmatch(value)
+    if match is None:
+        try:
+            return int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"not a token count: {text!r} (e.g. 32768, 32K = 32,768 or 32k = 32,000)"
+            ) from None
+    number, suffix = match.groups()
+    if suffix in _BINARY_SUFFIXES:
+        if "." in number:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: no decimals with a binary suffix like {suffix} "
+                f"(did you mean {number}{suffix.lower()}?)"
+            )
+        return int(number) * _BINARY_SUFFIXES[suffix]
+    return math.floor(Fraction(number) * _DECIMAL_SUFFIXES[suffix])
 
 
 def _model(args: argparse.Namespace) -> ModelSpec:
