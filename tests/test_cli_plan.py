@@ -294,6 +294,7 @@ def test_plot_without_an_extension_writes_and_names_a_png(
         ("missing/x.png", "no such directory"),
         (".", "not a file name"),
         ("dir.png", "is a directory"),
+        ("plots", "--plot plots is a directory"),  # not written as plots.png
     ],
 )
 @pytest.mark.parametrize("command", ["plan", "simulate"])
@@ -309,6 +310,7 @@ def test_a_plot_target_that_cannot_be_written_fails_before_any_work(
     from hybrid_kv import simulate as simulate_module
 
     (tmp_path / "dir.png").mkdir()
+    (tmp_path / "plots").mkdir()
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(cli_module, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
     monkeypatch.setattr(simulate_module, "simulate", lambda *a, **k: pytest.fail("simulated"))
