@@ -102,6 +102,14 @@ def test_a_bad_token_count_is_named(
     assert f"argument --max-model-len: {message}" in capsys.readouterr().err
 
 
+def test_dtype_auto_is_the_checkpoints_as_in_vllm(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "llama-3.1-8b", "--memory", "24GiB", "--strategy", "vllm", "--json"]
+    assert main(argv) == 0
+    default = json.loads(capsys.readouterr().out)["plan"]
+    assert main([*argv, "--dtype", "auto"]) == 0
+    assert json.loads(capsys.readouterr().out)["plan"] == default
+
+
 def test_plan_sizes_the_budget_from_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "llama-3.1-8b", "--gpu-memory", "80GiB", "--max-model-len", "8192"]) == 0
     out = capsys.readouterr().out

@@ -170,7 +170,10 @@ def _add_model_options(parser: argparse.ArgumentParser, *, default: str | None =
         "id in the local cache" + (f" (default {default})" if default else ""),
     )
     parser.add_argument(
-        "--dtype", default=None, help="attention KV dtype: fp32, bf16, fp16, fp8_e4m3, fp8_e5m2"
+        "--dtype",
+        default=None,
+        help="attention KV dtype: auto (the checkpoint's, as vLLM's default), fp32, bf16, fp16, "
+        "fp8_e4m3, fp8_e5m2",
     )
     parser.add_argument(
         "--tensor-parallel-size",
@@ -279,7 +282,9 @@ def _token_count(text: str) -> int:
 
 
 def _model(args: argparse.Namespace) -> ModelSpec:
-    return load_model(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
+    # vLLM's `--dtype auto` and `--kv-cache-dtype auto` (its default) mean the checkpoint's.
+    dtype = None if args.dtype is not None and args.dtype.strip().lower() == "auto" else args.dtype
+    return load_model(args.model, dtype=dtype, tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _budget(args: argparse.Namespace, model: ModelSpec) -> tuple[int, str]:
