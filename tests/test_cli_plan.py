@@ -180,6 +180,8 @@ def test_plan_figure_labels_axes_and_lists_only_present_kinds() -> None:
         (["plan", "gemma-3-27b", "--memory", "forty"], "bad memory size 'forty'"),
         (["plan", "gemma-3-27b", "--memory", "40"], "has no unit: write 40GiB"),
         (["plan", "gemma-3-27b", "--memory", "-1GiB"], "memory size must be positive"),
+        (["plan", "gemma-3-27b", "--memory", "0"], "memory size must be positive, got '0'"),
+        (["plan", "gemma-3-27b", "--memory", "0.0"], "memory size must be positive, got '0.0'"),
         (["plan", "gemma-3-27b"], "give --memory"),
         (["plan", "gemma-3-27b", "--memory", "4GiB", "--gpu-memory", "8GiB"], "not both"),
         (["plan", "gemma-3n-e4b", "--gpu-memory", "24GiB"], "pass --weights-memory"),

@@ -40,6 +40,9 @@ def parse_memory(text: str | int) -> int:
     number, prefix, binary, byte_suffix = match.groups()
     prefix = prefix.lower()
     if not prefix and not binary and not byte_suffix:
+        if Fraction(number) == 0:
+            # No unit makes a size of nothing: say what is wrong, not which unit to add.
+            raise PlanError(f"memory size must be positive, got {text!r}")
         raise PlanError(
             f"memory size {text!r} has no unit: write {number}GiB (or {number}GB, {number}MiB; "
             f"{number}B for bytes)"
