@@ -44,7 +44,7 @@ from hybrid_kv.planner import (
 )
 from hybrid_kv.planner.search import MAX_BLOCKS
 
-__all__ = ["VLLM_SEMANTICS_VERSION", "format_plan_report", "main"]
+__all__ = ["VLLM_SEMANTICS_VERSION", "format_plan_report", "main", "run_command"]
 
 VLLM_SEMANTICS_VERSION = "0.33"
 """The vLLM release whose KV-cache manager semantics hybrid-kv follows."""
@@ -62,8 +62,14 @@ class CommandError(Exception):
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `hybrid-kv` and `python -m hybrid_kv`; returns the exit code."""
+    return run_command(lambda: _run(sys.argv[1:] if argv is None else argv))
+
+
+def run_command(command: Callable[[], int]) -> int:
+    """`command()`'s exit code, or the one a command line gives when it is interrupted or its
+    output cannot be written (also `python -m hybrid_kv.replay`'s entry)."""
     try:
-        code = _run(sys.argv[1:] if argv is None else argv)
+        code = command()
         # Output still buffered (a short report to a file) fails here rather than in the
         # interpreter's final flush, where the exit code would not say so.
         sys.stdout.flush()
