@@ -180,6 +180,10 @@ def test_plan_figure_labels_axes_and_lists_only_present_kinds() -> None:
         (["plan", "gemma-3-27b", "--memory", "forty"], "bad memory size 'forty'"),
         (["plan", "gemma-3-27b", "--memory", "40"], "has no unit: write 40GiB"),
         (["plan", "gemma-3-27b", "--memory", "-1GiB"], "memory size must be positive"),
+        (
+            ["plan", "gemma-3-27b", "--memory", "24GiB", "--strategy", "vllm", "--max-groups", "2"],
+            "--max-groups caps min-waste's grouping; --strategy vllm groups as vLLM 0.33 does",
+        ),
         (["plan", "gemma-3-27b", "--memory", "0"], "memory size must be positive, got '0'"),
         (["plan", "gemma-3-27b", "--memory", "0.0"], "memory size must be positive, got '0.0'"),
         (["plan", "gemma-3-27b"], "give --memory"),

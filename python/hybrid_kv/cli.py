@@ -401,6 +401,10 @@ def _note_long_max_model_len(model: ModelSpec, max_model_len: int | None) -> Non
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    if args.strategy == "vllm" and args.max_groups is not None:
+        raise CommandError(
+            "--max-groups caps min-waste's grouping; --strategy vllm groups as vLLM 0.33 does"
+        )
     plot = _plot_target(args)
     model = _model(args)
     memory, budget_line = _budget(args, model)
