@@ -110,6 +110,18 @@ def test_dtype_auto_is_the_checkpoints_as_in_vllm(capsys: pytest.CaptureFixture[
     assert json.loads(capsys.readouterr().out)["plan"] == default
 
 
+def test_vllms_option_names_are_taken(capsys: pytest.CaptureFixture[str]) -> None:
+    # As an operator copies them from a `vllm serve` command line.
+    argv = ["plan", "gpt-oss-120b", "--gpu-memory", "80GiB", "--max-model-len", "8192", "--json"]
+    ours = ["--tensor-parallel-size", "2", "--dtype", "fp8", "--no-prefix-caching"]
+    vllms = ["-tp", "2", "--kv-cache-dtype", "fp8", "--no-enable-prefix-caching"]
+    assert main([*argv, *ours]) == 0
+    expected = json.loads(capsys.readouterr().out)
+    assert expected["tensor_parallel_size"] == 2
+    assert main([*argv, *vllms]) == 0
+    assert json.loads(capsys.readouterr().out) == expected
+
+
 def test_plan_sizes_the_budget_from_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "llama-3.1-8b", "--gpu-memory", "80GiB", "--max-model-len", "8192"]) == 0
     out = capsys.readouterr().out

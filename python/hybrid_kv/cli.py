@@ -177,12 +177,16 @@ def _add_model_options(parser: argparse.ArgumentParser, *, default: str | None =
     )
     parser.add_argument(
         "--dtype",
+        "--kv-cache-dtype",
+        dest="dtype",
         default=None,
         help="attention KV dtype: auto (the checkpoint's, as vLLM's default), fp32, bf16, fp16, "
         "fp8_e4m3, fp8_e5m2",
     )
     parser.add_argument(
         "--tensor-parallel-size",
+        "-tp",
+        dest="tensor_parallel_size",
         type=int,
         default=1,
         metavar="N",
@@ -346,6 +350,8 @@ def _add_plan_parser(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--no-prefix-caching",
+        "--no-enable-prefix-caching",
+        dest="no_prefix_caching",
         action="store_true",
         help="Mamba layers in vLLM's 'none' mode (one state block per request)",
     )
