@@ -212,6 +212,9 @@ def test_an_uncached_hub_id_says_where_it_looked_and_never_downloads(
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(CatalogueError, match=r"not in the local Hugging Face cache.*download"):
         load_model("someone/never-seen")
+    # huggingface_hub 1.0 removed `huggingface-cli`; its command line is `hf`.
+    with pytest.raises(CatalogueError, match="`hf download someone/never-seen config.json`"):
+        load_model("someone/never-seen")
 
 
 def test_bad_json_is_a_clear_error(tmp_path: Path) -> None:

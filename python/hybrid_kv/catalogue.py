@@ -155,7 +155,7 @@ def resolve_model(model: str) -> Path:
         raise CatalogueError(
             f"no such file {model!r}, and {model} is not in the local Hugging Face cache "
             f"({hub_cache_dir()}); hybrid-kv does not download: fetch it with "
-            f"`huggingface-cli download {model} config.json` or give a path to its config.json"
+            f"`hf download {model} config.json` or give a path to its config.json"
         )
     if _looks_like_path(model):
         raise CatalogueError(f"no such file or directory: {model}")
