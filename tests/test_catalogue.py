@@ -89,6 +89,14 @@ def test_cohere2_has_three_sliding_layers_per_full_layer() -> None:
     assert _kinds("command-r7b") == {"sliding_window": 24, "full": 8}
 
 
+def test_cohere2_windows_hold_one_token_more_than_the_config_as_vllm_gives_them() -> None:
+    # vLLM 0.33's Cohere2 attention passes `sliding_window + 1` (its layer sees the window and
+    # the current token), and its KV cache spec carries that window.
+    layers = load_model("command-r7b").layers
+    assert load_config("command-r7b")["sliding_window"] == 4096
+    assert {s.sliding_window for s in layers.values() if s.kind == "sliding_window"} == {4097}
+
+
 def test_mistral_family_slides_on_every_layer() -> None:
     assert _kinds("ministral-8b") == {"sliding_window": 36}
     assert _kinds("mistral-7b-v0.1") == {"sliding_window": 32}

@@ -612,8 +612,12 @@ def _window(ctx: _Context, kinds: list[str]) -> int | None:
 # --------------------------------------------------------------------------- builders
 
 
-def _sliding_pattern(pattern_default: int | None) -> Callable[[_Context], dict[str, LayerSpec]]:
-    """Gemma-2/3, Cohere2, gpt-oss: `layer_types`, else every `pattern`-th layer is full."""
+def _sliding_pattern(
+    pattern_default: int | None, window_extra: int = 0
+) -> Callable[[_Context], dict[str, LayerSpec]]:
+    """Gemma-2/3, Cohere2, gpt-oss: `layer_types`, else every `pattern`-th layer is full. A sliding
+    layer's window is the config's plus `window_extra` (Cohere2: vLLM 0.33's attention sees
+    `sliding_window + 1` tokens, and its KV cache spec says so)."""
 
     def build(ctx: _Context) -> dict[str, LayerSpec]:
         num_layers, kv_heads, head_dim = _attention_shape(ctx)
@@ -623,7 +627,10 @@ def _sliding_pattern(pattern_default: int | None) -> Callable[[_Context], dict[s
             kinds = [
                 "full" if (i + 1) % pattern == 0 else "sliding_window" for i in range(num_layers)
             ]
-        return _build(ctx, kinds, kv_heads, head_dim, window=_window(ctx, kinds))
+        window = _window(ctx, kinds)
+        if window is not None:
+            window += window_extra
+        return _build(ctx, kinds, kv_heads, head_dim, window=window)
 
     return build
 
@@ -863,7 +870,7 @@ def _qwen3_next(ctx: _Context) -> dict[str, LayerSpec]:
 _BUILDERS: dict[str, Callable[[_Context], dict[str, LayerSpec]]] = {
     "gemma2": _sliding_pattern(2),
     "gemma3": _sliding_pattern(6),
-    "cohere2": _sliding_pattern(4),
+    "cohere2": _sliding_pattern(4, window_extra=1),
     "gpt_oss": _sliding_pattern(2),
     "gemma3n": _gemma3n,
     "mistral": _mistral,
