@@ -97,6 +97,19 @@ def test_cohere2_windows_hold_one_token_more_than_the_config_as_vllm_gives_them(
     assert {s.sliding_window for s in layers.values() if s.kind == "sliding_window"} == {4097}
 
 
+def test_gpt_oss_slides_on_even_layers_whatever_its_layer_types_say() -> None:
+    # vLLM 0.33's gpt-oss attention picks the window by the layer's index, not `layer_types`.
+    config = load_config("gpt-oss-20b")
+    config["layer_types"] = ["sliding_attention"] * config["num_hidden_layers"]
+    layers = layer_specs_from_config(config)
+    assert [layers[f"model.layers.{i}"].kind for i in range(4)] == [
+        "sliding_window",
+        "full",
+        "sliding_window",
+        "full",
+    ]
+
+
 def test_mistral_family_slides_on_every_layer() -> None:
     assert _kinds("ministral-8b") == {"sliding_window": 36}
     assert _kinds("mistral-7b-v0.1") == {"sliding_window": 32}

@@ -615,7 +615,7 @@ def _window(ctx: _Context, kinds: list[str]) -> int | None:
 def _sliding_pattern(
     pattern_default: int | None, window_extra: int = 0
 ) -> Callable[[_Context], dict[str, LayerSpec]]:
-    """Gemma-2/3, Cohere2, gpt-oss: `layer_types`, else every `pattern`-th layer is full. A sliding
+    """Gemma-2/3, Cohere2: `layer_types`, else every `pattern`-th layer is full. A sliding
     layer's window is the config's plus `window_extra` (Cohere2: vLLM 0.33's attention sees
     `sliding_window + 1` tokens, and its KV cache spec says so)."""
 
@@ -633,6 +633,17 @@ def _sliding_pattern(
         return _build(ctx, kinds, kv_heads, head_dim, window=window)
 
     return build
+
+
+def _gpt_oss(ctx: _Context) -> dict[str, LayerSpec]:
+    """gpt-oss: even layers slide, odd layers are full, as vLLM 0.33's attention decides by
+    the layer's index. Its checkpoints' `layer_types` say the same; vLLM does not read them, so
+    a config whose `layer_types` say otherwise is planned as vLLM runs it (they are still
+    checked: a layer kind gpt-oss has not is refused)."""
+    num_layers, kv_heads, head_dim = _attention_shape(ctx)
+    _kinds_from_layer_types(ctx, num_layers, _ATTENTION_KINDS)
+    kinds = ["sliding_window" if i % 2 == 0 else "full" for i in range(num_layers)]
+    return _build(ctx, kinds, kv_heads, head_dim, window=_window(ctx, kinds))
 
 
 def _gemma3n(ctx: _Context) -> dict[str, LayerSpec]:
@@ -871,7 +882,7 @@ _BUILDERS: dict[str, Callable[[_Context], dict[str, LayerSpec]]] = {
     "gemma2": _sliding_pattern(2),
     "gemma3": _sliding_pattern(6),
     "cohere2": _sliding_pattern(4, window_extra=1),
-    "gpt_oss": _sliding_pattern(2),
+    "gpt_oss": _gpt_oss,
     "gemma3n": _gemma3n,
     "mistral": _mistral,
     "phi3": _mistral,
