@@ -604,9 +604,26 @@ def _kinds_from_layer_types(
 
 
 def _window(ctx: _Context, kinds: list[str]) -> int | None:
-    if "sliding_window" not in kinds:
+    if "sliding_window" not in kinds or _window_disabled(ctx):
         return None
     return _int(ctx.text, "sliding_window", ctx.model_type)
+
+
+def _window_disabled(ctx: _Context) -> bool:
+    """Whether the config writes `sliding_window` as null or 0: vLLM 0.33 reads 0 as no window
+    (its ModelConfig: "some checkpoints set sliding_window to 0 to indicate that sliding window
+    is disabled"), and a layer with no window attends to every token."""
+    value = ctx.text.get("sliding_window", 1)
+    return value is None or (type(value) is int and value == 0)
+
+
+def _windowed(ctx: _Context, kinds: list[str]) -> tuple[list[str], int | None]:
+    """`kinds` and the window of their sliding layers; with the window disabled (`_window`),
+    sliding layers are full, as vLLM 0.33 runs them."""
+    window = _window(ctx, kinds)
+    if window is None:
+        kinds = ["full" if kind == "sliding_window" else kind for kind in kinds]
+    return kinds, window
 
 
 # --------------------------------------------------------------------------- builders
@@ -627,7 +644,14 @@ def _sliding_pattern(
             kinds = [
                 "full" if (i + 1) % pattern == 0 else "sliding_window" for i in range(num_layers)
             ]
-        window = _window(ctx, kinds)
+        if window_extra and "sliding_window" in kinds and _window_disabled(ctx):
+            # vLLM 0.33's Cohere2 attention adds to the window: it cannot load this config.
+            raise CatalogueError(
+                f"{ctx.model_type} config: 'sliding_window' is "
+                f"{ctx.text['sliding_window']!r}, and vLLM 0.33 needs a window for its "
+                "sliding layers"
+            )
+        kinds, window = _windowed(ctx, kinds)
         if window is not None:
             window += window_extra
         return _build(ctx, kinds, kv_heads, head_dim, window=window)
@@ -643,7 +667,8 @@ def _gpt_oss(ctx: _Context) -> dict[str, LayerSpec]:
     num_layers, kv_heads, head_dim = _attention_shape(ctx)
     _kinds_from_layer_types(ctx, num_layers, _ATTENTION_KINDS)
     kinds = ["sliding_window" if i % 2 == 0 else "full" for i in range(num_layers)]
-    return _build(ctx, kinds, kv_heads, head_dim, window=_window(ctx, kinds))
+    kinds, window = _windowed(ctx, kinds)
+    return _build(ctx, kinds, kv_heads, head_dim, window=window)
 
 
 def _gemma3n(ctx: _Context) -> dict[str, LayerSpec]:
@@ -651,7 +676,11 @@ def _gemma3n(ctx: _Context) -> dict[str, LayerSpec]:
     kinds = _kinds_from_layer_types(ctx, num_layers, _ATTENTION_KINDS)
     if kinds is None:
         kinds = ["full" if (i + 1) % 5 == 0 else "sliding_window" for i in range(num_layers)]
-    layers = _build(ctx, kinds, kv_heads, head_dim, window=_window(ctx, kinds))
+    # Shared layers take their cache from a layer of the same `layer_types` entry, as in vLLM,
+    # even when a disabled window makes sliding layers full.
+    types = kinds
+    kinds, window = _windowed(ctx, kinds)
+    layers = _build(ctx, kinds, kv_heads, head_dim, window=window)
     num_shared = ctx.text.get("num_kv_shared_layers", 0)
     if num_shared:
         num_shared = _get_int(ctx, "num_kv_shared_layers")
@@ -660,10 +689,10 @@ def _gemma3n(ctx: _Context) -> dict[str, LayerSpec]:
             raise CatalogueError(f"{ctx.model_type} config: every layer is a KV-sharing layer")
         for index in range(first_shared, num_layers):
             # The last non-shared layer of the same attention type owns the cache.
-            owners = [i for i in range(first_shared) if kinds[i] == kinds[index]]
+            owners = [i for i in range(first_shared) if types[i] == types[index]]
             if not owners:
                 raise CatalogueError(
-                    f"{ctx.model_type} config: layer {index} ({kinds[index]}) has no "
+                    f"{ctx.model_type} config: layer {index} ({types[index]}) has no "
                     "non-shared layer of its type to share KV with"
                 )
             layers[_name(index)] = KVSharingSpec(_name(owners[-1]))
@@ -677,7 +706,8 @@ def _mistral(ctx: _Context) -> dict[str, LayerSpec]:
     kinds = _kinds_from_layer_types(ctx, num_layers, _ATTENTION_KINDS)
     window = ctx.text.get("sliding_window")
     if kinds is not None:
-        return _build(ctx, kinds, kv_heads, head_dim, window=_window(ctx, kinds))
+        kinds, size = _windowed(ctx, kinds)
+        return _build(ctx, kinds, kv_heads, head_dim, window=size)
     if isinstance(window, list):  # params.json-style per-layer pattern, repeated
         if not window:
             raise CatalogueError(f"{ctx.model_type} config: empty 'sliding_window' pattern")
@@ -693,8 +723,8 @@ def _mistral(ctx: _Context) -> dict[str, LayerSpec]:
                         ctx, "sliding_window", kv_heads, head_dim, size, None
                     )
         return layers
-    kind = "full" if window is None else "sliding_window"
-    size = None if window is None else _int(ctx.text, "sliding_window", ctx.model_type)
+    kind = "full" if window is None or _window_disabled(ctx) else "sliding_window"
+    size = None if kind == "full" else _int(ctx.text, "sliding_window", ctx.model_type)
     return _build(ctx, [kind] * num_layers, kv_heads, head_dim, window=size)
 
 
@@ -710,7 +740,8 @@ def _qwen2(ctx: _Context) -> dict[str, LayerSpec]:
             kinds = ["sliding_window" if i >= first else "full" for i in range(num_layers)]
         else:
             kinds = ["full"] * num_layers
-    return _build(ctx, kinds, kv_heads, head_dim, window=_window(ctx, kinds))
+    kinds, window = _windowed(ctx, kinds)
+    return _build(ctx, kinds, kv_heads, head_dim, window=window)
 
 
 def _llama(ctx: _Context) -> dict[str, LayerSpec]:
