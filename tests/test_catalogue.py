@@ -483,10 +483,44 @@ def test_qwen2_and_qwen3_are_full_attention() -> None:
     assert layer_specs_from_config(QWEN3_8B)["model.layers.0"].bytes_per_token == 8 * 256 * 2
 
 
-def test_qwen2_slides_from_max_window_layers_when_enabled() -> None:
-    config = {**QWEN25_7B, "num_hidden_layers": 4, "use_sliding_window": True}
-    config["max_window_layers"] = 2
-    assert _kinds_of(layer_specs_from_config(config)) == ["full"] * 2 + ["sliding_window"] * 2
+# vLLM 0.33's Qwen2/Qwen3 (dense and MoE) attention takes no per-layer window: all layers slide
+# by the model-wide window vLLM sets when transformers' `layer_types` are absent or all sliding,
+# and Qwen2Model asserts that mixed `layer_types` cover every layer (`max_window_layers`).
+def _qwen(config: dict[str, object], layers: int = 4, **fields: object) -> dict[str, object]:
+    return {**config, "num_hidden_layers": layers, "sliding_window": 64, **fields}
+
+
+def test_qwen2_slides_everywhere_when_every_layer_is_past_max_window_layers() -> None:
+    config = _qwen(QWEN25_7B, use_sliding_window=True, max_window_layers=0)
+    layers = layer_specs_from_config(config)
+    assert _kinds_of(layers) == ["sliding_window"] * 4
+    assert layers["model.layers.3"].sliding_window == 64  # type: ignore[attr-defined]
+
+
+def test_qwen2_with_max_window_layers_at_the_layer_count_is_full() -> None:
+    config = _qwen(QWEN25_7B, use_sliding_window=True, max_window_layers=4)
+    assert _kinds_of(layer_specs_from_config(config)) == ["full"] * 4
+
+
+@pytest.mark.parametrize("config", [QWEN25_7B, QWEN3_8B])
+def test_qwen2_and_qwen3_sliding_on_some_layers_is_refused_as_vllm_refuses_it(
+    config: dict[str, object],
+) -> None:
+    mixed = _qwen(config, use_sliding_window=True, max_window_layers=2)
+    with pytest.raises(CatalogueError, match=r"max_window_layers 2 < num_hidden_layers 4"):
+        layer_specs_from_config(mixed)
+
+
+def test_qwen3_moe_has_no_layer_types_so_every_layer_slides_when_enabled() -> None:
+    config = _qwen(QWEN3_30B_A3B, use_sliding_window=True, max_window_layers=2)
+    assert _kinds_of(layer_specs_from_config(config)) == ["sliding_window"] * 4
+    config["use_sliding_window"] = False
+    assert _kinds_of(layer_specs_from_config(config)) == ["full"] * 4
+
+
+def test_qwen2_moe_layer_types_are_mixed_so_it_runs_full() -> None:
+    config = _qwen(QWEN3_30B_A3B, model_type="qwen2_moe", use_sliding_window=True)
+    assert _kinds_of(layer_specs_from_config(config)) == ["full"] * 4
 
 
 def test_qwen3_next_alternates_gated_deltanet_and_full_attention() -> None:

@@ -255,6 +255,7 @@ def layer_specs_from_config(
         model_dtype,
         tensor_parallel_size,
         _TRANSFORMERS_DEFAULTS.get(source_type, {}),
+        source_type,
     )
     heads = context.lookup("num_attention_heads")
     if isinstance(heads, int) and heads > 0 and heads % tensor_parallel_size:
@@ -356,6 +357,8 @@ class _Context:
     model_dtype: str
     tp: int
     defaults: Mapping[str, int] = field(default_factory=dict)
+    source_type: str = ""
+    """The model type as the config writes it (`model_type` is the builder's)."""
 
     def lookup(self, key: str) -> Any:
         """`key` of the text config; transformers' default when the config leaves it out."""
@@ -729,19 +732,48 @@ def _mistral(ctx: _Context) -> dict[str, LayerSpec]:
 
 
 def _qwen2(ctx: _Context) -> dict[str, LayerSpec]:
-    """Qwen2/2.5/3 (dense and MoE): full attention; with `use_sliding_window`, layers from
-    `max_window_layers` on slide (transformers' rule), unless `layer_types` says otherwise."""
+    """Qwen2/2.5/3 (dense and MoE), as vLLM 0.33 runs them. Their attention takes no per-layer
+    window: every layer slides by the model-wide window, which vLLM sets only when the
+    transformers config's `layer_types` are absent or all sliding, and only with
+    `use_sliding_window` (transformers drops the window otherwise). `layer_types` are the
+    config's, or transformers' for the class: Qwen2/Qwen3 slide from `max_window_layers` on,
+    Qwen2-MoE every other layer below it, Qwen3-MoE has none. Mixed `layer_types` run full,
+    except that vLLM's Qwen2/Qwen3 model refuses them unless `max_window_layers` is
+    `num_hidden_layers`."""
     num_layers, kv_heads, head_dim = _attention_shape(ctx)
-    kinds = _kinds_from_layer_types(ctx, num_layers, _ATTENTION_KINDS)
-    if kinds is None:
-        if ctx.text.get("use_sliding_window") and ctx.text.get("sliding_window") is not None:
-            first = ctx.text.get("max_window_layers", num_layers)
-            first = _int(ctx.text, "max_window_layers", ctx.model_type, first)
-            kinds = ["sliding_window" if i >= first else "full" for i in range(num_layers)]
-        else:
-            kinds = ["full"] * num_layers
-    kinds, window = _windowed(ctx, kinds)
-    return _build(ctx, kinds, kv_heads, head_dim, window=window)
+    given = _kinds_from_layer_types(ctx, num_layers, _ATTENTION_KINDS)
+    window = ctx.text.get("sliding_window") if ctx.text.get("use_sliding_window") else None
+    if window is not None and not _window_disabled(ctx):
+        window = _int(ctx.text, "sliding_window", ctx.model_type)
+    else:
+        window = None
+    first = ctx.text.get("max_window_layers", 28)  # transformers' default
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        raise CatalogueError(
+            f"{ctx.model_type} config: 'max_window_layers' must be an int >= 0, got {first!r}"
+        )
+    kinds: list[str] | None = given
+    if kinds is None and ctx.source_type == "qwen2_moe":
+        sliding = bool(ctx.text.get("use_sliding_window"))
+        kinds = [
+            "sliding_window" if (i + 1) % 2 and i < first and sliding else "full"
+            for i in range(num_layers)
+        ]
+    elif kinds is None and ctx.source_type != "qwen3_moe":
+        kinds = [
+            "sliding_window" if window is not None and i >= first else "full"
+            for i in range(num_layers)
+        ]
+    mixed = kinds is not None and len(set(kinds)) > 1
+    if mixed and ctx.source_type in ("qwen2", "qwen3") and first != num_layers:
+        raise CatalogueError(
+            f"{ctx.source_type} config: sliding window on some layers but not all "
+            f"(max_window_layers {first} < num_hidden_layers {num_layers}), which vLLM 0.33's "
+            f"{ctx.source_type} model refuses"
+        )
+    if window is None or (kinds is not None and set(kinds) != {"sliding_window"}):
+        return _build(ctx, ["full"] * num_layers, kv_heads, head_dim)
+    return _build(ctx, ["sliding_window"] * num_layers, kv_heads, head_dim, window=window)
 
 
 def _llama(ctx: _Context) -> dict[str, LayerSpec]:
