@@ -518,6 +518,11 @@ def test_qwen3_moe_has_no_layer_types_so_every_layer_slides_when_enabled() -> No
     assert _kinds_of(layer_specs_from_config(config)) == ["full"] * 4
 
 
+def test_qwen_without_sliding_window_reads_no_max_window_layers() -> None:
+    config = _qwen(QWEN25_7B, use_sliding_window=False, max_window_layers=None)
+    assert _kinds_of(layer_specs_from_config(config)) == ["full"] * 4
+
+
 def test_qwen2_moe_layer_types_are_mixed_so_it_runs_full() -> None:
     config = _qwen(QWEN3_30B_A3B, model_type="qwen2_moe", use_sliding_window=True)
     assert _kinds_of(layer_specs_from_config(config)) == ["full"] * 4

@@ -747,6 +747,9 @@ def _qwen2(ctx: _Context) -> dict[str, LayerSpec]:
         window = _int(ctx.text, "sliding_window", ctx.model_type)
     else:
         window = None
+    if window is None and given is None:
+        # No window, so transformers' layer_types are all full: max_window_layers is not read.
+        return _build(ctx, ["full"] * num_layers, kv_heads, head_dim)
     first = ctx.text.get("max_window_layers", 28)  # transformers' default
     if isinstance(first, bool) or not isinstance(first, int) or first < 0:
         raise CatalogueError(
