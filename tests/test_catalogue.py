@@ -89,6 +89,27 @@ def test_cohere2_has_three_sliding_layers_per_full_layer() -> None:
     assert _kinds("command-r7b") == {"sliding_window": 24, "full": 8}
 
 
+def test_cohere2_windows_hold_one_token_more_than_the_config_as_vllm_gives_them() -> None:
+    # vLLM 0.33's Cohere2 attention passes `sliding_window + 1` (its layer sees the window and
+    # the current token), and its KV cache spec carries that window.
+    layers = load_model("command-r7b").layers
+    assert load_config("command-r7b")["sliding_window"] == 4096
+    assert {s.sliding_window for s in layers.values() if s.kind == "sliding_window"} == {4097}
+
+
+def test_gpt_oss_slides_on_even_layers_whatever_its_layer_types_say() -> None:
+    # vLLM 0.33's gpt-oss attention picks the window by the layer's index, not `layer_types`.
+    config = load_config("gpt-oss-20b")
+    config["layer_types"] = ["sliding_attention"] * config["num_hidden_layers"]
+    layers = layer_specs_from_config(config)
+    assert [layers[f"model.layers.{i}"].kind for i in range(4)] == [
+        "sliding_window",
+        "full",
+        "sliding_window",
+        "full",
+    ]
+
+
 def test_mistral_family_slides_on_every_layer() -> None:
     assert _kinds("ministral-8b") == {"sliding_window": 36}
     assert _kinds("mistral-7b-v0.1") == {"sliding_window": 32}
@@ -211,6 +232,9 @@ def test_an_uncached_hub_id_says_where_it_looked_and_never_downloads(
 ) -> None:
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(CatalogueError, match=r"not in the local Hugging Face cache.*download"):
+        load_model("someone/never-seen")
+    # huggingface_hub 1.0 removed `huggingface-cli`; its command line is `hf`.
+    with pytest.raises(CatalogueError, match="`hf download someone/never-seen config.json`"):
         load_model("someone/never-seen")
 
 
@@ -459,10 +483,49 @@ def test_qwen2_and_qwen3_are_full_attention() -> None:
     assert layer_specs_from_config(QWEN3_8B)["model.layers.0"].bytes_per_token == 8 * 256 * 2
 
 
-def test_qwen2_slides_from_max_window_layers_when_enabled() -> None:
-    config = {**QWEN25_7B, "num_hidden_layers": 4, "use_sliding_window": True}
-    config["max_window_layers"] = 2
-    assert _kinds_of(layer_specs_from_config(config)) == ["full"] * 2 + ["sliding_window"] * 2
+# vLLM 0.33's Qwen2/Qwen3 (dense and MoE) attention takes no per-layer window: all layers slide
+# by the model-wide window vLLM sets when transformers' `layer_types` are absent or all sliding,
+# and Qwen2Model asserts that mixed `layer_types` cover every layer (`max_window_layers`).
+def _qwen(config: dict[str, object], layers: int = 4, **fields: object) -> dict[str, object]:
+    return {**config, "num_hidden_layers": layers, "sliding_window": 64, **fields}
+
+
+def test_qwen2_slides_everywhere_when_every_layer_is_past_max_window_layers() -> None:
+    config = _qwen(QWEN25_7B, use_sliding_window=True, max_window_layers=0)
+    layers = layer_specs_from_config(config)
+    assert _kinds_of(layers) == ["sliding_window"] * 4
+    assert layers["model.layers.3"].sliding_window == 64  # type: ignore[attr-defined]
+
+
+def test_qwen2_with_max_window_layers_at_the_layer_count_is_full() -> None:
+    config = _qwen(QWEN25_7B, use_sliding_window=True, max_window_layers=4)
+    assert _kinds_of(layer_specs_from_config(config)) == ["full"] * 4
+
+
+@pytest.mark.parametrize("config", [QWEN25_7B, QWEN3_8B])
+def test_qwen2_and_qwen3_sliding_on_some_layers_is_refused_as_vllm_refuses_it(
+    config: dict[str, object],
+) -> None:
+    mixed = _qwen(config, use_sliding_window=True, max_window_layers=2)
+    with pytest.raises(CatalogueError, match=r"max_window_layers 2 < num_hidden_layers 4"):
+        layer_specs_from_config(mixed)
+
+
+def test_qwen3_moe_has_no_layer_types_so_every_layer_slides_when_enabled() -> None:
+    config = _qwen(QWEN3_30B_A3B, use_sliding_window=True, max_window_layers=2)
+    assert _kinds_of(layer_specs_from_config(config)) == ["sliding_window"] * 4
+    config["use_sliding_window"] = False
+    assert _kinds_of(layer_specs_from_config(config)) == ["full"] * 4
+
+
+def test_qwen_without_sliding_window_reads_no_max_window_layers() -> None:
+    config = _qwen(QWEN25_7B, use_sliding_window=False, max_window_layers=None)
+    assert _kinds_of(layer_specs_from_config(config)) == ["full"] * 4
+
+
+def test_qwen2_moe_layer_types_are_mixed_so_it_runs_full() -> None:
+    config = _qwen(QWEN3_30B_A3B, model_type="qwen2_moe", use_sliding_window=True)
+    assert _kinds_of(layer_specs_from_config(config)) == ["full"] * 4
 
 
 def test_qwen3_next_alternates_gated_deltanet_and_full_attention() -> None:

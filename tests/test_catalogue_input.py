@@ -22,7 +22,7 @@ from hybrid_kv.catalogue import (
 )
 from hybrid_kv.cli import main
 from hybrid_kv.planner import PlanError, kv_cache_budget
-from hybrid_kv.specs import MambaSpec
+from hybrid_kv.specs import KVSharingSpec, MambaSpec
 from hypothesis import given
 from hypothesis import strategies as st
 from test_catalogue import FALCON_H1 as _FALCON_H1  # noqa: E402
@@ -593,4 +593,32 @@ def test_a_refused_default_kv_head_count_says_it_is_the_default(
         "attn_layer_indices": [1],
     }
     with pytest.raises(CatalogueError, match=message):
+        layer_specs_from_config(config)
+
+
+@pytest.mark.parametrize("window", [0, None])
+@pytest.mark.parametrize("name", ["gemma-3-27b", "gemma-2-9b", "gpt-oss-20b", "ministral-8b"])
+def test_a_window_of_0_or_null_is_no_window_as_vllm_reads_it(name: str, window: int | None) -> None:
+    # vLLM 0.33's ModelConfig reads `sliding_window: 0` as no window (null likewise), and its
+    # attention then gives a sliding layer none: every layer attends to every token.
+    config = load_config(name)
+    config.get("text_config", config)["sliding_window"] = window
+    layers = layer_specs_from_config(config)
+    assert {spec.kind for spec in layers.values()} == {"full"}
+    assert len(layers) == len(load_model(name).layers)
+
+
+def test_gemma3n_without_a_window_shares_kv_by_layer_type() -> None:
+    config = load_config("gemma-3n-e4b")
+    config.get("text_config", config)["sliding_window"] = 0
+    layers, windowed = layer_specs_from_config(config), load_model("gemma-3n-e4b").layers
+    shared = {n: s for n, s in windowed.items() if isinstance(s, KVSharingSpec)}
+    assert shared and {n: layers[n] for n in shared} == shared
+    assert {s.kind for n, s in layers.items() if n not in shared} == {"full"}
+
+
+def test_cohere2_without_a_window_is_refused_as_vllm_cannot_load_it() -> None:
+    config = load_config("command-r7b")
+    config["sliding_window"] = 0
+    with pytest.raises(CatalogueError, match="'sliding_window' is 0, and vLLM 0.33 needs"):
         layer_specs_from_config(config)

@@ -71,6 +71,57 @@ def test_plan_options_reach_the_planner(capsys: pytest.CaptureFixture[str]) -> N
     assert plan["mamba_cache_mode"] == "none"
 
 
+@pytest.mark.parametrize(
+    ("text", "tokens"),
+    [("8192", 8192), ("8K", 8192), ("8k", 8000), ("2.5k", 2500), (" 4k", 4000)],
+)
+def test_token_counts_read_as_vllm_reads_them(
+    text: str, tokens: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # vLLM's --max-model-len and --max-num-batched-tokens take 32k (32,000) and 32K (32,768).
+    argv = ["plan", "llama-3.1-8b", "--memory", "16GiB", "--strategy", "vllm", "--json"]
+    assert main([*argv, "--max-model-len", text, "--max-num-batched-tokens", text]) == 0
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert (plan["max_model_len"], plan["max_in_flight_tokens"]) == (tokens, tokens)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("1.5K", "'1.5K': no decimals with a binary suffix like K (did you mean 1.5k?)"),
+        ("1e3", "not a token count: '1e3'"),
+        ("16kb", "not a token count: '16kb'"),
+    ],
+)
+def test_a_bad_token_count_is_named(
+    text: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(["plan", "llama-3.1-8b", "--memory", "16GiB", "--max-model-len", text])
+    assert caught.value.code == 2
+    assert f"argument --max-model-len: {message}" in capsys.readouterr().err
+
+
+def test_dtype_auto_is_the_checkpoints_as_in_vllm(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "llama-3.1-8b", "--memory", "24GiB", "--strategy", "vllm", "--json"]
+    assert main(argv) == 0
+    default = json.loads(capsys.readouterr().out)["plan"]
+    assert main([*argv, "--dtype", "auto"]) == 0
+    assert json.loads(capsys.readouterr().out)["plan"] == default
+
+
+def test_vllms_option_names_are_taken(capsys: pytest.CaptureFixture[str]) -> None:
+    # As an operator copies them from a `vllm serve` command line.
+    argv = ["plan", "gpt-oss-120b", "--gpu-memory", "80GiB", "--max-model-len", "8192", "--json"]
+    ours = ["--tensor-parallel-size", "2", "--dtype", "fp8", "--no-prefix-caching"]
+    vllms = ["-tp", "2", "--kv-cache-dtype", "fp8", "--no-enable-prefix-caching"]
+    assert main([*argv, *ours]) == 0
+    expected = json.loads(capsys.readouterr().out)
+    assert expected["tensor_parallel_size"] == 2
+    assert main([*argv, *vllms]) == 0
+    assert json.loads(capsys.readouterr().out) == expected
+
+
 def test_plan_sizes_the_budget_from_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "llama-3.1-8b", "--gpu-memory", "80GiB", "--max-model-len", "8192"]) == 0
     out = capsys.readouterr().out
@@ -141,6 +192,12 @@ def test_plan_figure_labels_axes_and_lists_only_present_kinds() -> None:
         (["plan", "gemma-3-27b", "--memory", "forty"], "bad memory size 'forty'"),
         (["plan", "gemma-3-27b", "--memory", "40"], "has no unit: write 40GiB"),
         (["plan", "gemma-3-27b", "--memory", "-1GiB"], "memory size must be positive"),
+        (
+            ["plan", "gemma-3-27b", "--memory", "24GiB", "--strategy", "vllm", "--max-groups", "2"],
+            "--max-groups caps min-waste's grouping; --strategy vllm groups as vLLM 0.33 does",
+        ),
+        (["plan", "gemma-3-27b", "--memory", "0"], "memory size must be positive, got '0'"),
+        (["plan", "gemma-3-27b", "--memory", "0.0"], "memory size must be positive, got '0.0'"),
         (["plan", "gemma-3-27b"], "give --memory"),
         (["plan", "gemma-3-27b", "--memory", "4GiB", "--gpu-memory", "8GiB"], "not both"),
         (["plan", "gemma-3n-e4b", "--gpu-memory", "24GiB"], "pass --weights-memory"),
@@ -204,6 +261,27 @@ def test_a_closed_pipe_ends_quietly() -> None:
     assert stderr == ""
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", "gemma-3-27b", "--memory", "40GiB", "--json"],  # fails while printing
+        ["demo"],  # fits in the buffer: fails at the final flush
+    ],
+)
+def test_output_that_cannot_be_written_is_one_line_and_exit_1(argv: list[str]) -> None:
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            [sys.executable, "-m", "hybrid_kv", *argv],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=os.environ.copy(),
+        )
+    assert result.returncode == 1
+    assert result.stderr == "hybrid-kv: error: [Errno 28] No space left on device\n"
+
+
 def test_version_names_the_vllm_semantics(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as caught:
         main(["--version"])
@@ -242,6 +320,7 @@ def test_plot_without_an_extension_writes_and_names_a_png(
         ("missing/x.png", "no such directory"),
         (".", "not a file name"),
         ("dir.png", "is a directory"),
+        ("plots", "--plot plots is a directory"),  # not written as plots.png
     ],
 )
 @pytest.mark.parametrize("command", ["plan", "simulate"])
@@ -257,6 +336,7 @@ def test_a_plot_target_that_cannot_be_written_fails_before_any_work(
     from hybrid_kv import simulate as simulate_module
 
     (tmp_path / "dir.png").mkdir()
+    (tmp_path / "plots").mkdir()
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(cli_module, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
     monkeypatch.setattr(simulate_module, "simulate", lambda *a, **k: pytest.fail("simulated"))

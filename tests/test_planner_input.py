@@ -218,3 +218,22 @@ def test_plan_queries_take_token_counts(value: Any, error: type[Exception]) -> N
             query(value)
     assert plan.blocks_held(np.int64(100)) == plan.blocks_held(100) > 0
     assert plan.waste_at(0).held_bytes == 0
+
+
+@pytest.mark.parametrize("needed", [1, 1023, 1024, 17_181_966_336, 1_854_668_800, 2**40 + 1])
+def test_the_advised_memory_holds_what_is_needed(needed: int) -> None:
+    from hybrid_kv.planner.memory import format_bytes_at_least
+
+    advised = parse_memory(format_bytes_at_least(needed))
+    assert needed <= advised <= needed * 1.01 + 1
+
+
+def test_a_budget_just_short_advises_more_than_it(capsys: pytest.CaptureFixture[str]) -> None:
+    # 16 GiB is 2 MiB short of one 131,072-token request of Llama-3.1-8B in vLLM's plan: the
+    # advice was "raise the memory to 16.00 GiB", the budget given.
+    from hybrid_kv.cli import main
+
+    argv = ["plan", "llama-3.1-8b", "--memory", "16GiB", "--strategy", "vllm"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.rstrip().endswith("or raise the memory to 16.01 GiB")
+    assert main([*argv[:3], "16.01 GiB", *argv[4:]]) == 0

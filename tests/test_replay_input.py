@@ -6,7 +6,10 @@ from __future__ import annotations
 import copy
 import gzip
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -234,6 +237,25 @@ def _run(tmp_path: Path, workload_path: Path, trace: Path, *extra: str) -> int:
     return replay_module.main(
         [str(workload_path), "--groups-from", str(trace), "--out", str(out), *extra]
     )
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+def test_python_dash_m_replay_whose_summary_cannot_be_written_exits_1_in_one_line(
+    conformance_dir: Path, tmp_path: Path
+) -> None:
+    workload_path = conformance_dir / "full-attn.eviction.workload.json.gz"
+    trace = conformance_dir / "full-attn.eviction.vllm.jsonl.gz"
+    argv = [str(workload_path), "--groups-from", str(trace), "--out", str(tmp_path / "o.jsonl")]
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            [sys.executable, "-m", "hybrid_kv.replay", *argv, "--max-steps", "1"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=os.environ.copy(),
+        )
+    assert result.returncode == 1
+    assert result.stderr == "hybrid-kv: error: [Errno 28] No space left on device\n"
 
 
 def test_the_replay_command_names_a_file_it_cannot_read(

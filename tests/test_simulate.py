@@ -332,3 +332,9 @@ def test_a_bad_seed_is_named(seed: str, capsys) -> None:
         main(["simulate", "--seed", seed, "--no-progress"])
     assert exit_.value.code == 2
     assert "argument --seed:" in capsys.readouterr().err
+
+
+def test_the_report_counts_one_group_in_the_singular(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "llama-3.1-8b", "--memory", "24GiB", "--requests", "2", "--no-progress"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.startswith("model llama-3.1-8b: 1 group (1 full bs 16)\n")

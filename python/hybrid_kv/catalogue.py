@@ -155,7 +155,7 @@ def resolve_model(model: str) -> Path:
         raise CatalogueError(
             f"no such file {model!r}, and {model} is not in the local Hugging Face cache "
             f"({hub_cache_dir()}); hybrid-kv does not download: fetch it with "
-            f"`huggingface-cli download {model} config.json` or give a path to its config.json"
+            f"`hf download {model} config.json` or give a path to its config.json"
         )
     if _looks_like_path(model):
         raise CatalogueError(f"no such file or directory: {model}")
@@ -255,6 +255,7 @@ def layer_specs_from_config(
         model_dtype,
         tensor_parallel_size,
         _TRANSFORMERS_DEFAULTS.get(source_type, {}),
+        source_type,
     )
     heads = context.lookup("num_attention_heads")
     if isinstance(heads, int) and heads > 0 and heads % tensor_parallel_size:
@@ -356,6 +357,8 @@ class _Context:
     model_dtype: str
     tp: int
     defaults: Mapping[str, int] = field(default_factory=dict)
+    source_type: str = ""
+    """The model type as the config writes it (`model_type` is the builder's)."""
 
     def lookup(self, key: str) -> Any:
         """`key` of the text config; transformers' default when the config leaves it out."""
@@ -604,16 +607,37 @@ def _kinds_from_layer_types(
 
 
 def _window(ctx: _Context, kinds: list[str]) -> int | None:
-    if "sliding_window" not in kinds:
+    if "sliding_window" not in kinds or _window_disabled(ctx):
         return None
     return _int(ctx.text, "sliding_window", ctx.model_type)
+
+
+def _window_disabled(ctx: _Context) -> bool:
+    """Whether the config writes `sliding_window` as null or 0: vLLM 0.33 reads 0 as no window
+    (its ModelConfig: "some checkpoints set sliding_window to 0 to indicate that sliding window
+    is disabled"), and a layer with no window attends to every token."""
+    value = ctx.text.get("sliding_window", 1)
+    return value is None or (type(value) is int and value == 0)
+
+
+def _windowed(ctx: _Context, kinds: list[str]) -> tuple[list[str], int | None]:
+    """`kinds` and the window of their sliding layers; with the window disabled (`_window`),
+    sliding layers are full, as vLLM 0.33 runs them."""
+    window = _window(ctx, kinds)
+    if window is None:
+        kinds = ["full" if kind == "sliding_window" else kind for kind in kinds]
+    return kinds, window
 
 
 # --------------------------------------------------------------------------- builders
 
 
-def _sliding_pattern(pattern_default: int | None) -> Callable[[_Context], dict[str, LayerSpec]]:
-    """Gemma-2/3, Cohere2, gpt-oss: `layer_types`, else every `pattern`-th layer is full."""
+def _sliding_pattern(
+    pattern_default: int | None, window_extra: int = 0
+) -> Callable[[_Context], dict[str, LayerSpec]]:
+    """Gemma-2/3, Cohere2: `layer_types`, else every `pattern`-th layer is full. A sliding
+    layer's window is the config's plus `window_extra` (Cohere2: vLLM 0.33's attention sees
+    `sliding_window + 1` tokens, and its KV cache spec says so)."""
 
     def build(ctx: _Context) -> dict[str, LayerSpec]:
         num_layers, kv_heads, head_dim = _attention_shape(ctx)
@@ -623,9 +647,31 @@ def _sliding_pattern(pattern_default: int | None) -> Callable[[_Context], dict[s
             kinds = [
                 "full" if (i + 1) % pattern == 0 else "sliding_window" for i in range(num_layers)
             ]
-        return _build(ctx, kinds, kv_heads, head_dim, window=_window(ctx, kinds))
+        if window_extra and "sliding_window" in kinds and _window_disabled(ctx):
+            # vLLM 0.33's Cohere2 attention adds to the window: it cannot load this config.
+            raise CatalogueError(
+                f"{ctx.model_type} config: 'sliding_window' is "
+                f"{ctx.text['sliding_window']!r}, and vLLM 0.33 needs a window for its "
+                "sliding layers"
+            )
+        kinds, window = _windowed(ctx, kinds)
+        if window is not None:
+            window += window_extra
+        return _build(ctx, kinds, kv_heads, head_dim, window=window)
 
     return build
+
+
+def _gpt_oss(ctx: _Context) -> dict[str, LayerSpec]:
+    """gpt-oss: even layers slide, odd layers are full, as vLLM 0.33's attention decides by
+    the layer's index. Its checkpoints' `layer_types` say the same; vLLM does not read them, so
+    a config whose `layer_types` say otherwise is planned as vLLM runs it (they are still
+    checked: a layer kind gpt-oss has not is refused)."""
+    num_layers, kv_heads, head_dim = _attention_shape(ctx)
+    _kinds_from_layer_types(ctx, num_layers, _ATTENTION_KINDS)
+    kinds = ["sliding_window" if i % 2 == 0 else "full" for i in range(num_layers)]
+    kinds, window = _windowed(ctx, kinds)
+    return _build(ctx, kinds, kv_heads, head_dim, window=window)
 
 
 def _gemma3n(ctx: _Context) -> dict[str, LayerSpec]:
@@ -633,7 +679,11 @@ def _gemma3n(ctx: _Context) -> dict[str, LayerSpec]:
     kinds = _kinds_from_layer_types(ctx, num_layers, _ATTENTION_KINDS)
     if kinds is None:
         kinds = ["full" if (i + 1) % 5 == 0 else "sliding_window" for i in range(num_layers)]
-    layers = _build(ctx, kinds, kv_heads, head_dim, window=_window(ctx, kinds))
+    # Shared layers take their cache from a layer of the same `layer_types` entry, as in vLLM,
+    # even when a disabled window makes sliding layers full.
+    types = kinds
+    kinds, window = _windowed(ctx, kinds)
+    layers = _build(ctx, kinds, kv_heads, head_dim, window=window)
     num_shared = ctx.text.get("num_kv_shared_layers", 0)
     if num_shared:
         num_shared = _get_int(ctx, "num_kv_shared_layers")
@@ -642,10 +692,10 @@ def _gemma3n(ctx: _Context) -> dict[str, LayerSpec]:
             raise CatalogueError(f"{ctx.model_type} config: every layer is a KV-sharing layer")
         for index in range(first_shared, num_layers):
             # The last non-shared layer of the same attention type owns the cache.
-            owners = [i for i in range(first_shared) if kinds[i] == kinds[index]]
+            owners = [i for i in range(first_shared) if types[i] == types[index]]
             if not owners:
                 raise CatalogueError(
-                    f"{ctx.model_type} config: layer {index} ({kinds[index]}) has no "
+                    f"{ctx.model_type} config: layer {index} ({types[index]}) has no "
                     "non-shared layer of its type to share KV with"
                 )
             layers[_name(index)] = KVSharingSpec(_name(owners[-1]))
@@ -659,7 +709,8 @@ def _mistral(ctx: _Context) -> dict[str, LayerSpec]:
     kinds = _kinds_from_layer_types(ctx, num_layers, _ATTENTION_KINDS)
     window = ctx.text.get("sliding_window")
     if kinds is not None:
-        return _build(ctx, kinds, kv_heads, head_dim, window=_window(ctx, kinds))
+        kinds, size = _windowed(ctx, kinds)
+        return _build(ctx, kinds, kv_heads, head_dim, window=size)
     if isinstance(window, list):  # params.json-style per-layer pattern, repeated
         if not window:
             raise CatalogueError(f"{ctx.model_type} config: empty 'sliding_window' pattern")
@@ -675,24 +726,57 @@ def _mistral(ctx: _Context) -> dict[str, LayerSpec]:
                         ctx, "sliding_window", kv_heads, head_dim, size, None
                     )
         return layers
-    kind = "full" if window is None else "sliding_window"
-    size = None if window is None else _int(ctx.text, "sliding_window", ctx.model_type)
+    kind = "full" if window is None or _window_disabled(ctx) else "sliding_window"
+    size = None if kind == "full" else _int(ctx.text, "sliding_window", ctx.model_type)
     return _build(ctx, [kind] * num_layers, kv_heads, head_dim, window=size)
 
 
 def _qwen2(ctx: _Context) -> dict[str, LayerSpec]:
-    """Qwen2/2.5/3 (dense and MoE): full attention; with `use_sliding_window`, layers from
-    `max_window_layers` on slide (transformers' rule), unless `layer_types` says otherwise."""
+    """Qwen2/2.5/3 (dense and MoE), as vLLM 0.33 runs them. Their attention takes no per-layer
+    window: every layer slides by the model-wide window, which vLLM sets only when the
+    transformers config's `layer_types` are absent or all sliding, and only with
+    `use_sliding_window` (transformers drops the window otherwise). `layer_types` are the
+    config's, or transformers' for the class: Qwen2/Qwen3 slide from `max_window_layers` on,
+    Qwen2-MoE every other layer below it, Qwen3-MoE has none. Mixed `layer_types` run full,
+    except that vLLM's Qwen2/Qwen3 model refuses them unless `max_window_layers` is
+    `num_hidden_layers`."""
     num_layers, kv_heads, head_dim = _attention_shape(ctx)
-    kinds = _kinds_from_layer_types(ctx, num_layers, _ATTENTION_KINDS)
-    if kinds is None:
-        if ctx.text.get("use_sliding_window") and ctx.text.get("sliding_window") is not None:
-            first = ctx.text.get("max_window_layers", num_layers)
-            first = _int(ctx.text, "max_window_layers", ctx.model_type, first)
-            kinds = ["sliding_window" if i >= first else "full" for i in range(num_layers)]
-        else:
-            kinds = ["full"] * num_layers
-    return _build(ctx, kinds, kv_heads, head_dim, window=_window(ctx, kinds))
+    given = _kinds_from_layer_types(ctx, num_layers, _ATTENTION_KINDS)
+    window = ctx.text.get("sliding_window") if ctx.text.get("use_sliding_window") else None
+    if window is not None and not _window_disabled(ctx):
+        window = _int(ctx.text, "sliding_window", ctx.model_type)
+    else:
+        window = None
+    if window is None and given is None:
+        # No window, so transformers' layer_types are all full: max_window_layers is not read.
+        return _build(ctx, ["full"] * num_layers, kv_heads, head_dim)
+    first = ctx.text.get("max_window_layers", 28)  # transformers' default
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        raise CatalogueError(
+            f"{ctx.model_type} config: 'max_window_layers' must be an int >= 0, got {first!r}"
+        )
+    kinds: list[str] | None = given
+    if kinds is None and ctx.source_type == "qwen2_moe":
+        sliding = bool(ctx.text.get("use_sliding_window"))
+        kinds = [
+            "sliding_window" if (i + 1) % 2 and i < first and sliding else "full"
+            for i in range(num_layers)
+        ]
+    elif kinds is None and ctx.source_type != "qwen3_moe":
+        kinds = [
+            "sliding_window" if window is not None and i >= first else "full"
+            for i in range(num_layers)
+        ]
+    mixed = kinds is not None and len(set(kinds)) > 1
+    if mixed and ctx.source_type in ("qwen2", "qwen3") and first != num_layers:
+        raise CatalogueError(
+            f"{ctx.source_type} config: sliding window on some layers but not all "
+            f"(max_window_layers {first} < num_hidden_layers {num_layers}), which vLLM 0.33's "
+            f"{ctx.source_type} model refuses"
+        )
+    if window is None or (kinds is not None and set(kinds) != {"sliding_window"}):
+        return _build(ctx, ["full"] * num_layers, kv_heads, head_dim)
+    return _build(ctx, ["sliding_window"] * num_layers, kv_heads, head_dim, window=window)
 
 
 def _llama(ctx: _Context) -> dict[str, LayerSpec]:
@@ -863,8 +947,8 @@ def _qwen3_next(ctx: _Context) -> dict[str, LayerSpec]:
 _BUILDERS: dict[str, Callable[[_Context], dict[str, LayerSpec]]] = {
     "gemma2": _sliding_pattern(2),
     "gemma3": _sliding_pattern(6),
-    "cohere2": _sliding_pattern(4),
-    "gpt_oss": _sliding_pattern(2),
+    "cohere2": _sliding_pattern(4, window_extra=1),
+    "gpt_oss": _gpt_oss,
     "gemma3n": _gemma3n,
     "mistral": _mistral,
     "phi3": _mistral,

@@ -2,7 +2,8 @@
 
 Errors a user can fix (bad sizes, unknown models, budgets that cannot admit one request) print
 one line on stderr and exit with status 2; a simulation that stops without finishing exits
-with 1; Ctrl-C exits with 130 and a closed output pipe (`... --json | head`) with 141, both
+with 1, as does output that cannot be written (`> /dev/full`: one line naming the system's
+error); Ctrl-C exits with 130 and a closed output pipe (`... --json | head`) with 141, both
 without a traceback.
 """
 
@@ -10,10 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +44,7 @@ from hybrid_kv.planner import (
 )
 from hybrid_kv.planner.search import MAX_BLOCKS
 
-__all__ = ["VLLM_SEMANTICS_VERSION", "format_plan_report", "main"]
+__all__ = ["VLLM_SEMANTICS_VERSION", "format_plan_report", "main", "run_command"]
 
 VLLM_SEMANTICS_VERSION = "0.33"
 """The vLLM release whose KV-cache manager semantics hybrid-kv follows."""
@@ -58,17 +62,44 @@ class CommandError(Exception):
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `hybrid-kv` and `python -m hybrid_kv`; returns the exit code."""
+    return run_command(lambda: _run(sys.argv[1:] if argv is None else argv))
+
+
+def run_command(command: Callable[[], int]) -> int:
+    """`command()`'s exit code, or the one a command line gives when it is interrupted or its
+    output cannot be written (also `python -m hybrid_kv.replay`'s entry)."""
     try:
-        return _run(sys.argv[1:] if argv is None else argv)
+        code = command()
+        # Output still buffered (a short report to a file) fails here rather than in the
+        # interpreter's final flush, where the exit code would not say so.
+        sys.stdout.flush()
+        return code
     except KeyboardInterrupt:
         print("hybrid-kv: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # The reader went away (`| head`): say nothing more, and keep the interpreter's final
         # flush of stdout from failing again.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        _discard_stdout()
         return 141
+    except OSError as error:
+        # Output that cannot be written (`> /dev/full`, a full disk, a terminal gone), or a
+        # file the system refuses: one line, not a traceback. What a failed write left in
+        # stdout's buffer is dropped rather than failing again at the interpreter's final flush.
+        print(f"hybrid-kv: error: {error}", file=sys.stderr)
+        try:
+            sys.stdout.flush()
+        except OSError:
+            _discard_stdout()
+        return 1
+
+
+def _discard_stdout() -> None:
+    """Point stdout at the null device, so what a failed write left in its buffer does not fail
+    again at the interpreter's final flush."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _run(argv: list[str]) -> int:
@@ -145,10 +176,17 @@ def _add_model_options(parser: argparse.ArgumentParser, *, default: str | None =
         "id in the local cache" + (f" (default {default})" if default else ""),
     )
     parser.add_argument(
-        "--dtype", default=None, help="attention KV dtype: fp32, bf16, fp16, fp8_e4m3, fp8_e5m2"
+        "--dtype",
+        "--kv-cache-dtype",
+        dest="dtype",
+        default=None,
+        help="attention KV dtype: auto (the checkpoint's, as vLLM's default), fp32, bf16, fp16, "
+        "fp8_e4m3, fp8_e5m2",
     )
     parser.add_argument(
         "--tensor-parallel-size",
+        "-tp",
+        dest="tensor_parallel_size",
         type=int,
         default=1,
         metavar="N",
@@ -194,7 +232,10 @@ def _add_plan_options(
 ) -> None:
     default = "the config's" + (f", at most {max_model_len_cap:,}" if max_model_len_cap else "")
     parser.add_argument(
-        "--max-model-len", type=int, default=None, help=f"longest request (default: {default})"
+        "--max-model-len",
+        type=_token_count,
+        default=None,
+        help=f"longest request, e.g. 32768, 32K or 32k as vLLM reads them (default: {default})",
     )
     parser.add_argument(
         "--strategy",
@@ -212,7 +253,7 @@ def _add_plan_options(
     )
     parser.add_argument(
         "--max-num-batched-tokens",
-        type=int,
+        type=_token_count,
         default=batched_default,
         metavar="N",
         help="tokens per scheduler step; sliding-window groups reserve blocks for them"
@@ -220,8 +261,40 @@ def _add_plan_options(
     )
 
 
+_TOKEN_COUNT_RE = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _token_count(text: str) -> int:
+    """A token count as vLLM's `--max-model-len` and `--max-num-batched-tokens` read it
+    (`human_readable_int`): an integer, or a number with a decimal suffix (`32k` = 32,000,
+    `25.6k` = 25,600) or a whole number with a binary one (`32K` = 32,768). Range checks are
+    the planner's."""
+    value = text.strip()
+    match = _TOKEN_COUNT_RE.fullmatch(value)
+    if match is None:
+        try:
+            return int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"not a token count: {text!r} (e.g. 32768, 32K = 32,768 or 32k = 32,000)"
+            ) from None
+    number, suffix = match.groups()
+    if suffix in _BINARY_SUFFIXES:
+        if "." in number:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: no decimals with a binary suffix like {suffix} "
+                f"(did you mean {number}{suffix.lower()}?)"
+            )
+        return int(number) * _BINARY_SUFFIXES[suffix]
+    return math.floor(Fraction(number) * _DECIMAL_SUFFIXES[suffix])
+
+
 def _model(args: argparse.Namespace) -> ModelSpec:
-    return load_model(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
+    # vLLM's `--dtype auto` and `--kv-cache-dtype auto` (its default) mean the checkpoint's.
+    dtype = None if args.dtype is not None and args.dtype.strip().lower() == "auto" else args.dtype
+    return load_model(args.model, dtype=dtype, tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _budget(args: argparse.Namespace, model: ModelSpec) -> tuple[int, str]:
@@ -277,6 +350,8 @@ def _add_plan_parser(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--no-prefix-caching",
+        "--no-enable-prefix-caching",
+        dest="no_prefix_caching",
         action="store_true",
         help="Mamba layers in vLLM's 'none' mode (one state block per request)",
     )
@@ -332,6 +407,10 @@ def _note_long_max_model_len(model: ModelSpec, max_model_len: int | None) -> Non
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    if args.strategy == "vllm" and args.max_groups is not None:
+        raise CommandError(
+            "--max-groups caps min-waste's grouping; --strategy vllm groups as vLLM 0.33 does"
+        )
     plot = _plot_target(args)
     model = _model(args)
     memory, budget_line = _budget(args, model)

@@ -38,12 +38,16 @@ def require_matplotlib() -> None:
 def plot_target(path: str | Path) -> Path:
     """Where `--plot path` writes, checked before any work: `path` itself, or `path.png` when it
     has no extension (where matplotlib would write it). Raises `PlanError` for a file type
-    matplotlib cannot write, a missing or unwritable directory, or a path that is a directory."""
+    matplotlib cannot write, a missing or unwritable directory, or a path that is a directory
+    (before or after the `.png`)."""
     import matplotlib.figure
 
     target = Path(path)
     if not target.name or target.name in (".", ".."):
         raise PlanError(f"--plot {path}: not a file name")
+    if target.is_dir():
+        # Not `path.png` beside it: a directory given is a mistake, not a file name.
+        raise PlanError(f"--plot {target} is a directory")
     if not target.suffix:
         target = target.with_name(target.name + ".png")
     formats = matplotlib.figure.Figure().canvas.get_supported_filetypes()

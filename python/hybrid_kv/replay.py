@@ -775,7 +775,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m hybrid_kv.replay", description=__doc__.splitlines()[0]
     )
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    from hybrid_kv.cli import run_command
+
+    return run_command(lambda: run(parser.parse_args(argv)))
 
 
 def run(args: argparse.Namespace, prog: str = "replay") -> int:

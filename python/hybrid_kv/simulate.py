@@ -168,7 +168,8 @@ class SimulationReport:
         decode = r.timings.get("allocate_slots.decode", [0])
         concurrency = plan.max_concurrency or 0.0
         return [
-            f"model {self.model}: {plan.num_groups} groups ({self.groups})",
+            f"model {self.model}: {plan.num_groups} group{'s' if plan.num_groups != 1 else ''} "
+            f"({self.groups})",
             f"budget {format_bytes(plan.memory_bytes)}: {plan.num_blocks:,} blocks of "
             f"{format_bytes(plan.block_bytes)}; max_model_len {plan.max_model_len:,}; "
             f"KV cache {plan.kv_cache_tokens:,} tokens, max concurrency {concurrency:.2f}x",

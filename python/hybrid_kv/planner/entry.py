@@ -20,7 +20,7 @@ from hybrid_kv.planner.layout import (
     place_groups,
 )
 from hybrid_kv.planner.lengths import LengthDistribution
-from hybrid_kv.planner.memory import format_bytes
+from hybrid_kv.planner.memory import format_bytes, format_bytes_at_least
 from hybrid_kv.planner.plan import (
     STRATEGIES,
     CandidateSummary,
@@ -531,7 +531,7 @@ def _insufficient(
             f"{settings.max_in_flight_tokens} tokens in flight) plus the null block = {needed} "
             f"bytes ({format_bytes(needed)}), but the budget is {settings.memory_bytes} bytes "
             f"({format_bytes(settings.memory_bytes)}); {hint}, or raise the memory to "
-            f"{format_bytes(needed)}"
+            f"{format_bytes_at_least(needed)}"
         )
     return InsufficientMemoryError(
         message,

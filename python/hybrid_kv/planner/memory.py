@@ -9,7 +9,7 @@ from fractions import Fraction
 
 from hybrid_kv.planner.errors import PlanError
 
-__all__ = ["format_bytes", "kv_cache_budget", "parse_memory"]
+__all__ = ["format_bytes", "format_bytes_at_least", "kv_cache_budget", "parse_memory"]
 
 _MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
 _UNIT_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
@@ -40,6 +40,9 @@ def parse_memory(text: str | int) -> int:
     number, prefix, binary, byte_suffix = match.groups()
     prefix = prefix.lower()
     if not prefix and not binary and not byte_suffix:
+        if Fraction(number) == 0:
+            # No unit makes a size of nothing: say what is wrong, not which unit to add.
+            raise PlanError(f"memory size must be positive, got {text!r}")
         raise PlanError(
             f"memory size {text!r} has no unit: write {number}GiB (or {number}GB, {number}MiB; "
             f"{number}B for bytes)"
@@ -65,6 +68,20 @@ def format_bytes(num_bytes: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(value) < 1024 or unit == "TiB":
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_bytes_at_least(num_bytes: int) -> str:
+    """`format_bytes` rounded up instead of to nearest: a size `--memory` takes that holds
+    `num_bytes` (to advise a budget: `16.00 GiB` would be short of 16.002 GiB)."""
+    value = Fraction(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            if unit == "B":
+                return f"{num_bytes} B"
+            hundredths = math.ceil(value * 100)
+            return f"{hundredths // 100}.{hundredths % 100:02d} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
 
