@@ -205,7 +205,7 @@ def test_plan_figure_labels_axes_and_lists_only_present_kinds() -> None:
         (["plan", "llama-3.1-8b", "--memory", "1GiB"], "a max_model_len of"),
         (["plan", "llama-3.1-8b", "--memory", "1GiB", "--block-size", "24"], "multiple"),
         (["plan", "llama-3.1-8b", "--memory", "1GiB", "--dtype", "int2"], "unknown dtype"),
-        (["plan", "llama-3.1-8b", "--memory", "1GiB", "--lengths", "1k:2"], "bad --lengths"),
+        (["plan", "llama-3.1-8b", "--memory", "1GiB", "--lengths", "1kb:2"], "bad --lengths"),
     ],
 )
 def test_errors_are_one_line_with_exit_code_2(
@@ -262,21 +262,30 @@ def test_a_closed_pipe_ends_quietly() -> None:
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+@pytest.mark.parametrize("unbuffered", [False, True], ids=["buffered", "unbuffered"])
 @pytest.mark.parametrize(
     "argv",
     [
         ["plan", "gemma-3-27b", "--memory", "40GiB", "--json"],  # fails while printing
         ["demo"],  # fits in the buffer: fails at the final flush
+        # argparse prints these and exits; it drops a failed write of its own.
+        ["--version"],
+        ["plan", "--help"],
     ],
 )
-def test_output_that_cannot_be_written_is_one_line_and_exit_1(argv: list[str]) -> None:
+def test_output_that_cannot_be_written_is_one_line_and_exit_1(
+    argv: list[str], unbuffered: bool
+) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
     with open("/dev/full", "w") as full:
         result = subprocess.run(
             [sys.executable, "-m", "hybrid_kv", *argv],
             stdout=full,
             stderr=subprocess.PIPE,
             text=True,
-            env=os.environ.copy(),
+            env=env,
         )
     assert result.returncode == 1
     assert result.stderr == "hybrid-kv: error: [Errno 28] No space left on device\n"

@@ -22,9 +22,15 @@ def test_default_is_log_uniform_from_128_to_max_model_len() -> None:
 def test_histograms_parse_lengths_and_counts() -> None:
     dist = LengthDistribution.parse("8192:2, 1024:5,1024,300")
     assert (dist.lengths, dist.weights) == ((300, 1024, 8192), (1, 6, 2))
-    for bad in ("", "1k:2", "100:-1", "0:3", "a,b"):
+    for bad in ("", "1.5K:2", "1e3:2", "1k:2k", "100:-1", "0:3", "a,b"):
         with pytest.raises(PlanError):
             LengthDistribution.parse(bad)
+
+
+def test_histogram_lengths_read_as_vllm_reads_token_counts() -> None:
+    # As --max-model-len: 8K is 8,192 tokens, 8k is 8,000, 2.5k is 2,500.
+    dist = LengthDistribution.parse("8K:2,8k,2.5k:3, 300")
+    assert (dist.lengths, dist.weights) == ((300, 2500, 8000, 8192), (1, 3, 1, 2))
 
 
 def test_workloads_count_prompt_plus_output(tmp_path: Path) -> None:

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import re
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
-from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from hybrid_kv import __version__
 from hybrid_kv.catalogue import (
@@ -42,9 +39,10 @@ from hybrid_kv.planner import (
     parse_memory,
     plan_kv_cache,
 )
+from hybrid_kv.planner.lengths import parse_token_count
 from hybrid_kv.planner.search import MAX_BLOCKS
 
-__all__ = ["VLLM_SEMANTICS_VERSION", "format_plan_report", "main", "run_command"]
+__all__ = ["VLLM_SEMANTICS_VERSION", "CommandParser", "format_plan_report", "main", "run_command"]
 
 VLLM_SEMANTICS_VERSION = "0.33"
 """The vLLM release whose KV-cache manager semantics hybrid-kv follows."""
@@ -58,6 +56,19 @@ _VALUE_OPTIONS = {"--memory", "--gpu-memory", "--weights-memory"}
 
 class CommandError(Exception):
     """A user error: printed as one line on stderr, exit code 2."""
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse's parser, except that what it cannot write (`--help > /dev/full` with
+    unbuffered output, as `PYTHONUNBUFFERED=1` gives) raises instead of being dropped, so that
+    `run_command` says so and exits 1. Subcommands' parsers are of the same class."""
+
+    def _print_message(self, message: str, file: IO[str] | None = None) -> None:
+        if message:
+            # argparse drops an OSError here; no stream at all (pythonw) is still nothing.
+            stream = file or sys.stderr
+            if stream is not None:
+                stream.write(message)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,6 +85,14 @@ def run_command(command: Callable[[], int]) -> int:
         # interpreter's final flush, where the exit code would not say so.
         sys.stdout.flush()
         return code
+    except SystemExit:
+        # argparse's `--help` and `--version` (and its errors) exit from inside `command`: what
+        # they printed must reach its file too, or the exit says so.
+        try:
+            sys.stdout.flush()
+        except OSError as error:
+            return _unwritable(error)
+        raise
     except KeyboardInterrupt:
         print("hybrid-kv: interrupted", file=sys.stderr)
         return 130
@@ -83,15 +102,19 @@ def run_command(command: Callable[[], int]) -> int:
         _discard_stdout()
         return 141
     except OSError as error:
-        # Output that cannot be written (`> /dev/full`, a full disk, a terminal gone), or a
-        # file the system refuses: one line, not a traceback. What a failed write left in
-        # stdout's buffer is dropped rather than failing again at the interpreter's final flush.
-        print(f"hybrid-kv: error: {error}", file=sys.stderr)
-        try:
-            sys.stdout.flush()
-        except OSError:
-            _discard_stdout()
-        return 1
+        return _unwritable(error)
+
+
+def _unwritable(error: OSError) -> int:
+    """Output that cannot be written (`> /dev/full`, a full disk, a terminal gone), or a file
+    the system refuses: one line, not a traceback, and exit status 1. What a failed write left
+    in stdout's buffer is dropped rather than failing again at the interpreter's final flush."""
+    print(f"hybrid-kv: error: {error}", file=sys.stderr)
+    try:
+        sys.stdout.flush()
+    except OSError:
+        _discard_stdout()
+    return 1
 
 
 def _discard_stdout() -> None:
@@ -103,9 +126,7 @@ def _discard_stdout() -> None:
 
 
 def _run(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="hybrid-kv", description="KV-cache manager for hybrid LLMs."
-    )
+    parser = CommandParser(prog="hybrid-kv", description="KV-cache manager for hybrid LLMs.")
     parser.add_argument(
         "--version",
         action="version",
@@ -261,34 +282,13 @@ def _add_plan_options(
     )
 
 
-_TOKEN_COUNT_RE = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
-_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
 def _token_count(text: str) -> int:
-    """A token count as vLLM's `--max-model-len` and `--max-num-batched-tokens` read it
-    (`human_readable_int`): an integer, or a number with a decimal suffix (`32k` = 32,000,
-    `25.6k` = 25,600) or a whole number with a binary one (`32K` = 32,768). Range checks are
-    the planner's."""
-    value = text.strip()
-    match = _TOKEN_COUNT_RE.fullmatch(value)
-    if match is None:
-        try:
-            return int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"not a token count: {text!r} (e.g. 32768, 32K = 32,768 or 32k = 32,000)"
-            ) from None
-    number, suffix = match.groups()
-    if suffix in _BINARY_SUFFIXES:
-        if "." in number:
-            raise argparse.ArgumentTypeError(
-                f"{text!r}: no decimals with a binary suffix like {suffix} "
-                f"(did you mean {number}{suffix.lower()}?)"
-            )
-        return int(number) * _BINARY_SUFFIXES[suffix]
-    return math.floor(Fraction(number) * _DECIMAL_SUFFIXES[suffix])
+    """`--max-model-len` and `--max-num-batched-tokens`: a token count as vLLM reads it
+    (`parse_token_count`). Range checks are the planner's."""
+    try:
+        return parse_token_count(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _model(args: argparse.Namespace) -> ModelSpec:

@@ -771,11 +771,10 @@ def _load(path: str, what: str, read: Callable[[str], Any]) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m hybrid_kv.replay", description=__doc__.splitlines()[0]
-    )
+    from hybrid_kv.cli import CommandParser, run_command
+
+    parser = CommandParser(prog="python -m hybrid_kv.replay", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    from hybrid_kv.cli import run_command
 
     return run_command(lambda: run(parser.parse_args(argv)))
 

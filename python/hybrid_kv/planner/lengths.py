@@ -8,7 +8,8 @@ requests resident in the pool, with lengths drawn from a `LengthDistribution`:
   the point halfway to the next, plus `max_model_len`, equally weighted): short chat turns
   and long documents alike, as a serving deployment sees them when nothing else is known;
 * `point(n)`: every request has `n` tokens (`--reference-len`);
-* `parse("1024:5,8192:2,131072:1")`: a histogram of lengths and counts (`--lengths`);
+* `parse("1024:5,8192:2,128K:1")`: a histogram of lengths and counts (`--lengths`), the
+  lengths read as vLLM reads token counts (`parse_token_count`);
 * `load(path)`: a workload (`{"requests": [{"prompt": [...], "output": [...]}]}`, `.json` or
   `.json.gz`) or a `kvtrace/1` trace (`req` records), each request counted at its prompt +
   output length.
@@ -19,22 +20,54 @@ from __future__ import annotations
 import bisect
 import gzip
 import json
+import math
 import operator
+import re
 import zlib
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 from hybrid_kv.planner.errors import PlanError
 
-__all__ = ["MAX_POINTS", "LengthDistribution"]
+__all__ = ["MAX_POINTS", "LengthDistribution", "parse_token_count"]
 
 MAX_POINTS = 512
 """Distinct lengths kept; larger samples are binned by quantile (each bin at its median)."""
 
 _SHORTEST_DEFAULT = 128
+
+_TOKEN_COUNT_RE = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_token_count(text: str) -> int:
+    """A token count as vLLM's `--max-model-len` and `--max-num-batched-tokens` read it
+    (`human_readable_int`): an integer, or a number with a decimal suffix (`32k` = 32,000,
+    `25.6k` = 25,600) or a whole number with a binary one (`32K` = 32,768). `ValueError`
+    otherwise; range checks are the caller's."""
+    value = text.strip()
+    match = _TOKEN_COUNT_RE.fullmatch(value)
+    if match is None:
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(
+                f"not a token count: {text!r} (e.g. 32768, 32K = 32,768 or 32k = 32,000)"
+            ) from None
+    number, suffix = match.groups()
+    if suffix in _BINARY_SUFFIXES:
+        if "." in number:
+            raise ValueError(
+                f"{text!r}: no decimals with a binary suffix like {suffix} "
+                f"(did you mean {number}{suffix.lower()}?)"
+            )
+        return int(number) * _BINARY_SUFFIXES[suffix]
+    return math.floor(Fraction(number) * _DECIMAL_SUFFIXES[suffix])
 
 
 @dataclass(frozen=True)
@@ -103,7 +136,8 @@ class LengthDistribution:
 
     @classmethod
     def parse(cls, text: str) -> LengthDistribution:
-        """`"1024:5,8192:2"` (length:count pairs; a bare length counts once) or a file path."""
+        """`"1024:5,8K:2"` (length:count pairs, lengths as `parse_token_count` reads them; a
+        bare length counts once) or a file path."""
         if not isinstance(text, str) or not text.strip():
             raise PlanError("--lengths needs LENGTH:COUNT pairs or a workload/trace file")
         path = Path(text)
@@ -118,11 +152,12 @@ class LengthDistribution:
         for part in text.split(","):
             length, _, count = part.strip().partition(":")
             try:
-                value = int(length)
+                value = parse_token_count(length)
                 weight = int(count) if count else 1
             except ValueError:
                 raise PlanError(
-                    f"bad --lengths entry {part.strip()!r}: expected LENGTH:COUNT, e.g. 4096:3"
+                    f"bad --lengths entry {part.strip()!r}: expected LENGTH:COUNT, e.g. 4096:3 "
+                    "or 4K:3"
                 ) from None
             if value <= 0 or weight <= 0:
                 raise PlanError(f"bad --lengths entry {part.strip()!r}: values must be positive")
