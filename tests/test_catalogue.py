@@ -197,6 +197,15 @@ def test_a_directory_without_a_config_says_so(tmp_path: Path) -> None:
         load_model(str(tmp_path))
 
 
+def test_a_config_json_that_is_a_directory_is_named(tmp_path: Path) -> None:
+    (tmp_path / "config.json").mkdir()
+    # Given its parent, the config is there but not a file; given itself, it is a directory.
+    with pytest.raises(CatalogueError, match=r"config\.json is not a file"):
+        load_model(str(tmp_path))
+    with pytest.raises(CatalogueError, match="is a directory, not a config.json file"):
+        load_model(str(tmp_path / "config.json"))
+
+
 def _cache_model(hub: Path, model_id: str, config: dict[str, object], ref: bool = True) -> Path:
     repo = hub / ("models--" + model_id.replace("/", "--"))
     snapshot = repo / "snapshots" / "0123abcd"

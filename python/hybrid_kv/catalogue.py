@@ -140,9 +140,13 @@ def resolve_model(model: str) -> Path:
         raise CatalogueError(f"no such file or directory: {model}") from None
     if path.is_dir():
         config = path / "config.json"
-        if not config.is_file():
-            raise CatalogueError(f"no config.json in directory {path}")
-        return config
+        if config.is_file():
+            return config
+        if config.exists():
+            raise CatalogueError(f"{config} is not a file")
+        if path.name == "config.json":
+            raise CatalogueError(f"{path} is a directory, not a config.json file")
+        raise CatalogueError(f"no config.json in directory {path}")
     if path.is_file():
         return path
     if path.exists():
