@@ -590,6 +590,40 @@ def test_gemma3n_e2b_shares_the_last_ten_layers() -> None:
     assert set(shared.values()) == {"model.layers.18", "model.layers.19"}
 
 
+def _gemma3n_small(num_shared: int) -> dict[str, object]:
+    layer_types = (["sliding_attention"] * 4 + ["full_attention"]) * 2
+    return {**GEMMA3N_E2B, "num_hidden_layers": 10, "layer_types": layer_types,
+            "num_kv_shared_layers": num_shared}  # fmt: skip
+
+
+def test_gemma3n_shared_layers_take_the_cache_vllm_picks_by_position() -> None:
+    # vLLM 0.33's Gemma-3n: a sliding shared layer takes layer first_shared - 2, a full one
+    # first_shared - 1, whatever their kinds: here layer 4 (full) and layer 5 (sliding).
+    layers = layer_specs_from_config(_gemma3n_small(4))
+    shared = {n: s.target for n, s in layers.items() if isinstance(s, KVSharingSpec)}
+    assert shared == {
+        "model.layers.6": "model.layers.4",
+        "model.layers.7": "model.layers.4",
+        "model.layers.8": "model.layers.4",
+        "model.layers.9": "model.layers.5",
+    }
+
+
+@pytest.mark.parametrize(
+    ("num_shared", "expected"),
+    [(9, {"model.layers.4": "model.layers.0", "model.layers.9": "model.layers.0"}), (10, {})],
+)
+def test_gemma3n_shared_layers_with_no_target_keep_their_own_cache(
+    num_shared: int, expected: dict[str, str]
+) -> None:
+    # A target before layer 0 is none in vLLM 0.33: the layer allocates its own cache.
+    layers = layer_specs_from_config(_gemma3n_small(num_shared))
+    shared = {n: s.target for n, s in layers.items() if isinstance(s, KVSharingSpec)}
+    assert shared == expected
+    assert len(layers) == 10
+    assert layers["model.layers.1"].kind == "sliding_window"  # type: ignore[union-attr]
+
+
 def test_llama4_maverick_uses_chunked_attention_with_every_fourth_layer_global() -> None:
     layers = layer_specs_from_config(LLAMA4_MAVERICK)
     assert Counter(_kinds_of(layers)) == {"chunked_local": 36, "full": 12}

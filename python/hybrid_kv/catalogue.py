@@ -679,30 +679,32 @@ def _gpt_oss(ctx: _Context) -> dict[str, LayerSpec]:
 
 
 def _gemma3n(ctx: _Context) -> dict[str, LayerSpec]:
+    """Gemma-3n: the last `num_kv_shared_layers` layers share the KV cache of a layer before
+    them, chosen by position as vLLM 0.33's Gemma-3n attention does: a sliding shared layer
+    takes layer `first_shared - 2`, a full one `first_shared - 1`, whatever kind that layer is
+    (in released checkpoints the last sliding and the last full layer before the shared ones).
+    A shared layer whose target would be before layer 0 keeps a cache of its own."""
     num_layers, kv_heads, head_dim = _attention_shape(ctx)
     kinds = _kinds_from_layer_types(ctx, num_layers, _ATTENTION_KINDS)
     if kinds is None:
         kinds = ["full" if (i + 1) % 5 == 0 else "sliding_window" for i in range(num_layers)]
-    # Shared layers take their cache from a layer of the same `layer_types` entry, as in vLLM,
-    # even when a disabled window makes sliding layers full.
-    types = kinds
-    kinds, window = _windowed(ctx, kinds)
+    if "sliding_window" in kinds and _window_disabled(ctx):
+        # vLLM 0.33 reads a window of 0 as none and writes null into transformers'
+        # Gemma3nTextConfig, whose sliding_window must be an int: the model does not load.
+        raise CatalogueError(
+            f"{ctx.model_type} config: 'sliding_window' is {ctx.text['sliding_window']!r}, and "
+            "vLLM 0.33 cannot load Gemma-3n without a window for its sliding layers"
+        )
+    window = _window(ctx, kinds)
     layers = _build(ctx, kinds, kv_heads, head_dim, window=window)
     num_shared = ctx.text.get("num_kv_shared_layers", 0)
     if num_shared:
         num_shared = _get_int(ctx, "num_kv_shared_layers")
         first_shared = num_layers - num_shared
-        if first_shared <= 0:
-            raise CatalogueError(f"{ctx.model_type} config: every layer is a KV-sharing layer")
-        for index in range(first_shared, num_layers):
-            # The last non-shared layer of the same attention type owns the cache.
-            owners = [i for i in range(first_shared) if types[i] == types[index]]
-            if not owners:
-                raise CatalogueError(
-                    f"{ctx.model_type} config: layer {index} ({types[index]}) has no "
-                    "non-shared layer of its type to share KV with"
-                )
-            layers[_name(index)] = KVSharingSpec(_name(owners[-1]))
+        for index in range(max(first_shared, 0), num_layers):
+            target = first_shared - (2 if kinds[index] == "sliding_window" else 1)
+            if target >= 0:
+                layers[_name(index)] = KVSharingSpec(_name(target))
     return layers
 
 
