@@ -590,6 +590,29 @@ def test_gemma3n_e2b_shares_the_last_ten_layers() -> None:
     assert set(shared.values()) == {"model.layers.18", "model.layers.19"}
 
 
+@pytest.mark.parametrize(
+    ("written", "expected"),
+    [(None, "fp32"), ("float32", "fp32"), ("bfloat16", "bf16"), ("float16", "fp16"),
+     ("auto", "fp16"), ("fp8", "fp8_e4m3")],
+)  # fmt: skip
+def test_nemotron_h_keeps_its_ssm_state_in_float32_unless_the_config_says(
+    written: str | None, expected: str
+) -> None:
+    # vLLM 0.33's NemotronH config hook: the SSM state takes the config's
+    # mamba_ssm_cache_dtype, float32 without one ("auto": the conv state's, the model dtype).
+    config = {**NEMOTRON_H, "torch_dtype": "float16"}
+    if written is not None:
+        config["mamba_ssm_cache_dtype"] = written
+    state = layer_specs_from_config(config)["model.layers.0"]
+    assert state.dtypes == ("fp16", expected)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("written", ["int3", 32, None])
+def test_nemotron_h_refuses_an_ssm_state_dtype_it_cannot_read(written: object) -> None:
+    with pytest.raises(CatalogueError, match="'mamba_ssm_cache_dtype' must be one of auto"):
+        layer_specs_from_config({**NEMOTRON_H, "mamba_ssm_cache_dtype": written})
+
+
 def _gemma3n_small(num_shared: int) -> dict[str, object]:
     layer_types = (["sliding_attention"] * 4 + ["full_attention"]) * 2
     return {**GEMMA3N_E2B, "num_hidden_layers": 10, "layer_types": layer_types,

@@ -238,7 +238,8 @@ def layer_specs_from_config(
 
     `dtype` is the attention KV-cache dtype; by default the checkpoint's dtype when it is 16-bit,
     else bf16 (fp32 checkpoints are served in bf16). Mamba states use the checkpoint dtype
-    rule too, independently of `dtype` (like vLLM's separate Mamba cache dtype).
+    rule too, independently of `dtype` (like vLLM's separate Mamba cache dtype), except
+    Nemotron-H's SSM state: the config's `mamba_ssm_cache_dtype`, else float32, as in vLLM.
     """
     if not isinstance(config, Mapping):
         raise CatalogueError(f"a config must be a JSON object, got {type(config).__name__}")
@@ -905,7 +906,7 @@ def _falcon_h1(ctx: _Context) -> dict[str, LayerSpec]:
 
 def _nemotron_h(ctx: _Context) -> dict[str, LayerSpec]:
     """Nemotron-H: `hybrid_override_pattern`, one character per layer: `M` Mamba-2, `*`
-    attention, `-` MLP and `E` MoE (no cache)."""
+    attention, `-` MLP and `E` MoE (no cache). The SSM state is float32 by default."""
     pattern = _require(ctx.text, "hybrid_override_pattern", ctx.model_type)
     if not isinstance(pattern, str) or not pattern or set(pattern) - set("M*-E"):
         raise CatalogueError(
@@ -924,10 +925,40 @@ def _nemotron_h(ctx: _Context) -> dict[str, LayerSpec]:
         state_size=_get_int(ctx, "ssm_state_size"),
         conv_kernel=_get_int(ctx, "conv_kernel"),
         dtype=ctx.model_dtype,
+        ssm_dtype=_nemotron_h_ssm_dtype(ctx),
         tensor_parallel_size=ctx.tp,
     )
     kinds = {"M": "mamba", "*": "full", "-": "none", "E": "none"}
     return _build(ctx, [kinds[c] for c in pattern], kv_heads, head_dim, mamba=mamba)
+
+
+# The config's `mamba_ssm_cache_dtype` values vLLM 0.33 reads as a state dtype (its
+# STR_DTYPE_TO_TORCH_DTYPE names; the fp8 ones are stored as bytes).
+_MAMBA_SSM_DTYPES = {
+    "float32": "fp32",
+    "float": "fp32",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "fp8": "fp8_e4m3",
+    "fp8_e4m3": "fp8_e4m3",
+    "fp8_e5m2": "fp8_e5m2",
+}
+
+
+def _nemotron_h_ssm_dtype(ctx: _Context) -> str:
+    """The SSM state's dtype: vLLM 0.33 keeps Nemotron-H's in the config's
+    `mamba_ssm_cache_dtype`, float32 when the config has none (its NemotronH config hook, for
+    accuracy), not in the checkpoint dtype as other Mamba models; `auto` is the conv state's."""
+    value = ctx.text.get("mamba_ssm_cache_dtype", "float32")
+    if value == "auto":
+        return ctx.model_dtype
+    if not isinstance(value, str) or value not in _MAMBA_SSM_DTYPES:
+        raise CatalogueError(
+            f"{ctx.model_type} config: 'mamba_ssm_cache_dtype' must be one of auto, "
+            f"{', '.join(_MAMBA_SSM_DTYPES)}; got {value!r}"
+        )
+    return _MAMBA_SSM_DTYPES[value]
 
 
 def _qwen3_next(ctx: _Context) -> dict[str, LayerSpec]:
