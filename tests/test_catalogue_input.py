@@ -22,7 +22,7 @@ from hybrid_kv.catalogue import (
 )
 from hybrid_kv.cli import main
 from hybrid_kv.planner import PlanError, kv_cache_budget
-from hybrid_kv.specs import MambaSpec
+from hybrid_kv.specs import KVSharingSpec, MambaSpec
 from hypothesis import given
 from hypothesis import strategies as st
 from test_catalogue import FALCON_H1 as _FALCON_H1  # noqa: E402
@@ -623,3 +623,29 @@ def test_cohere2_without_a_window_is_refused_as_vllm_cannot_load_it() -> None:
     config["sliding_window"] = 0
     with pytest.raises(CatalogueError, match="'sliding_window' is 0, and vLLM 0.33 needs"):
         layer_specs_from_config(config)
+
+
+@pytest.mark.parametrize(
+    ("name", "served"),
+    [("gemma-2-9b", "bf16"), ("gemma-3-27b", "bf16"), ("gemma-3n-e4b", "fp16"),
+     ("mistral-7b-v0.1", "fp16")],
+)  # fmt: skip
+def test_a_float16_checkpoint_is_served_as_vllm_serves_it(name: str, served: str) -> None:
+    # vLLM 0.33 runs Gemma-2 and Gemma-3 float16 checkpoints in bfloat16 (numerical
+    # instability); other models, Gemma-3n among them, in float16.
+    config = load_config(name)
+    config["torch_dtype"] = "float16"
+    layers = layer_specs_from_config(config)
+    owners = [spec for spec in layers.values() if not isinstance(spec, KVSharingSpec)]
+    assert {spec.dtype for spec in owners} == {served}  # type: ignore[union-attr]
+
+
+def test_the_config_dtype_is_read_where_vllm_reads_it_first() -> None:
+    # transformers' `dtype` ahead of the older `torch_dtype`, the root config ahead of the
+    # text config.
+    mistral = {**load_config("mistral-7b-v0.1"), "torch_dtype": "float16", "dtype": "bfloat16"}
+    llama4 = load_config("llama-4-scout")
+    llama4["text_config"]["torch_dtype"] = "float16"  # the root says bfloat16
+    for config in (mistral, llama4):
+        layers = layer_specs_from_config(config)
+        assert {spec.dtype for spec in layers.values()} == {"bf16"}  # type: ignore[union-attr]

@@ -427,11 +427,29 @@ def _unsupported(text: Config, model_type: str) -> str:
     )
 
 
+# vLLM 0.33 serves these model types (the config's own `model_type`) in bfloat16 when their
+# checkpoint is float16, for numerical stability (its _FLOAT16_NOT_SUPPORTED_MODELS).
+_NO_FLOAT16 = frozenset({"gemma2", "gemma3", "gemma3_text"})
+
+
 def _model_dtype(config: Config, text: Config) -> str:
-    raw = text.get("torch_dtype", config.get("torch_dtype", config.get("dtype", "bfloat16")))
+    """The dtype vLLM 0.33 serves the checkpoint in (`--dtype auto`): the config's `dtype`
+    (transformers' name, ahead of the older `torch_dtype`), else its text config's; 16-bit
+    as written, anything else bf16; float16 is bf16 for the model types in `_NO_FLOAT16`."""
+    raw = next(
+        (
+            scope[key]
+            for scope in (config, text)
+            for key in ("dtype", "torch_dtype")
+            if scope.get(key) is not None
+        ),
+        "bfloat16",
+    )
     try:
         dtype = canonical_dtype(str(raw))
     except SpecError:
+        return "bf16"
+    if dtype == "fp16" and config.get("model_type") in _NO_FLOAT16:
         return "bf16"
     return dtype if dtype in ("bf16", "fp16") else "bf16"
 
