@@ -270,13 +270,13 @@ def test_bad_json_is_a_clear_error(tmp_path: Path) -> None:
         ),
         (
             {
-                "model_type": "gemma3_text",
-                "num_hidden_layers": 6,
+                "model_type": "jamba",
+                "num_hidden_layers": 2,
                 "num_attention_heads": 2,
-                "num_key_value_heads": 1,
-                "head_dim": 8,
+                "num_key_value_heads": 2,
+                "hidden_size": 8,
             },
-            "sliding_window",
+            "attn_layer_period",
         ),
         ({"model_type": "rwkv"}, "unsupported model_type 'rwkv'"),
         ({"num_hidden_layers": 2}, "model_type"),
@@ -611,6 +611,48 @@ def test_nemotron_h_keeps_its_ssm_state_in_float32_unless_the_config_says(
 def test_nemotron_h_refuses_an_ssm_state_dtype_it_cannot_read(written: object) -> None:
     with pytest.raises(CatalogueError, match="'mamba_ssm_cache_dtype' must be one of auto"):
         layer_specs_from_config({**NEMOTRON_H, "mamba_ssm_cache_dtype": written})
+
+
+@pytest.mark.parametrize(
+    ("name", "window"),
+    [("gemma-2-9b", 4096), ("gemma-3-27b", 4096), ("gemma-3n-e4b", 512), ("command-r7b", 4097),
+     ("gpt-oss-20b", 128), ("mistral-7b-v0.1", 4096), ("ministral-8b", 4096)],
+)  # fmt: skip
+def test_a_config_without_a_window_slides_by_transformers_default(name: str, window: int) -> None:
+    # vLLM 0.33 reads config.json through transformers' class, whose default window a config
+    # that leaves sliding_window out takes (Cohere2's attention adds one).
+    config = load_config(name)
+    del config.get("text_config", config)["sliding_window"]
+    windows = {
+        getattr(spec, "sliding_window", None) for spec in layer_specs_from_config(config).values()
+    }
+    assert window in windows
+
+
+def test_qwen2_with_use_sliding_window_and_no_window_slides_by_4096() -> None:
+    config = {**QWEN25_7B, "use_sliding_window": True, "max_window_layers": 0}
+    del config["sliding_window"]
+    windows = {
+        getattr(spec, "sliding_window", None) for spec in layer_specs_from_config(config).values()
+    }
+    assert windows == {4096}
+
+
+@pytest.mark.parametrize(
+    ("chunk", "kinds"), [(None, {"full"}), (0, {"full"}), ("absent", {"full", "chunked_local"})]
+)
+def test_llama4_chunks_as_vllm_reads_attention_chunk_size(chunk: object, kinds: set[str]) -> None:
+    # Left out: transformers' default, 8192; null or 0: no chunked attention in vLLM 0.33.
+    config = load_config("llama-4-scout")
+    if chunk == "absent":
+        del config["text_config"]["attention_chunk_size"]
+    else:
+        config["text_config"]["attention_chunk_size"] = chunk
+    layers = layer_specs_from_config(config)
+    assert {spec.kind for spec in layers.values()} == kinds
+    if chunk == "absent":
+        chunks = {getattr(spec, "attention_chunk_size", None) for spec in layers.values()}
+        assert chunks == {None, 8192}
 
 
 def _gemma3n_small(num_shared: int) -> dict[str, object]:

@@ -300,38 +300,58 @@ _MODEL_TYPE_ALIASES = {
 # against transformers 5.20 (the version vLLM 0.33 runs with). Where a class has no head_dim
 # default, head_dim is hidden_size // num_attention_heads; with no KV-head default, the KV
 # heads are the heads (also when the config writes null). `phi4` and `kimi_k2` have no class.
+# `sliding_window` (and Llama-4's `attention_chunk_size`) are the classes' defaults for a config
+# that leaves the key out; one that writes null has none.
 _TRANSFORMERS_DEFAULTS: dict[str, dict[str, int]] = {
     "llama": {"num_attention_heads": 32},
     "granite": {"num_attention_heads": 32},
-    "mistral": {"num_attention_heads": 32, "num_key_value_heads": 8},
-    "ministral": {"num_attention_heads": 32, "num_key_value_heads": 8},
+    "mistral": {"num_attention_heads": 32, "num_key_value_heads": 8, "sliding_window": 4096},
+    "ministral": {"num_attention_heads": 32, "num_key_value_heads": 8, "sliding_window": 4096},
     "mixtral": {"num_attention_heads": 32, "num_key_value_heads": 8},
-    "qwen2": {"num_attention_heads": 32, "num_key_value_heads": 32},
-    "qwen2_moe": {"num_attention_heads": 16, "num_key_value_heads": 16},
-    "qwen3": {"num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128},
-    "qwen3_moe": {"num_attention_heads": 32, "num_key_value_heads": 4},
+    "qwen2": {"num_attention_heads": 32, "num_key_value_heads": 32, "sliding_window": 4096},
+    "qwen2_moe": {"num_attention_heads": 16, "num_key_value_heads": 16, "sliding_window": 4096},
+    "qwen3": {
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "head_dim": 128,
+        "sliding_window": 4096,
+    },
+    "qwen3_moe": {"num_attention_heads": 32, "num_key_value_heads": 4, "sliding_window": 4096},
     "phi3": {"num_attention_heads": 32},
     "gemma2": {
         "num_attention_heads": 8,
         "num_key_value_heads": 4,
         "head_dim": 256,
         "vocab_size": 256000,
+        "sliding_window": 4096,
     },
     "gemma3_text": {
         "num_attention_heads": 8,
         "num_key_value_heads": 4,
         "head_dim": 256,
         "vocab_size": 262208,
+        "sliding_window": 4096,
     },
     "gemma3n_text": {
         "num_attention_heads": 8,
         "num_key_value_heads": 2,
         "head_dim": 256,
         "vocab_size": 262400,
+        "sliding_window": 512,
     },
-    "cohere2": {"num_attention_heads": 64},
-    "gpt_oss": {"num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64},
-    "llama4_text": {"num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128},
+    "cohere2": {"num_attention_heads": 64, "sliding_window": 4096},
+    "gpt_oss": {
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "sliding_window": 128,
+    },
+    "llama4_text": {
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "attention_chunk_size": 8192,
+    },
     "deepseek_v2": {"num_attention_heads": 32},
     "deepseek_v3": {"num_attention_heads": 128, "num_key_value_heads": 128},
     "jamba": {"num_attention_heads": 32, "num_key_value_heads": 8},
@@ -632,14 +652,15 @@ def _kinds_from_layer_types(
 def _window(ctx: _Context, kinds: list[str]) -> int | None:
     if "sliding_window" not in kinds or _window_disabled(ctx):
         return None
-    return _int(ctx.text, "sliding_window", ctx.model_type)
+    return _int(ctx.text, "sliding_window", ctx.model_type, ctx.lookup("sliding_window"))
 
 
 def _window_disabled(ctx: _Context) -> bool:
-    """Whether the config writes `sliding_window` as null or 0: vLLM 0.33 reads 0 as no window
-    (its ModelConfig: "some checkpoints set sliding_window to 0 to indicate that sliding window
-    is disabled"), and a layer with no window attends to every token."""
-    value = ctx.text.get("sliding_window", 1)
+    """Whether the config writes `sliding_window` as null or 0 (or leaves it out where
+    transformers' class has no window by default): vLLM 0.33 reads 0 as no window (its
+    ModelConfig: "some checkpoints set sliding_window to 0 to indicate that sliding window is
+    disabled"), and a layer with no window attends to every token."""
+    value = ctx.lookup("sliding_window")
     return value is None or (type(value) is int and value == 0)
 
 
@@ -674,7 +695,7 @@ def _sliding_pattern(
             # vLLM 0.33's Cohere2 attention adds to the window: it cannot load this config.
             raise CatalogueError(
                 f"{ctx.model_type} config: 'sliding_window' is "
-                f"{ctx.text['sliding_window']!r}, and vLLM 0.33 needs a window for its "
+                f"{ctx.lookup('sliding_window')!r}, and vLLM 0.33 needs a window for its "
                 "sliding layers"
             )
         kinds, window = _windowed(ctx, kinds)
@@ -711,7 +732,7 @@ def _gemma3n(ctx: _Context) -> dict[str, LayerSpec]:
         # vLLM 0.33 reads a window of 0 as none and writes null into transformers'
         # Gemma3nTextConfig, whose sliding_window must be an int: the model does not load.
         raise CatalogueError(
-            f"{ctx.model_type} config: 'sliding_window' is {ctx.text['sliding_window']!r}, and "
+            f"{ctx.model_type} config: 'sliding_window' is {ctx.lookup('sliding_window')!r}, and "
             "vLLM 0.33 cannot load Gemma-3n without a window for its sliding layers"
         )
     window = _window(ctx, kinds)
@@ -732,7 +753,7 @@ def _mistral(ctx: _Context) -> dict[str, LayerSpec]:
     one window on every layer (none: full attention)."""
     num_layers, kv_heads, head_dim = _attention_shape(ctx)
     kinds = _kinds_from_layer_types(ctx, num_layers, _ATTENTION_KINDS)
-    window = ctx.text.get("sliding_window")
+    window = ctx.lookup("sliding_window")
     if kinds is not None:
         kinds, size = _windowed(ctx, kinds)
         return _build(ctx, kinds, kv_heads, head_dim, window=size)
@@ -752,7 +773,7 @@ def _mistral(ctx: _Context) -> dict[str, LayerSpec]:
                     )
         return layers
     kind = "full" if window is None or _window_disabled(ctx) else "sliding_window"
-    size = None if kind == "full" else _int(ctx.text, "sliding_window", ctx.model_type)
+    size = None if kind == "full" else _int(ctx.text, "sliding_window", ctx.model_type, window)
     return _build(ctx, [kind] * num_layers, kv_heads, head_dim, window=size)
 
 
@@ -767,9 +788,9 @@ def _qwen2(ctx: _Context) -> dict[str, LayerSpec]:
     `num_hidden_layers`."""
     num_layers, kv_heads, head_dim = _attention_shape(ctx)
     given = _kinds_from_layer_types(ctx, num_layers, _ATTENTION_KINDS)
-    window = ctx.text.get("sliding_window") if ctx.text.get("use_sliding_window") else None
+    window = ctx.lookup("sliding_window") if ctx.text.get("use_sliding_window") else None
     if window is not None and not _window_disabled(ctx):
-        window = _int(ctx.text, "sliding_window", ctx.model_type)
+        window = _int(ctx.text, "sliding_window", ctx.model_type, window)
     else:
         window = None
     if window is None and given is None:
@@ -811,7 +832,7 @@ def _llama(ctx: _Context) -> dict[str, LayerSpec]:
 
 def _llama4(ctx: _Context) -> dict[str, LayerSpec]:
     num_layers, kv_heads, head_dim = _attention_shape(ctx)
-    chunk = ctx.text.get("attention_chunk_size")
+    chunk = ctx.lookup("attention_chunk_size")
     no_rope = ctx.text.get("no_rope_layers") or None
     if no_rope is None:
         interval = _get_int(ctx, "no_rope_layer_interval", 4)
@@ -820,9 +841,10 @@ def _llama4(ctx: _Context) -> dict[str, LayerSpec]:
         raise CatalogueError(
             f"{ctx.model_type} config: 'no_rope_layers' must list {num_layers} flags"
         )
-    if chunk is None:
+    if chunk is None or (type(chunk) is int and chunk == 0):
+        # vLLM 0.33 chunks only with a chunk size (0 is none): every layer attends globally.
         return _build(ctx, ["full"] * num_layers, kv_heads, head_dim)
-    chunk = _get_int(ctx, "attention_chunk_size")
+    chunk = _int(ctx.text, "attention_chunk_size", ctx.model_type, chunk)
     # RoPE layers (flag 1) use chunked local attention; NoPE layers attend globally.
     kinds = ["chunked_local" if flag else "full" for flag in no_rope]
     return _build(ctx, kinds, kv_heads, head_dim, chunk=chunk)
