@@ -655,6 +655,13 @@ def test_llama4_chunks_as_vllm_reads_attention_chunk_size(chunk: object, kinds: 
         assert chunks == {None, 8192}
 
 
+def test_gemma2_alternates_whatever_sliding_window_pattern_says() -> None:
+    # transformers' Gemma2Config has no sliding_window_pattern: vLLM 0.33 alternates.
+    config = {**load_config("gemma-2-9b"), "sliding_window_pattern": 3}
+    kinds = [spec.kind for spec in layer_specs_from_config(config).values()]
+    assert kinds[:4] == ["sliding_window", "full", "sliding_window", "full"]
+
+
 def _gemma3n_small(num_shared: int) -> dict[str, object]:
     layer_types = (["sliding_attention"] * 4 + ["full_attention"]) * 2
     return {**GEMMA3N_E2B, "num_hidden_layers": 10, "layer_types": layer_types,

@@ -88,6 +88,7 @@ def _cases() -> dict[str, dict[str, Any]]:
         **preset,
         **gemma3n,
         "gemma-2-float16": probe.text_only(load_config("gemma-2-9b"), torch_dtype="float16"),
+        "gemma-2-pattern-3": probe.text_only(load_config("gemma-2-9b"), sliding_window_pattern=3),
         # Fields left out take transformers' defaults (None drops the key).
         "gemma-3-no-window": probe.text_only(load_config("gemma-3-27b"), sliding_window=None),
         "mistral-no-window": probe.text_only(load_config("mistral-7b-v0.1"), sliding_window=None),

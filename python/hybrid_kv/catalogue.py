@@ -677,17 +677,21 @@ def _windowed(ctx: _Context, kinds: list[str]) -> tuple[list[str], int | None]:
 
 
 def _sliding_pattern(
-    pattern_default: int | None, window_extra: int = 0
+    pattern_default: int, window_extra: int = 0, *, pattern_key: str | None = None
 ) -> Callable[[_Context], dict[str, LayerSpec]]:
-    """Gemma-2/3, Cohere2: `layer_types`, else every `pattern`-th layer is full. A sliding
-    layer's window is the config's plus `window_extra` (Cohere2: vLLM 0.33's attention sees
+    """Gemma-2/3, Cohere2: `layer_types`, else every `pattern`-th layer is full: the config's
+    `pattern_key` where transformers' class reads one (Gemma-3, Cohere2), else
+    `pattern_default` (Gemma-2 alternates whatever the config says). A sliding layer's window
+    is the config's plus `window_extra` (Cohere2: vLLM 0.33's attention sees
     `sliding_window + 1` tokens, and its KV cache spec says so)."""
 
     def build(ctx: _Context) -> dict[str, LayerSpec]:
         num_layers, kv_heads, head_dim = _attention_shape(ctx)
         kinds = _kinds_from_layer_types(ctx, num_layers, _ATTENTION_KINDS)
         if kinds is None:
-            pattern = _get_int(ctx, "sliding_window_pattern", pattern_default)
+            pattern = pattern_default
+            if pattern_key is not None:
+                pattern = _get_int(ctx, pattern_key, pattern_default)
             kinds = [
                 "full" if (i + 1) % pattern == 0 else "sliding_window" for i in range(num_layers)
             ]
@@ -1023,8 +1027,8 @@ def _qwen3_next(ctx: _Context) -> dict[str, LayerSpec]:
 
 _BUILDERS: dict[str, Callable[[_Context], dict[str, LayerSpec]]] = {
     "gemma2": _sliding_pattern(2),
-    "gemma3": _sliding_pattern(6),
-    "cohere2": _sliding_pattern(4, window_extra=1),
+    "gemma3": _sliding_pattern(6, pattern_key="sliding_window_pattern"),
+    "cohere2": _sliding_pattern(4, window_extra=1, pattern_key="sliding_window_pattern"),
     "gpt_oss": _gpt_oss,
     "gemma3n": _gemma3n,
     "mistral": _mistral,
