@@ -649,3 +649,21 @@ def test_the_config_dtype_is_read_where_vllm_reads_it_first() -> None:
     for config in (mistral, llama4):
         layers = layer_specs_from_config(config)
         assert {spec.dtype for spec in layers.values()} == {"bf16"}  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [("gemma-3-27b", "head_dim"), ("gpt-oss-20b", "head_dim"), ("qwen3-next-80b-a3b", "head_dim"),
+     ("mistral-7b-v0.1", "num_key_value_heads"), ("gemma-2-9b", "num_key_value_heads")],
+)  # fmt: skip
+def test_a_null_that_transformers_refuses_is_refused(name: str, key: str) -> None:
+    # transformers' class types these fields as a plain int: vLLM 0.33 fails reading the config.
+    config = load_config(name)
+    config.get("text_config", config)[key] = None
+    with pytest.raises(CatalogueError, match=f"'{key}' is null, and transformers'"):
+        layer_specs_from_config(config)
+
+
+def test_a_null_head_dim_where_transformers_takes_one_is_derived() -> None:
+    config = {**load_config("mistral-7b-v0.1"), "head_dim": None}
+    assert {spec.head_size for spec in layer_specs_from_config(config).values()} == {128}  # type: ignore[union-attr]

@@ -374,6 +374,20 @@ _TRANSFORMERS_DEFAULTS.update(
 )
 
 
+# Fields transformers' class types as a plain int for a `model_type` (as the config writes it):
+# a config that writes null there fails its validation, so vLLM 0.33 cannot load it. (Left out,
+# they take the class default.) Checked against transformers 5.20.
+_GEMMA_LIKE = {"gemma2", "gemma3", "gemma3_text", "gemma3n", "gemma3n_text", "gpt_oss"}
+_LLAMA4 = {"llama4", "llama4_text"}
+_NOT_NULL: dict[str, frozenset[str]] = {
+    "head_dim": frozenset({*_GEMMA_LIKE, *_LLAMA4, "qwen3", "nemotron_h", "qwen3_next"}),
+    "num_key_value_heads": frozenset(
+        {*_GEMMA_LIKE, *_LLAMA4, "mistral", "ministral", "mixtral", "qwen3_moe", "jamba"}
+        | {"nemotron_h", "qwen3_next"}
+    ),
+}
+
+
 @dataclass(frozen=True)
 class _Context:
     text: Config
@@ -508,6 +522,12 @@ def _attention_dims(ctx: _Context) -> tuple[int, int, int]:
     needs the KV heads to divide the heads, and tensor parallelism shards the KV heads
     (`kv % tp == 0`) or replicates them (`tp % kv == 0`)."""
     text, model_type, tp = ctx.text, ctx.model_type, ctx.tp
+    for key, model_types in _NOT_NULL.items():
+        if key in text and text[key] is None and ctx.source_type in model_types:
+            raise CatalogueError(
+                f"{model_type} config: {key!r} is null, and transformers' {ctx.source_type} "
+                "config (through which vLLM 0.33 reads it) needs an int: vLLM cannot load it"
+            )
     heads = _int(text, "num_attention_heads", model_type, ctx.lookup("num_attention_heads"))
     kv_value = ctx.lookup("num_key_value_heads")
     kv_heads = (
