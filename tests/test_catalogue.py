@@ -662,6 +662,17 @@ def test_gemma2_alternates_whatever_sliding_window_pattern_says() -> None:
     assert kinds[:4] == ["sliding_window", "full", "sliding_window", "full"]
 
 
+def test_gemma3n_without_num_kv_shared_layers_shares_transformers_default_15() -> None:
+    config = dict(GEMMA3N_E2B)
+    del config["num_kv_shared_layers"]
+    layers = layer_specs_from_config(config)
+    shared = {n: s.target for n, s in layers.items() if isinstance(s, KVSharingSpec)}
+    assert len(shared) == 15
+    assert set(shared.values()) == {"model.layers.13", "model.layers.14"}
+    with pytest.raises(CatalogueError, match="'num_kv_shared_layers' is null"):
+        layer_specs_from_config({**GEMMA3N_E2B, "num_kv_shared_layers": None})
+
+
 def _gemma3n_small(num_shared: int) -> dict[str, object]:
     layer_types = (["sliding_attention"] * 4 + ["full_attention"]) * 2
     return {**GEMMA3N_E2B, "num_hidden_layers": 10, "layer_types": layer_types,

@@ -88,6 +88,13 @@ def _cases() -> dict[str, dict[str, Any]]:
         **preset,
         **gemma3n,
         "gemma-2-float16": probe.text_only(load_config("gemma-2-9b"), torch_dtype="float16"),
+        "gemma-3n-default-sharing": probe.text_only(
+            load_config("gemma-3n-e4b"),
+            num_hidden_layers=30,
+            layer_types=gemma3n_types * 3,
+            num_kv_shared_layers=None,
+            activation_sparsity_pattern=[0.0] * 30,
+        ),
         "gemma-2-pattern-3": probe.text_only(load_config("gemma-2-9b"), sliding_window_pattern=3),
         # Fields left out take transformers' defaults (None drops the key).
         "gemma-3-no-window": probe.text_only(load_config("gemma-3-27b"), sliding_window=None),

@@ -338,6 +338,7 @@ _TRANSFORMERS_DEFAULTS: dict[str, dict[str, int]] = {
         "head_dim": 256,
         "vocab_size": 262400,
         "sliding_window": 512,
+        "num_kv_shared_layers": 15,
     },
     "cohere2": {"num_attention_heads": 64, "sliding_window": 4096},
     "gpt_oss": {
@@ -385,6 +386,7 @@ _NOT_NULL: dict[str, frozenset[str]] = {
         {*_GEMMA_LIKE, *_LLAMA4, "mistral", "ministral", "mixtral", "qwen3_moe", "jamba"}
         | {"nemotron_h", "qwen3_next"}
     ),
+    "num_kv_shared_layers": frozenset({"gemma3n", "gemma3n_text"}),
 }
 
 
@@ -747,7 +749,8 @@ def _gemma3n(ctx: _Context) -> dict[str, LayerSpec]:
     them, chosen by position as vLLM 0.33's Gemma-3n attention does: a sliding shared layer
     takes layer `first_shared - 2`, a full one `first_shared - 1`, whatever kind that layer is
     (in released checkpoints the last sliding and the last full layer before the shared ones).
-    A shared layer whose target would be before layer 0 keeps a cache of its own."""
+    A shared layer whose target would be before layer 0 keeps a cache of its own. A config
+    that leaves `num_kv_shared_layers` out shares 15 layers (transformers' default)."""
     num_layers, kv_heads, head_dim = _attention_shape(ctx)
     kinds = _kinds_from_layer_types(ctx, num_layers, _ATTENTION_KINDS)
     if kinds is None:
@@ -761,9 +764,9 @@ def _gemma3n(ctx: _Context) -> dict[str, LayerSpec]:
         )
     window = _window(ctx, kinds)
     layers = _build(ctx, kinds, kv_heads, head_dim, window=window)
-    num_shared = ctx.text.get("num_kv_shared_layers", 0)
-    if num_shared:
-        num_shared = _get_int(ctx, "num_kv_shared_layers")
+    num_shared = ctx.lookup("num_kv_shared_layers")  # transformers' default: 15
+    if num_shared != 0:
+        num_shared = _int(ctx.text, "num_kv_shared_layers", ctx.model_type, num_shared)
         first_shared = num_layers - num_shared
         for index in range(max(first_shared, 0), num_layers):
             target = first_shared - (2 if kinds[index] == "sliding_window" else 1)
