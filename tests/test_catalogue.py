@@ -268,16 +268,6 @@ def test_bad_json_is_a_clear_error(tmp_path: Path) -> None:
             },
             "attn_layer_indices",
         ),
-        (
-            {
-                "model_type": "jamba",
-                "num_hidden_layers": 2,
-                "num_attention_heads": 2,
-                "num_key_value_heads": 2,
-                "hidden_size": 8,
-            },
-            "attn_layer_period",
-        ),
         ({"model_type": "rwkv"}, "unsupported model_type 'rwkv'"),
         ({"num_hidden_layers": 2}, "model_type"),
     ],
@@ -671,6 +661,33 @@ def test_gemma3n_without_num_kv_shared_layers_shares_transformers_default_15() -
     assert set(shared.values()) == {"model.layers.13", "model.layers.14"}
     with pytest.raises(CatalogueError, match="'num_kv_shared_layers' is null"):
         layer_specs_from_config({**GEMMA3N_E2B, "num_kv_shared_layers": None})
+
+
+def test_nemotron_h_without_n_groups_takes_transformers_default_8() -> None:
+    # vLLM 0.33 reads config.json through NemotronHConfig: n_groups left out is 8, and the
+    # conv state holds 2 * n_groups * ssm_state_size channels beside the intermediate size.
+    config = dict(NEMOTRON_H)
+    del config["n_groups"]
+    state = layer_specs_from_config(config)["model.layers.0"]
+    assert state.shapes[0] == (3, 8192 + 2 * 8 * 128)  # type: ignore[union-attr]
+    assert layer_specs_from_config({**config, "n_groups": 1})["model.layers.0"].shapes[0] == (
+        3,
+        8192 + 2 * 128,
+    )  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("name", "dropped"),
+    [("jamba-mini-1.5", ("attn_layer_period", "attn_layer_offset", "mamba_d_state")),
+     ("qwen3-next-80b-a3b", ("linear_num_key_heads", "linear_conv_kernel_dim")),
+     ("deepseek-v3", ("kv_lora_rank", "qk_rope_head_dim"))],
+)  # fmt: skip
+def test_fields_left_out_take_transformers_defaults(name: str, dropped: tuple[str, ...]) -> None:
+    # The presets write transformers' defaults for these: leaving them out changes nothing.
+    config = load_config(name)
+    for key in dropped:
+        del config[key]
+    assert layer_specs_from_config(config) == load_model(name).layers
 
 
 def _gemma3n_small(num_shared: int) -> dict[str, object]:

@@ -111,6 +111,14 @@ def _cases() -> dict[str, dict[str, Any]]:
         },
         "qwen3": {**qwen3, "num_hidden_layers": 2},
         "nemotron-h": nemotron_h,
+        "nemotron-h-default-groups": {k: v for k, v in nemotron_h.items() if k != "n_groups"},
+        "jamba-default-layout": probe.text_only(
+            load_config("jamba-mini-1.5"),
+            num_hidden_layers=9,
+            attn_layer_period=None,
+            attn_layer_offset=None,
+            mamba_d_state=None,
+        ),
     }
 
 

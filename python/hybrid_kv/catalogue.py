@@ -302,6 +302,14 @@ _MODEL_TYPE_ALIASES = {
 # heads are the heads (also when the config writes null). `phi4` and `kimi_k2` have no class.
 # `sliding_window` (and Llama-4's `attention_chunk_size`) are the classes' defaults for a config
 # that leaves the key out; one that writes null has none.
+_MLA_DEFAULTS = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
+_MAMBA2_DEFAULTS = {
+    "mamba_n_heads": 128,
+    "mamba_n_groups": 1,
+    "mamba_d_state": 256,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+}
 _TRANSFORMERS_DEFAULTS: dict[str, dict[str, int]] = {
     "llama": {"num_attention_heads": 32},
     "granite": {"num_attention_heads": 32},
@@ -353,14 +361,40 @@ _TRANSFORMERS_DEFAULTS: dict[str, dict[str, int]] = {
         "head_dim": 128,
         "attention_chunk_size": 8192,
     },
-    "deepseek_v2": {"num_attention_heads": 32},
-    "deepseek_v3": {"num_attention_heads": 128, "num_key_value_heads": 128},
-    "jamba": {"num_attention_heads": 32, "num_key_value_heads": 8},
+    "deepseek_v2": {"num_attention_heads": 32, **_MLA_DEFAULTS},
+    "deepseek_v3": {"num_attention_heads": 128, "num_key_value_heads": 128, **_MLA_DEFAULTS},
+    "jamba": {
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "attn_layer_period": 8,
+        "attn_layer_offset": 4,
+        "mamba_expand": 2,
+        "mamba_d_state": 16,
+        "mamba_d_conv": 4,
+    },
     "bamba": {"num_attention_heads": 32, "num_key_value_heads": 8},
-    "granitemoehybrid": {"num_attention_heads": 32},
-    "falcon_h1": {"num_attention_heads": 32, "num_key_value_heads": 8},
-    "nemotron_h": {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128},
-    "qwen3_next": {"num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256},
+    "granitemoehybrid": {"num_attention_heads": 32, **_MAMBA2_DEFAULTS},
+    "falcon_h1": {"num_attention_heads": 32, "num_key_value_heads": 8, **_MAMBA2_DEFAULTS},
+    "nemotron_h": {
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "mamba_num_heads": 128,
+        "mamba_head_dim": 64,
+        "n_groups": 8,
+        "ssm_state_size": 128,
+        "conv_kernel": 4,
+    },
+    "qwen3_next": {
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+    },
 }
 # A multimodal config's text_config without a model_type is read as its text model's class.
 _TRANSFORMERS_DEFAULTS.update(
@@ -512,7 +546,9 @@ def _int(text: Config, key: str, model_type: str, value: Any = None) -> int:
 
 
 def _get_int(ctx: _Context, key: str, default: int | None = None) -> int:
-    value = ctx.text.get(key, default)
+    """`key` of the text config; left out, transformers' default for the class, else
+    `default`."""
+    value = ctx.text.get(key, ctx.defaults.get(key, default))
     if value is None:
         raise CatalogueError(f"{ctx.model_type} config is missing {key!r}")
     return _int(ctx.text, key, ctx.model_type, value)
@@ -892,7 +928,7 @@ def _deepseek(ctx: _Context) -> dict[str, LayerSpec]:
 def _jamba(ctx: _Context) -> dict[str, LayerSpec]:
     num_layers, kv_heads, head_dim = _attention_shape(ctx)
     period = _get_int(ctx, "attn_layer_period")
-    offset = ctx.text.get("attn_layer_offset")
+    offset = ctx.lookup("attn_layer_offset")
     if not isinstance(offset, int) or offset < 0:
         raise CatalogueError(f"{ctx.model_type} config is missing 'attn_layer_offset'")
     hidden = _get_int(ctx, "hidden_size")
