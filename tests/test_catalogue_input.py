@@ -19,6 +19,7 @@ from hybrid_kv.catalogue import (
     layer_specs_from_config,
     load_config,
     load_model,
+    max_model_len_from_config,
 )
 from hybrid_kv.cli import main
 from hybrid_kv.planner import PlanError, kv_cache_budget
@@ -667,3 +668,38 @@ def test_a_null_that_transformers_refuses_is_refused(name: str, key: str) -> Non
 def test_a_null_head_dim_where_transformers_takes_one_is_derived() -> None:
     config = {**load_config("mistral-7b-v0.1"), "head_dim": None}
     assert {spec.head_size for spec in layer_specs_from_config(config).values()} == {128}  # type: ignore[union-attr]
+
+
+_LLAMA_4K = {**load_config("llama-3.1-8b"), "max_position_embeddings": 4096, "rope_scaling": None}
+
+
+@pytest.mark.parametrize(
+    ("changes", "length"),
+    [
+        ({"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, 16384),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, 8192),
+        ({"rope_parameters": {"rope_type": "linear", "factor": 3.0, "rope_theta": 1e4}}, 12288),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, 4096),  # already scaled
+        ({"seq_length": 1000}, 1000),  # the smallest length field
+        ({"model_max_length": 9999}, 9999),  # wins when set
+        (
+            {
+                "max_position_embeddings": 131072,
+                "original_max_position_embeddings": 4096,
+                "rope_scaling": {"type": "longrope", "long_factor": [1.0], "short_factor": [1.0]},
+            },
+            4096,
+        ),
+    ],
+)
+def test_max_model_len_is_the_length_vllm_serves_by_default(
+    changes: dict[str, Any], length: int
+) -> None:
+    # vLLM 0.33's _get_and_verify_max_len, checked against vLLM for each case.
+    assert max_model_len_from_config({**_LLAMA_4K, **changes}) == length
+
+
+def test_a_rope_factor_that_is_no_number_is_refused() -> None:
+    config = {**_LLAMA_4K, "rope_scaling": {"rope_type": "linear", "factor": "4"}}
+    with pytest.raises(CatalogueError, match="RoPE 'factor' must be > 0"):
+        max_model_len_from_config(config)

@@ -221,14 +221,69 @@ def load_model(model: str, *, dtype: str | None = None, tensor_parallel_size: in
     )
 
 
+# The text config's length fields vLLM 0.33 takes the smallest of (`model_max_length`, where
+# set, wins), and the RoPE types whose `factor` max_position_embeddings already includes.
+_MAX_LEN_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "model_max_length",
+    "max_target_positions",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+_PRESCALED_ROPE = frozenset(
+    {"su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling"}
+)
+
+
+def _rope_parameters(config: Config) -> list[Mapping[str, Any]]:
+    """The config's RoPE parameters (`rope_parameters`, or the older `rope_scaling`), one
+    mapping per layer type where they are given per layer type."""
+    params = config.get("rope_parameters") or config.get("rope_scaling")
+    if not isinstance(params, Mapping) or not params:
+        return []
+    if all(isinstance(value, Mapping) for value in params.values()):
+        return [value for value in params.values() if value]
+    return [params]
+
+
 def max_model_len_from_config(config: Config) -> int:
-    """`max_position_embeddings` of the text model (transformers' default when omitted)."""
+    """The context length vLLM 0.33 serves by default: the smallest length field of the text
+    model (`max_position_embeddings`, ...; `model_max_length` where set; transformers'
+    default when all are omitted), times a linear or dynamic RoPE scaling factor (not for
+    Gemma-3, nor the types whose length includes it); with LongRoPE,
+    `original_max_position_embeddings`."""
     text, model_type = _text_config(config)
-    default = _DEFAULT_MAX_POSITIONS.get(model_type)
-    value = text.get("max_position_embeddings", default)
-    if value is None:
-        raise CatalogueError(f"{model_type} config is missing 'max_position_embeddings'")
-    return _int(text, "max_position_embeddings", model_type, value)
+    lengths = {key: text[key] for key in _MAX_LEN_KEYS if text.get(key) is not None}
+    if text.get("model_max_length"):
+        lengths = {"model_max_length": text["model_max_length"]}
+    if not lengths:
+        default = _DEFAULT_MAX_POSITIONS.get(model_type)
+        if default is None:
+            raise CatalogueError(f"{model_type} config is missing 'max_position_embeddings'")
+        lengths = {"max_position_embeddings": default}
+    key, length = min(
+        ((key, _int(text, key, model_type, value)) for key, value in lengths.items()),
+        key=lambda item: item[1],
+    )
+    rope = _rope_parameters(config)
+    rope_types = [str(p.get("rope_type", p.get("type", "default"))) for p in rope]
+    if "longrope" in rope_types and config.get("original_max_position_embeddings") is not None:
+        key = "original_max_position_embeddings"
+        return _int(config, key, model_type, config[key])
+    factor: Any = 1.0
+    if "gemma3" not in str(config.get("model_type")):
+        for params, rope_type in zip(rope, rope_types, strict=True):
+            if rope_type not in _PRESCALED_ROPE:
+                factor = params.get("factor", factor)
+    if factor is None:
+        factor = 1.0
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+        raise CatalogueError(f"{model_type} config: RoPE 'factor' must be > 0, got {factor!r}")
+    return max(1, int(length * factor))
 
 
 def layer_specs_from_config(
