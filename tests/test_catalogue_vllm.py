@@ -23,7 +23,7 @@ from typing import Any
 import hybrid_kv
 import pytest
 import vllm_catalogue as probe
-from hybrid_kv.catalogue import layer_specs_from_config, load_config
+from hybrid_kv.catalogue import layer_specs_from_config, load_config, max_model_len_from_config
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 if os.environ.get("HYBRID_KV_REQUIRE_VLLM") == "1" and not HAVE_VLLM:
@@ -110,6 +110,11 @@ def _cases() -> dict[str, dict[str, Any]]:
             "max_window_layers": 0,
         },
         "qwen3": {**qwen3, "num_hidden_layers": 2},
+        "qwen3-linear-rope": {
+            **qwen3,
+            "num_hidden_layers": 2,
+            "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+        },
         "nemotron-h": nemotron_h,
         "nemotron-h-default-groups": {k: v for k, v in nemotron_h.items() if k != "n_groups"},
         "jamba-default-layout": probe.text_only(
@@ -157,3 +162,4 @@ def test_catalogue_layers_are_the_ones_vllm_builds(case: str, vllm_layers: dict[
         pytest.skip(f"vLLM cannot build {case} here: {result['error']}")
     assert "error" not in result, result.get("error")
     assert probe.ours(layer_specs_from_config(CASES[case])) == result["layers"]
+    assert max_model_len_from_config(CASES[case]) == result["max_model_len"]

@@ -5,7 +5,8 @@ Run as a script under vLLM's Python, it reads `{case: config.json contents}` as 
 builds each model the way a vLLM worker does (EngineArgs -> VllmConfig, `initialize_model` on
 the `meta` device, on the CPU if the model cannot be built there, with no weights), reads
 every attention and Mamba layer's `get_kv_cache_spec` as the model runner does, and writes
-`{case: {"layers": {index: summary}} or {"error": "Type: message"}}` as JSON to the file
+`{case: {"layers": {index: summary}, "max_model_len": n} or {"error": "Type: message"}}`
+(`n`: the context length vLLM serves by default) as JSON to the file
 named by its argument (vLLM logs to stdout).
 
     PYTHONPATH=python VLLM_TARGET_DEVICE=cpu VENV/bin/python tests/vllm_catalogue.py OUT < IN
@@ -172,7 +173,7 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _vllm_specs(config: dict[str, Any]) -> dict[str, Summary]:
+def _vllm_specs(config: dict[str, Any]) -> tuple[dict[str, Summary], int]:
     import torch
     from vllm.config import VllmConfig, get_layers_from_vllm_config, set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
@@ -197,6 +198,9 @@ def _vllm_specs(config: dict[str, Any]) -> dict[str, Summary]:
             enforce_eager=True,
         )
         vllm_config = engine_args.create_engine_config()
+        default_length = EngineArgs(
+            model=directory, skip_tokenizer_init=True, enforce_eager=True
+        ).create_model_config()
         if not model_parallel_is_initialized():
             with set_current_vllm_config(VllmConfig()):  # no model: the expert group too
                 address = f"tcp://127.0.0.1:{_free_port()}"
@@ -221,7 +225,7 @@ def _vllm_specs(config: dict[str, Any]) -> dict[str, Summary]:
                     summaries[_index(name)] = {"shares": int(_index(target))}
                 elif (spec := layer.get_kv_cache_spec(vllm_config)) is not None:
                     summaries[_index(name)] = _theirs(spec)
-    return summaries
+    return summaries, default_length.max_model_len
 
 
 def main() -> None:
@@ -234,7 +238,8 @@ def main() -> None:
     results: dict[str, Any] = {}
     for name, config in cases.items():
         try:
-            results[name] = {"layers": _vllm_specs(config)}
+            layers, max_model_len = _vllm_specs(config)
+            results[name] = {"layers": layers, "max_model_len": max_model_len}
         except Exception as error:  # reported to the test, which names it
             results[name] = {"error": f"{type(error).__name__}: {str(error)[:500]}"}
     with open(sys.argv[1], "w") as file:
