@@ -703,3 +703,20 @@ def test_a_rope_factor_that_is_no_number_is_refused() -> None:
     config = {**_LLAMA_4K, "rope_scaling": {"rope_type": "linear", "factor": "4"}}
     with pytest.raises(CatalogueError, match="RoPE 'factor' must be > 0"):
         max_model_len_from_config(config)
+
+
+def test_mixtral_with_mixed_layer_types_runs_full_as_in_vllm() -> None:
+    # vLLM 0.33's Mixtral attention has only the model-wide window, set when every layer
+    # slides; Mistral's (Llama's) reads layer_types per layer.
+    layer_types = ["sliding_attention", "full_attention"] * 16
+    mistral = {**load_config("mistral-7b-v0.1"), "layer_types": layer_types}
+    mixtral = {**mistral, "model_type": "mixtral"}
+    assert {spec.kind for spec in layer_specs_from_config(mixtral).values()} == {"full"}
+    kinds = {spec.kind for spec in layer_specs_from_config(mistral).values()}
+    assert kinds == {"full", "sliding_window"}
+
+
+def test_jamba_attention_offset_beyond_its_period_is_refused() -> None:
+    config = {**load_config("jamba-mini-1.5"), "attn_layer_offset": 8}
+    with pytest.raises(CatalogueError, match=r"attn_layer_offset \(8\) must be smaller"):
+        layer_specs_from_config(config)

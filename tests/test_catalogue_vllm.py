@@ -109,6 +109,15 @@ def _cases() -> dict[str, dict[str, Any]]:
             "sliding_window": 64,
             "max_window_layers": 0,
         },
+        "mixtral-mixed-layer-types": probe.text_only(
+            load_config("mistral-7b-v0.1"),
+            architectures=["MixtralForCausalLM"],
+            model_type="mixtral",
+            num_hidden_layers=4,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+        ),
         "qwen3": {**qwen3, "num_hidden_layers": 2},
         "qwen3-linear-rope": {
             **qwen3,

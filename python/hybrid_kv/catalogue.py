@@ -872,6 +872,10 @@ def _mistral(ctx: _Context) -> dict[str, LayerSpec]:
     num_layers, kv_heads, head_dim = _attention_shape(ctx)
     kinds = _kinds_from_layer_types(ctx, num_layers, _ATTENTION_KINDS)
     window = ctx.lookup("sliding_window")
+    if kinds is not None and ctx.source_type == "mixtral" and len(set(kinds)) > 1:
+        # vLLM 0.33's Mixtral attention takes no per-layer window, only the model-wide one,
+        # which vLLM sets only when every layer slides: mixed layer_types run full.
+        kinds = ["full"] * num_layers
     if kinds is not None:
         kinds, size = _windowed(ctx, kinds)
         return _build(ctx, kinds, kv_heads, head_dim, window=size)
@@ -986,6 +990,12 @@ def _jamba(ctx: _Context) -> dict[str, LayerSpec]:
     offset = ctx.lookup("attn_layer_offset")
     if not isinstance(offset, int) or offset < 0:
         raise CatalogueError(f"{ctx.model_type} config is missing 'attn_layer_offset'")
+    if offset >= period:
+        # transformers' JambaConfig refuses it, so vLLM 0.33 cannot load it.
+        raise CatalogueError(
+            f"{ctx.model_type} config: attn_layer_offset ({offset}) must be smaller than "
+            f"attn_layer_period ({period}), as transformers' JambaConfig requires"
+        )
     hidden = _get_int(ctx, "hidden_size")
     mamba = MambaSpec.mamba1(
         intermediate_size=_get_int(ctx, "mamba_expand") * hidden,
