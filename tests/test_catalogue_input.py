@@ -720,3 +720,15 @@ def test_jamba_attention_offset_beyond_its_period_is_refused() -> None:
     config = {**load_config("jamba-mini-1.5"), "attn_layer_offset": 8}
     with pytest.raises(CatalogueError, match=r"attn_layer_offset \(8\) must be smaller"):
         layer_specs_from_config(config)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "granite"])
+def test_llama_with_a_sliding_window_slides_as_vllm_reads_it(model_type: str) -> None:
+    # vLLM 0.33's Llama and Granite attention: per layer from layer_types, else the model-wide
+    # window on every layer.
+    config = {**load_config("llama-3.1-8b"), "model_type": model_type, "sliding_window": 64}
+    windows = {getattr(s, "sliding_window", None) for s in layer_specs_from_config(config).values()}
+    assert windows == {64}
+    config["layer_types"] = ["sliding_attention", "full_attention"] * 16
+    kinds = [spec.kind for spec in layer_specs_from_config(config).values()]
+    assert kinds[:2] == ["sliding_window", "full"]

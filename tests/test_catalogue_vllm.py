@@ -118,6 +118,12 @@ def _cases() -> dict[str, dict[str, Any]]:
             num_experts_per_tok=2,
             layer_types=["sliding_attention", "full_attention"] * 2,
         ),
+        "llama-sliding": probe.text_only(
+            load_config("llama-3.1-8b"),
+            num_hidden_layers=4,
+            sliding_window=64,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+        ),
         "qwen3": {**qwen3, "num_hidden_layers": 2},
         "qwen3-linear-rope": {
             **qwen3,

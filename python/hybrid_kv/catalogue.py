@@ -948,8 +948,9 @@ def _qwen2(ctx: _Context) -> dict[str, LayerSpec]:
 
 
 def _llama(ctx: _Context) -> dict[str, LayerSpec]:
-    num_layers, kv_heads, head_dim = _attention_shape(ctx)
-    return _build(ctx, ["full"] * num_layers, kv_heads, head_dim)
+    """Llama, Granite: full attention, unless the config adds a `sliding_window` (and
+    `layer_types`), which vLLM 0.33's Llama and Granite models read as Mistral's are read."""
+    return _mistral(ctx)
 
 
 def _llama4(ctx: _Context) -> dict[str, LayerSpec]:
