@@ -3,6 +3,7 @@
 //! malformed hits; and an allocation that fails halfway gives back what it took.
 
 use super::*;
+use crate::hashing::MmInput;
 use crate::types::MAX_BLOCKS;
 
 fn tokens(n: usize) -> Vec<u32> {
@@ -603,4 +604,30 @@ fn block_counts_past_any_pool_saturate_and_the_allocation_is_refused() {
     assert!(m.get_computed_blocks("a").unwrap().is_empty());
     m.allocate_slots("a", &run(33, 0)).unwrap().unwrap();
     m.cache_blocks("a", 33).unwrap();
+}
+
+#[test]
+fn a_request_whose_multimodal_inputs_new_would_refuse_is_refused() {
+    let extra = ExtraKeys {
+        mm_inputs: vec![MmInput {
+            identifier: "img".into(),
+            offset: 5,
+            length: usize::MAX,
+        }],
+        ..ExtraKeys::default()
+    };
+    let mut m = KVCacheManager::new(&ManagerConfig::new(vec![GroupSpec::full(4)], 16, 64)).unwrap();
+    assert!(matches!(
+        m.add_request("a", &tokens(20), extra.clone()),
+        Err(CoreError::OutOfRange(_))
+    ));
+    assert!(matches!(
+        m.add_request_prehashed("a", 2, vec![], vec![1, 2], extra.clone()),
+        Err(CoreError::OutOfRange(_))
+    ));
+    assert!(matches!(
+        m.prober().probe(&tokens(20), &extra),
+        Err(CoreError::OutOfRange(_))
+    ));
+    assert_eq!(m.num_requests(), 0);
 }
