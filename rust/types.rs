@@ -115,7 +115,11 @@ impl StoreInfo<'_> {
     /// The prefix length the key of the `i`-th block of the call covers: through the end of
     /// that block (vLLM's `block_hash_num_tokens`), saturating.
     pub(crate) fn key_tokens(&self, i: usize) -> u32 {
-        let end = (self.first_block + i + 1).saturating_mul(self.block_size as usize);
+        let end = self
+            .first_block
+            .saturating_add(i)
+            .saturating_add(1)
+            .saturating_mul(self.block_size as usize);
         u32::try_from(end).unwrap_or(u32::MAX)
     }
 

@@ -897,7 +897,7 @@ impl BlockPool {
             {
                 stored.push(hash);
                 extra_keys.push(info.block_extra_keys.and_then(|f| f(i)));
-                block_indices.push(info.first_block + i);
+                block_indices.push(info.first_block.saturating_add(i));
             }
         }
         if let Some(events) = events {

@@ -1163,3 +1163,34 @@ fn a_touch_that_would_overflow_a_count_changes_nothing() {
     pool.states.set_ref_count(b, 1);
     pool.free_blocks(&[x, b]).unwrap();
 }
+
+#[test]
+fn store_info_positions_past_usize_saturate() {
+    // A first block index near usize::MAX overflowed the prefix length a key covers (a panic
+    // with overflow checks, a length of 0 tokens otherwise) and the event's block indices.
+    let pool = BlockPool::with_options(8, true, true).unwrap();
+    let b = pool.get_new_blocks(2).unwrap();
+    let info = StoreInfo {
+        first_block: usize::MAX,
+        block_size: 16,
+        ..StoreInfo::default()
+    };
+    pool.cache_full_blocks(&b, &[h(1), h(2)], 0, info).unwrap();
+    assert_eq!(
+        pool.block_key_tokens(b[0]).unwrap(),
+        Some(u32::MAX as usize)
+    );
+    assert_eq!(
+        pool.block_key_tokens(b[1]).unwrap(),
+        Some(u32::MAX as usize)
+    );
+    match &pool.take_events()[..] {
+        [KvEvent::BlockStored { block_indices, .. }] => {
+            assert_eq!(block_indices, &[usize::MAX, usize::MAX])
+        }
+        other => panic!("expected one BlockStored, got {other:?}"),
+    }
+    let mut r = crate::pool::reference::RefBlockPool::new(8, true, true).unwrap();
+    let b = r.get_new_blocks(2).unwrap();
+    r.cache_full_blocks(&b, &[h(1), h(2)], 0, info).unwrap();
+}
