@@ -105,7 +105,9 @@ pub struct StoreInfo<'a> {
     pub block_size: u32,
     /// The request's LoRA adapter `(name, id)`.
     pub lora: Option<(&'a str, Option<u64>)>,
-    /// The extra keys of the `i`-th block of the call (by position in `blocks`).
+    /// The extra keys of the `i`-th block of the call (by position in `blocks`). With events on,
+    /// the pool calls it for every block of the call but the null block, before it changes
+    /// anything and with none of its locks held: it may call into the pool.
     pub block_extra_keys: Option<&'a dyn Fn(usize) -> Option<Vec<EventKey>>>,
     /// The position (block index) in the request of `blocks[0]`.
     pub first_block: usize,
