@@ -717,6 +717,17 @@ mod tests {
     }
 
     #[test]
+    fn an_attention_free_model_runs_its_requests_to_completion() {
+        // No KV cache groups: no request holds a block, yet a running request's later steps
+        // come with the tokens it computed (refused as counts past the slots held).
+        let w = tiny_workload(1);
+        let mut m = KVCacheManager::new(&ManagerConfig::new(vec![], 1, 512)).unwrap();
+        let s = replay(&w, &mut m, &mut |_| {}).unwrap();
+        assert_eq!(s.num_finished, 3);
+        assert_eq!(m.num_requests(), 0);
+    }
+
+    #[test]
     fn a_step_count_past_usize_max_is_an_error() {
         let mut w = tiny_workload(64);
         w.requests.truncate(1);

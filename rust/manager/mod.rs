@@ -1166,6 +1166,9 @@ impl KVCacheManager {
                     args.num_computed_tokens, args.num_external_computed_tokens
                 ));
             }
+        } else if self.num_groups() == 0 {
+            // An attention-free model: no request ever holds a block, and no count refers to
+            // one (the tokens the counts may reach were checked above).
         } else if args.num_computed_tokens > 0 {
             return invalid(format!(
                 "request {id:?} holds no blocks, so its num_computed_tokens must be 0 (got {}); \
