@@ -87,13 +87,29 @@ impl ExtraKeys {
         lora_name: Option<String>,
         mut mm_inputs: Vec<MmInput>,
     ) -> Result<Self> {
-        if let Some(bad) = mm_inputs.iter().find(|m| m.length == 0) {
+        mm_inputs.sort_by_key(|m| m.offset);
+        let extra = ExtraKeys {
+            cache_salt: cache_salt.filter(|s| !s.is_empty()),
+            lora_name,
+            lora_id: None,
+            mm_inputs,
+        };
+        extra.check()?;
+        Ok(extra)
+    }
+
+    /// Checks what [`ExtraKeys::new`] ensures of the multimodal inputs (the fields are public,
+    /// so keys built otherwise are checked where they are hashed): each has a positive length,
+    /// ends at a position below `i64::MAX`, and they are sorted by offset.
+    pub(crate) fn check(&self) -> Result<()> {
+        let mm = &self.mm_inputs;
+        if let Some(bad) = mm.iter().find(|m| m.length == 0) {
             return Err(CoreError::OutOfRange(format!(
                 "multimodal input {:?} has length 0",
                 bad.identifier
             )));
         }
-        if let Some(bad) = mm_inputs.iter().find(|m| {
+        if let Some(bad) = mm.iter().find(|m| {
             m.offset
                 .checked_add(m.length)
                 .is_none_or(|end| end > i64::MAX as usize)
@@ -103,13 +119,14 @@ impl ExtraKeys {
                 bad.identifier, bad.offset, bad.length
             )));
         }
-        mm_inputs.sort_by_key(|m| m.offset);
-        Ok(ExtraKeys {
-            cache_salt: cache_salt.filter(|s| !s.is_empty()),
-            lora_name,
-            lora_id: None,
-            mm_inputs,
-        })
+        if let Some(pair) = mm.windows(2).find(|p| p[1].offset < p[0].offset) {
+            return Err(CoreError::InvalidArgument(format!(
+                "multimodal input {:?} (offset {}) comes after {:?} (offset {}): the inputs \
+                 must be sorted by offset",
+                pair[1].identifier, pair[1].offset, pair[0].identifier, pair[0].offset
+            )));
+        }
+        Ok(())
     }
 
     /// The keys of the block `[start, end)` as KV events publish them (vLLM's order: LoRA name,
@@ -122,10 +139,13 @@ impl ExtraKeys {
             keys.push(EventKey::Lora(lora.clone()));
         }
         for mm in &self.mm_inputs {
-            if mm.offset < end && mm.offset + mm.length > start {
+            // Saturating: keys not made by `new` may hold any offsets.
+            if mm.offset < end && mm.offset.saturating_add(mm.length) > start {
+                let offset = i64::try_from(mm.offset).unwrap_or(i64::MAX);
+                let start = i64::try_from(start).unwrap_or(i64::MAX);
                 keys.push(EventKey::Mm(
                     mm.identifier.clone(),
-                    mm.offset as i64 - start as i64,
+                    offset.saturating_sub(start),
                 ));
             }
         }
@@ -302,7 +322,8 @@ impl BlockHasher {
     /// sequence position `start` (a multiple of the block size) and `parent` is the hash of the
     /// block before it (`None` at the start of a sequence). A block is hashed once the
     /// `lookahead` tokens after it are present too; the trailing tokens are not hashed, but every
-    /// token must be a valid id.
+    /// token must be a valid id, and `extra`'s multimodal inputs as [`ExtraKeys::new`] makes
+    /// them.
     pub fn hash_blocks<T: TokenId>(
         &self,
         parent: Option<BlockHash>,
@@ -331,6 +352,7 @@ impl BlockHasher {
             )));
         }
         check_tokens(tokens)?;
+        extra.check()?;
         if self.supplied {
             return Ok(());
         }
@@ -490,9 +512,11 @@ impl BlockHashChain {
     }
 
     /// Appends tokens and hashes every block they complete; returns how many hashes were added.
-    /// Rejects the whole call (nothing appended) if any token id is out of range.
+    /// Rejects the whole call (nothing appended) if any token id is out of range, or the chain's
+    /// extra keys are not as [`ExtraKeys::new`] makes them.
     pub fn extend<T: TokenId>(&mut self, tokens: &[T]) -> Result<usize> {
         check_tokens(tokens)?;
+        self.extra.check()?;
         self.tokens.extend(tokens.iter().map(|t| t.as_u32()));
         let bs = self.hasher.block_size;
         let done = self.hashes.len() * bs;

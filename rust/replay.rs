@@ -126,8 +126,9 @@ impl OpTiming {
         self.samples_ns.len()
     }
 
+    /// Saturating: samples summing past `u64::MAX` give `u64::MAX`.
     pub fn total_ns(&self) -> u64 {
-        self.samples_ns.iter().sum()
+        self.samples_ns.iter().fold(0, |a, &b| a.saturating_add(b))
     }
 
     /// The `q`-quantile (0.5 = median) by nearest rank.
@@ -632,7 +633,12 @@ pub fn replay<'w>(
         // and Mamba states to offload.
         manager.take_new_block_ids();
         manager.take_boundary_state_offloads();
-        step += 1;
+        step = step.checked_add(1).ok_or_else(|| {
+            CoreError::OutOfRange(format!(
+                "step {step} is the last a step count holds (request arrival steps near \
+                 usize::MAX)"
+            ))
+        })?;
     }
     summary.prefix_cache = manager.prefix_cache_stats();
     summary.free_at_end = manager.num_free_blocks();
@@ -708,6 +714,43 @@ mod tests {
         let mut m =
             KVCacheManager::new(&ManagerConfig::new(vec![GroupSpec::full(16)], 64, 4096)).unwrap();
         assert!(replay(&w, &mut m, &mut |_| {}).is_err()); // max_model_len differs
+    }
+
+    #[test]
+    fn an_attention_free_model_runs_its_requests_to_completion() {
+        // No KV cache groups: no request holds a block, yet a running request's later steps
+        // come with the tokens it computed (refused as counts past the slots held).
+        let w = tiny_workload(1);
+        let mut m = KVCacheManager::new(&ManagerConfig::new(vec![], 1, 512)).unwrap();
+        let s = replay(&w, &mut m, &mut |_| {}).unwrap();
+        assert_eq!(s.num_finished, 3);
+        assert_eq!(m.num_requests(), 0);
+    }
+
+    #[test]
+    fn a_step_count_past_usize_max_is_an_error() {
+        let mut w = tiny_workload(64);
+        w.requests.truncate(1);
+        w.requests[0].arrival_step = usize::MAX;
+        let c = ManagerConfig::new(vec![GroupSpec::full(16)], 64, 512);
+        let mut m = KVCacheManager::new(&c).unwrap();
+        let mut steps = Vec::new();
+        let r = replay(&w, &mut m, &mut |r| {
+            if let TraceRecord::Step { step, .. } = r {
+                steps.push(step)
+            }
+        });
+        assert!(matches!(r, Err(CoreError::OutOfRange(_))), "{r:?}");
+        assert_eq!(steps, [usize::MAX]);
+    }
+
+    #[test]
+    fn op_timing_totals_saturate() {
+        let t = OpTiming {
+            samples_ns: vec![u64::MAX, u64::MAX],
+        };
+        assert_eq!(t.total_ns(), u64::MAX);
+        assert_eq!(t.mean_ns(), u64::MAX as f64 / 2.0);
     }
 
     #[test]

@@ -105,7 +105,9 @@ pub struct StoreInfo<'a> {
     pub block_size: u32,
     /// The request's LoRA adapter `(name, id)`.
     pub lora: Option<(&'a str, Option<u64>)>,
-    /// The extra keys of the `i`-th block of the call (by position in `blocks`).
+    /// The extra keys of the `i`-th block of the call (by position in `blocks`). With events on,
+    /// the pool calls it for every block of the call but the null block, before it changes
+    /// anything and with none of its locks held: it may call into the pool.
     pub block_extra_keys: Option<&'a dyn Fn(usize) -> Option<Vec<EventKey>>>,
     /// The position (block index) in the request of `blocks[0]`.
     pub first_block: usize,
@@ -115,7 +117,11 @@ impl StoreInfo<'_> {
     /// The prefix length the key of the `i`-th block of the call covers: through the end of
     /// that block (vLLM's `block_hash_num_tokens`), saturating.
     pub(crate) fn key_tokens(&self, i: usize) -> u32 {
-        let end = (self.first_block + i + 1).saturating_mul(self.block_size as usize);
+        let end = self
+            .first_block
+            .saturating_add(i)
+            .saturating_add(1)
+            .saturating_mul(self.block_size as usize);
         u32::try_from(end).unwrap_or(u32::MAX)
     }
 

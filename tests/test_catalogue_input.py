@@ -20,6 +20,7 @@ from hybrid_kv.catalogue import (
     load_config,
     load_model,
     max_model_len_from_config,
+    weight_estimate_note,
 )
 from hybrid_kv.cli import main
 from hybrid_kv.planner import PlanError, kv_cache_budget
@@ -249,6 +250,36 @@ def test_negative_bits_in_the_config_never_raise_the_budget_over_the_gpu(
     assert main([*argv, "--max-model-len", "4096"]) == 2
     err = capsys.readouterr().err
     assert "cannot estimate the weights" in err and "'bits' must be" in err
+
+
+@pytest.mark.parametrize(
+    ("quantization", "note"),
+    [
+        (
+            {"quant_method": "bitsandbytes", "bits": 4},
+            "quantization method 'bitsandbytes' not known",
+        ),
+        ({"bits": 4}, "quantization method '(none)' not known"),
+        ("int4", "quantization_config 'int4' is not a mapping"),
+        ({"quant_method": "fp8"}, None),
+        ({"quant_method": "GPTQ", "bits": 4}, None),
+        ({}, None),
+        (None, None),
+    ],
+)
+def test_a_quantization_the_estimate_does_not_know_is_counted_at_16_bits_and_said(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], quantization: object, note: str | None
+) -> None:
+    config = {**LLAMA, "quantization_config": quantization}
+    assert weight_estimate_note(config) == note
+    if note is not None:
+        assert estimate_weight_bytes(config) == estimate_weight_bytes(LLAMA)
+    argv = ["plan", _write(tmp_path, config), "--gpu-memory", "80GiB", "--strategy", "vllm"]
+    assert main([*argv, "--max-model-len", "4096"]) == 0
+    out = capsys.readouterr().out
+    said = f"estimated from the config at 16 bits: {note}, pass --weights-memory for its size"
+    assert (said in out) == (note is not None)
+    assert "estimated from the config" in out
 
 
 # ----------------------------------------------------------------------------- 4: KV heads

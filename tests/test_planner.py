@@ -371,6 +371,22 @@ def test_min_waste_respects_the_group_cap() -> None:
         plan_kv_cache(layers, HUGE, 4096, max_groups=1)
 
 
+def test_a_cap_that_leaves_out_a_fitting_grouping_says_so() -> None:
+    # Gemma-3's two groups (every sliding layer in one) need 53 GiB for a 128k request, vLLM's
+    # seven 40 GiB: the refusal names the cap as the cause.
+    layers = load_model("gemma-3-27b").layers
+    with pytest.raises(InsufficientMemoryError) as caught:
+        plan_kv_cache(layers, 40 * GIB, 131072, max_groups=2)
+    assert "with at most 2 groups; vLLM's grouping of 7 groups fits this budget" in str(
+        caught.value
+    )
+    assert caught.value.fitting_max_model_len > 0
+    # A budget that vLLM's grouping does not fit either gets the plain refusal.
+    with pytest.raises(InsufficientMemoryError) as caught:
+        plan_kv_cache(layers, 10 * GIB, 131072, max_groups=2)
+    assert "max_groups" not in str(caught.value)
+
+
 def test_attention_groups_are_capped_at_vllms_count_plus_four() -> None:
     # Every layer its own group would pad nothing, but costs a block table per layer.
     plan = plan_kv_cache(gemma3_27b(), HUGE, 1024, reference_len=1024)

@@ -60,6 +60,7 @@ __all__ = [
     "load_model",
     "max_model_len_from_config",
     "resolve_model",
+    "weight_estimate_note",
 ]
 
 PRESETS_DIR = Path(__file__).with_name("presets")
@@ -1228,14 +1229,16 @@ def estimate_parameters(config: Config) -> tuple[int, int]:
     return dense, experts
 
 
-def _quantized_bits(ctx: _Context, config: Config) -> tuple[float, float]:
-    """`(bits of layer weights, bits of routed-expert weights)` from `quantization_config`."""
+def _quantized_bits(ctx: _Context, config: Config) -> tuple[float, float, str | None]:
+    """`(bits of layer weights, bits of routed-expert weights, what was not understood)` from
+    `quantization_config`: a config whose quantization is not understood is counted at 16 bits,
+    and the third item says why (None when there is none or it is understood)."""
     quant = config.get("quantization_config") or ctx.text.get("quantization_config") or {}
     if not isinstance(quant, Mapping):
-        return 16, 16
+        return 16, 16, f"quantization_config {quant!r} is not a mapping"
     method = str(quant.get("quant_method", "")).lower()
     if method == "mxfp4":
-        return 16, _QUANTIZED_BITS["mxfp4"]
+        return 16, _QUANTIZED_BITS["mxfp4"], None
     if method in ("awq", "gptq") and quant.get("bits") is not None:
         bits = quant["bits"]
         if (
@@ -1247,10 +1250,18 @@ def _quantized_bits(ctx: _Context, config: Config) -> tuple[float, float]:
                 f"{ctx.model_type} config: quantization_config 'bits' must be an int in "
                 f"1..{_MAX_QUANTIZED_BITS}, got {bits!r}"
             )
-        return bits, bits
+        return bits, bits, None
     if method in _QUANTIZED_BITS:
-        return _QUANTIZED_BITS[method], _QUANTIZED_BITS[method]
-    return 16, 16
+        return _QUANTIZED_BITS[method], _QUANTIZED_BITS[method], None
+    if not quant:
+        return 16, 16, None
+    return 16, 16, f"quantization method {method or '(none)'!r} not known"
+
+
+def weight_estimate_note(config: Config) -> str | None:
+    """Why `estimate_weight_bytes` counts a quantized checkpoint's weights at 16 bits (its
+    `quantization_config` is not understood), or None. Raises as `estimate_weight_bytes`."""
+    return _quantized_bits(_weights_context(config), config)[2]
 
 
 def estimate_weight_bytes(config: Config, tensor_parallel_size: int = 1) -> int:
@@ -1268,7 +1279,7 @@ def estimate_weight_bytes(config: Config, tensor_parallel_size: int = 1) -> int:
         raise CatalogueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
     dense, experts = estimate_parameters(config)
     ctx = _weights_context(config)
-    layer_bits, expert_bits = _quantized_bits(ctx, config)
+    layer_bits, expert_bits, _ = _quantized_bits(ctx, config)
     embeddings = _embedding_parameters(ctx, config)
     total = embeddings * 2 + (dense - embeddings) * layer_bits / 8 + experts * expert_bits / 8
     return -(-int(total) // tensor_parallel_size)

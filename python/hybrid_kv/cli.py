@@ -25,6 +25,7 @@ from hybrid_kv.catalogue import (
     estimate_weight_bytes,
     list_presets,
     load_model,
+    weight_estimate_note,
 )
 from hybrid_kv.planner import (
     DEFAULT_LAYOUT,
@@ -315,11 +316,14 @@ def _budget(args: argparse.Namespace, model: ModelSpec) -> tuple[int, str]:
     else:
         try:
             weights = estimate_weight_bytes(model.config, model.tensor_parallel_size)
+            note = weight_estimate_note(model.config)
         except CatalogueError as error:
             raise CommandError(
                 f"cannot estimate the weights ({error}); pass --weights-memory"
             ) from None
         source = "estimated from the config"
+        if note is not None:
+            source += f" at 16 bits: {note}, pass --weights-memory for its size"
     memory = kv_cache_budget(gpu, args.gpu_memory_utilization, weights)
     return memory, (
         f"KV cache budget {format_bytes(memory)} = {args.gpu_memory_utilization:g} x "

@@ -250,3 +250,49 @@ fn positions_past_usize_are_an_error() {
     h.hash_blocks(None, &tokens, start, &e, &mut out).unwrap();
     assert_eq!(out.len(), 1);
 }
+
+#[test]
+fn extra_keys_built_field_by_field_are_checked_where_they_are_hashed() {
+    let mm = |offset, length| MmInput {
+        identifier: "img".into(),
+        offset,
+        length,
+    };
+    let h = BlockHasher::new(4, HashAlgo::Xxh3, "").unwrap();
+    let tokens: Vec<u32> = (0..16).collect();
+    // Overflowing (a panic with overflow checks), empty and unsorted inputs: what
+    // `ExtraKeys::new` refuses is refused when hashed too, and nothing is appended.
+    for mm_inputs in [
+        vec![mm(5, usize::MAX)],
+        vec![mm(1 << 63, 1)],
+        vec![mm(2, 0)],
+        vec![mm(8, 2), mm(1, 2)],
+    ] {
+        let extra = ExtraKeys {
+            mm_inputs,
+            ..ExtraKeys::default()
+        };
+        let mut out = Vec::new();
+        assert!(h.hash_blocks(None, &tokens, 0, &extra, &mut out).is_err());
+        assert!(out.is_empty());
+        let mut chain = BlockHashChain::new(h.clone(), extra.clone());
+        assert!(chain.extend(&tokens).is_err());
+        assert!(
+            chain.tokens().is_empty(),
+            "a rejected append changes nothing"
+        );
+        // Event keys of such inputs saturate instead of overflowing.
+        let _ = extra.event_keys(4, 8);
+    }
+    let extra = ExtraKeys {
+        mm_inputs: vec![mm(1 << 63, 1)],
+        ..ExtraKeys::default()
+    };
+    assert_eq!(
+        extra.event_keys(1 << 62, usize::MAX),
+        Some(vec![crate::types::EventKey::Mm(
+            "img".into(),
+            i64::MAX - (1 << 62)
+        )])
+    );
+}

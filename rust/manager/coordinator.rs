@@ -454,7 +454,9 @@ impl Coordinator {
                     effects,
                 )
             })
-            .sum()
+            // Saturating: with a `max_model_len` near `usize::MAX` each group's count may be
+            // near `i64::MAX` (a count no pool meets, refused as such).
+            .fold(0, i64::saturating_add)
     }
 
     /// Exactly how far the allocation `a` after a passed admission check takes the pool's free
@@ -729,7 +731,7 @@ impl Coordinator {
         let aligned = align(num_tokens);
         if m.use_eagle && aligned > 0 {
             let finalized = num_tokens.saturating_sub(self.num_reprefillable);
-            return finalized.min(align(finalized) + m.spec.block_size);
+            return finalized.min(align(finalized).saturating_add(m.spec.block_size));
         }
         aligned
     }
@@ -806,10 +808,11 @@ impl Coordinator {
         self.remove_skipped_together(pool, tables, step.processed, prompt, scratch)?;
         let mut need = 0;
         for (m, t) in self.groups.iter().zip(tables.iter()) {
-            need += step
+            need = step
                 .need_slot
                 .div_ceil(m.spec.block_size)
-                .saturating_sub(t.blocks.len());
+                .saturating_sub(t.blocks.len())
+                .saturating_add(need);
         }
         if need.saturating_add(step.reserved) > pool.num_free_blocks() {
             return Ok(false);

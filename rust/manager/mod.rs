@@ -876,7 +876,7 @@ impl KVCacheManager {
                 prefill_end,
                 &self.effects,
             );
-            if need + watermark > free {
+            if need.saturating_add(watermark) > free {
                 return Ok(false);
             }
         }
@@ -914,7 +914,7 @@ impl KVCacheManager {
         // Saturating: a reservation past any pool leaves nothing available.
         let available =
             (free as i64).saturating_sub(i64::try_from(args.reserved_blocks).unwrap_or(i64::MAX));
-        if need + watermark > available {
+        if need.saturating_add(watermark) > available {
             return Ok(false);
         }
         let adopts = (!hits.is_empty() || n_external > 0) && !state.is_tracked();
@@ -1166,6 +1166,9 @@ impl KVCacheManager {
                     args.num_computed_tokens, args.num_external_computed_tokens
                 ));
             }
+        } else if self.num_groups() == 0 {
+            // An attention-free model: no request ever holds a block, and no count refers to
+            // one (the tokens the counts may reach were checked above).
         } else if args.num_computed_tokens > 0 {
             return invalid(format!(
                 "request {id:?} holds no blocks, so its num_computed_tokens must be 0 (got {}); \

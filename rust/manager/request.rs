@@ -61,6 +61,7 @@ impl Request {
         hashes: Vec<BlockHash>,
         tail: Vec<u32>,
     ) -> Result<Self> {
+        extra.check()?;
         let bs = hasher.block_size();
         let num_hashed = num_prompt_tokens.saturating_sub(hasher.lookahead()) / bs;
         if hashes.len() != num_hashed || tail.len() != num_prompt_tokens - num_hashed * bs {

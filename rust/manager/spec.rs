@@ -334,7 +334,7 @@ impl GroupSpec {
                     .saturating_add(extra_retained)
                     .saturating_add(max_in_flight_tokens)
                     .min(max_model_len);
-                Some(tokens.div_ceil(bs) + 1)
+                Some(tokens.div_ceil(bs).saturating_add(1))
             }
             AttentionKind::ChunkedLocal { chunk } => Some(
                 chunk

@@ -3,6 +3,7 @@
 //! malformed hits; and an allocation that fails halfway gives back what it took.
 
 use super::*;
+use crate::hashing::MmInput;
 use crate::types::MAX_BLOCKS;
 
 fn tokens(n: usize) -> Vec<u32> {
@@ -551,4 +552,82 @@ fn a_running_step_past_the_mamba_state_it_keyed_inside_a_block_is_refused() {
             m.allocate_slots("a", &run(9, 24))
         });
     }
+}
+
+// ----- counts of a max_model_len near usize::MAX ---------------------------------------------
+
+#[test]
+fn block_counts_past_any_pool_saturate_and_the_allocation_is_refused() {
+    // Block sizes of 3 and 5 and a max_model_len of usize::MAX: each group's count of blocks
+    // for the lookahead slots is near usize::MAX / 5, and their sum overflowed (a panic with
+    // overflow checks, a wrapped count that let the allocation run into the pool otherwise).
+    let mut c = ManagerConfig::new(
+        vec![GroupSpec::full(3), GroupSpec::sliding_window(5, 7)],
+        64,
+        usize::MAX,
+    );
+    c.enable_caching = false;
+    let mut m = KVCacheManager::new(&c).unwrap();
+    m.add_request("a", &tokens(40), ExtraKeys::default())
+        .unwrap();
+    m.allocate_slots("a", &run(33, 0)).unwrap().unwrap();
+    // What left the window goes first (a refused allocation frees it too).
+    m.remove_skipped_blocks("a", 33, None).unwrap();
+    let before = snapshot(&m, &["a"]);
+    for fits in [false, true] {
+        let args = AllocateArgs {
+            num_lookahead_tokens: usize::MAX - 40,
+            full_sequence_must_fit: fits,
+            ..run(7, 33)
+        };
+        assert_eq!(m.allocate_slots("a", &args).unwrap(), None);
+        assert_eq!(snapshot(&m, &["a"]), before);
+    }
+    // The admission cap of a sliding window of 1-token blocks over usize::MAX tokens.
+    assert_eq!(
+        GroupSpec::sliding_window(1, 7).max_admission_blocks(usize::MAX, usize::MAX, 0),
+        Some(usize::MAX)
+    );
+    // An EAGLE group whose block is usize::MAX tokens: the tokens it may cache saturate.
+    let mut c = ManagerConfig::new(
+        vec![
+            GroupSpec::mamba(usize::MAX),
+            GroupSpec::sliding_window(5, 7),
+        ],
+        64,
+        100,
+    );
+    c.use_eagle = true;
+    let mut m = KVCacheManager::new(&c).unwrap();
+    m.add_request("a", &tokens(40), ExtraKeys::default())
+        .unwrap();
+    assert!(m.get_computed_blocks("a").unwrap().is_empty());
+    m.allocate_slots("a", &run(33, 0)).unwrap().unwrap();
+    m.cache_blocks("a", 33).unwrap();
+}
+
+#[test]
+fn a_request_whose_multimodal_inputs_new_would_refuse_is_refused() {
+    let extra = ExtraKeys {
+        mm_inputs: vec![MmInput {
+            identifier: "img".into(),
+            offset: 5,
+            length: usize::MAX,
+        }],
+        ..ExtraKeys::default()
+    };
+    let mut m = KVCacheManager::new(&ManagerConfig::new(vec![GroupSpec::full(4)], 16, 64)).unwrap();
+    assert!(matches!(
+        m.add_request("a", &tokens(20), extra.clone()),
+        Err(CoreError::OutOfRange(_))
+    ));
+    assert!(matches!(
+        m.add_request_prehashed("a", 2, vec![], vec![1, 2], extra.clone()),
+        Err(CoreError::OutOfRange(_))
+    ));
+    assert!(matches!(
+        m.prober().probe(&tokens(20), &extra),
+        Err(CoreError::OutOfRange(_))
+    ));
+    assert_eq!(m.num_requests(), 0);
 }

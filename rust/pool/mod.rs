@@ -92,7 +92,9 @@ pub(crate) mod states;
 
 use crate::error::{CoreError, Result};
 use crate::sync::{spin_wait, AtomicU32, AtomicU64, AtomicU8, Mutex, MutexGuard, Ordering};
-use crate::types::{BlockHash, BlockId, CacheKey, GroupId, KvEvent, StoreInfo, NULL_BLOCK};
+use crate::types::{
+    BlockHash, BlockId, CacheKey, EventKey, GroupId, KvEvent, StoreInfo, NULL_BLOCK,
+};
 use alloc::AllocFailed;
 use crossbeam_queue::SegQueue;
 use free_order::entry_id;
@@ -872,6 +874,17 @@ impl BlockPool {
             return Ok(());
         }
         let events = self.events.as_ref();
+        // The caller's extra keys, read before any lock is taken or any key set: the callback
+        // may call into the pool (the event-order lock is not reentrant) or panic (nothing has
+        // changed yet).
+        let mut block_keys: Vec<Option<Vec<EventKey>>> = match (events, info.block_extra_keys) {
+            (Some(_), Some(f)) => blocks
+                .iter()
+                .enumerate()
+                .map(|(i, &id)| if id == NULL_BLOCK { None } else { f(i) })
+                .collect(),
+            _ => Vec::new(),
+        };
         let _order = self.order_events();
         let mut stored = Vec::new();
         let mut extra_keys = Vec::new();
@@ -896,8 +909,8 @@ impl BlockPool {
             }) && events.is_some()
             {
                 stored.push(hash);
-                extra_keys.push(info.block_extra_keys.and_then(|f| f(i)));
-                block_indices.push(info.first_block + i);
+                extra_keys.push(block_keys.get_mut(i).and_then(Option::take));
+                block_indices.push(info.first_block.saturating_add(i));
             }
         }
         if let Some(events) = events {
@@ -938,12 +951,12 @@ impl BlockPool {
         if !self.enable_caching {
             return Ok(false);
         }
+        // Made before any lock is taken or key set (see `cache_full_blocks`).
+        let event = self.events.as_ref().map(|_| info.stored_one(group, hash));
         let _order = self.order_events();
         let added = self.add_key(id, CacheKey { hash, group }, info.key_tokens(0));
-        if added {
-            if let Some(events) = &self.events {
-                events.push(info.stored_one(group, hash));
-            }
+        if let (true, Some(events), Some(event)) = (added, &self.events, event) {
+            events.push(event);
         }
         Ok(added)
     }

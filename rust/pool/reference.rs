@@ -326,7 +326,7 @@ impl RefBlockPool {
             self.map.entry(key).or_default().push(id);
             stored.push(hash);
             extra_keys.push(info.block_extra_keys.and_then(|f| f(i)));
-            block_indices.push(info.first_block + i);
+            block_indices.push(info.first_block.saturating_add(i));
         }
         if let Some(events) = &mut self.events {
             if !blocks.is_empty() {

@@ -1163,3 +1163,65 @@ fn a_touch_that_would_overflow_a_count_changes_nothing() {
     pool.states.set_ref_count(b, 1);
     pool.free_blocks(&[x, b]).unwrap();
 }
+
+#[test]
+fn store_info_positions_past_usize_saturate() {
+    // A first block index near usize::MAX overflowed the prefix length a key covers (a panic
+    // with overflow checks, a length of 0 tokens otherwise) and the event's block indices.
+    let pool = BlockPool::with_options(8, true, true).unwrap();
+    let b = pool.get_new_blocks(2).unwrap();
+    let info = StoreInfo {
+        first_block: usize::MAX,
+        block_size: 16,
+        ..StoreInfo::default()
+    };
+    pool.cache_full_blocks(&b, &[h(1), h(2)], 0, info).unwrap();
+    assert_eq!(
+        pool.block_key_tokens(b[0]).unwrap(),
+        Some(u32::MAX as usize)
+    );
+    assert_eq!(
+        pool.block_key_tokens(b[1]).unwrap(),
+        Some(u32::MAX as usize)
+    );
+    match &pool.take_events()[..] {
+        [KvEvent::BlockStored { block_indices, .. }] => {
+            assert_eq!(block_indices, &[usize::MAX, usize::MAX])
+        }
+        other => panic!("expected one BlockStored, got {other:?}"),
+    }
+    let mut r = crate::pool::reference::RefBlockPool::new(8, true, true).unwrap();
+    let b = r.get_new_blocks(2).unwrap();
+    r.cache_full_blocks(&b, &[h(1), h(2)], 0, info).unwrap();
+}
+
+#[test]
+fn the_extra_keys_callback_may_call_into_the_pool() {
+    // The callback ran under the event-order lock, which is not reentrant: a callback that
+    // changed the pool deadlocked. It now runs before any lock is taken.
+    use crate::types::EventKey;
+    let pool = BlockPool::with_options(8, true, true).unwrap();
+    let b = pool.get_new_blocks(3).unwrap();
+    let keys = |i: usize| {
+        assert!(pool.event_order.try_lock().is_ok(), "called under the lock");
+        pool.evict_blocks(&[]).unwrap();
+        Some(vec![EventKey::Lora(format!("block {i}"))])
+    };
+    let info = StoreInfo {
+        block_extra_keys: Some(&keys),
+        ..StoreInfo::default()
+    };
+    pool.cache_full_blocks(&b[..2], &[h(1), h(2)], 0, info)
+        .unwrap();
+    assert!(pool.add_block_key(b[0], h(3), 0, info).unwrap());
+    let stored: Vec<_> = pool
+        .take_events()
+        .into_iter()
+        .filter_map(|e| match e {
+            KvEvent::BlockStored { extra_keys, .. } => Some(extra_keys),
+            _ => None,
+        })
+        .collect();
+    let lora = |i: usize| Some(vec![EventKey::Lora(format!("block {i}"))]);
+    assert_eq!(stored, [Some(vec![lora(0), lora(1)]), Some(vec![lora(0)])]);
+}

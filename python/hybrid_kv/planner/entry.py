@@ -338,7 +338,17 @@ def _choose(
     fitting = [c for c in expressible if c.fits(memory)]
     if not fitting:
         smallest = min(expressible, key=lambda c: (c.admission + 1) * c.block_bytes)
-        raise _insufficient(settings, buckets, smallest)
+        error = _insufficient(settings, buckets, smallest)
+        if max_groups is not None and vllm_problem is None and vllm.fits(memory):
+            # The cap left out vLLM's grouping, whose smaller blocks fit: say so.
+            error = InsufficientMemoryError(
+                f"{error} (with at most {max_groups} groups; vLLM's grouping of "
+                f"{vllm.num_groups} groups fits this budget: raise or drop max_groups)",
+                reserved_bytes=error.reserved_bytes,
+                needed_bytes=error.needed_bytes,
+                fitting_max_model_len=error.fitting_max_model_len,
+            )
+        raise error
 
     def keeps_capacity(c: Candidate) -> bool:
         if baseline is None:
