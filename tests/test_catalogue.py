@@ -268,16 +268,6 @@ def test_bad_json_is_a_clear_error(tmp_path: Path) -> None:
             },
             "attn_layer_indices",
         ),
-        (
-            {
-                "model_type": "gemma3_text",
-                "num_hidden_layers": 6,
-                "num_attention_heads": 2,
-                "num_key_value_heads": 1,
-                "head_dim": 8,
-            },
-            "sliding_window",
-        ),
         ({"model_type": "rwkv"}, "unsupported model_type 'rwkv'"),
         ({"num_hidden_layers": 2}, "model_type"),
     ],
@@ -588,6 +578,150 @@ def test_gemma3n_e2b_shares_the_last_ten_layers() -> None:
     shared = {n: s.target for n, s in layers.items() if isinstance(s, KVSharingSpec)}
     assert len(shared) == 10
     assert set(shared.values()) == {"model.layers.18", "model.layers.19"}
+
+
+@pytest.mark.parametrize(
+    ("written", "expected"),
+    [(None, "fp32"), ("float32", "fp32"), ("bfloat16", "bf16"), ("float16", "fp16"),
+     ("auto", "fp16"), ("fp8", "fp8_e4m3")],
+)  # fmt: skip
+def test_nemotron_h_keeps_its_ssm_state_in_float32_unless_the_config_says(
+    written: str | None, expected: str
+) -> None:
+    # vLLM 0.33's NemotronH config hook: the SSM state takes the config's
+    # mamba_ssm_cache_dtype, float32 without one ("auto": the conv state's, the model dtype).
+    config = {**NEMOTRON_H, "torch_dtype": "float16"}
+    if written is not None:
+        config["mamba_ssm_cache_dtype"] = written
+    state = layer_specs_from_config(config)["model.layers.0"]
+    assert state.dtypes == ("fp16", expected)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("written", ["int3", 32, None])
+def test_nemotron_h_refuses_an_ssm_state_dtype_it_cannot_read(written: object) -> None:
+    with pytest.raises(CatalogueError, match="'mamba_ssm_cache_dtype' must be one of auto"):
+        layer_specs_from_config({**NEMOTRON_H, "mamba_ssm_cache_dtype": written})
+
+
+@pytest.mark.parametrize(
+    ("name", "window"),
+    [("gemma-2-9b", 4096), ("gemma-3-27b", 4096), ("gemma-3n-e4b", 512), ("command-r7b", 4097),
+     ("gpt-oss-20b", 128), ("mistral-7b-v0.1", 4096), ("ministral-8b", 4096)],
+)  # fmt: skip
+def test_a_config_without_a_window_slides_by_transformers_default(name: str, window: int) -> None:
+    # vLLM 0.33 reads config.json through transformers' class, whose default window a config
+    # that leaves sliding_window out takes (Cohere2's attention adds one).
+    config = load_config(name)
+    del config.get("text_config", config)["sliding_window"]
+    windows = {
+        getattr(spec, "sliding_window", None) for spec in layer_specs_from_config(config).values()
+    }
+    assert window in windows
+
+
+def test_qwen2_with_use_sliding_window_and_no_window_slides_by_4096() -> None:
+    config = {**QWEN25_7B, "use_sliding_window": True, "max_window_layers": 0}
+    del config["sliding_window"]
+    windows = {
+        getattr(spec, "sliding_window", None) for spec in layer_specs_from_config(config).values()
+    }
+    assert windows == {4096}
+
+
+@pytest.mark.parametrize(
+    ("chunk", "kinds"), [(None, {"full"}), (0, {"full"}), ("absent", {"full", "chunked_local"})]
+)
+def test_llama4_chunks_as_vllm_reads_attention_chunk_size(chunk: object, kinds: set[str]) -> None:
+    # Left out: transformers' default, 8192; null or 0: no chunked attention in vLLM 0.33.
+    config = load_config("llama-4-scout")
+    if chunk == "absent":
+        del config["text_config"]["attention_chunk_size"]
+    else:
+        config["text_config"]["attention_chunk_size"] = chunk
+    layers = layer_specs_from_config(config)
+    assert {spec.kind for spec in layers.values()} == kinds
+    if chunk == "absent":
+        chunks = {getattr(spec, "attention_chunk_size", None) for spec in layers.values()}
+        assert chunks == {None, 8192}
+
+
+def test_gemma2_alternates_whatever_sliding_window_pattern_says() -> None:
+    # transformers' Gemma2Config has no sliding_window_pattern: vLLM 0.33 alternates.
+    config = {**load_config("gemma-2-9b"), "sliding_window_pattern": 3}
+    kinds = [spec.kind for spec in layer_specs_from_config(config).values()]
+    assert kinds[:4] == ["sliding_window", "full", "sliding_window", "full"]
+
+
+def test_gemma3n_without_num_kv_shared_layers_shares_transformers_default_15() -> None:
+    config = dict(GEMMA3N_E2B)
+    del config["num_kv_shared_layers"]
+    layers = layer_specs_from_config(config)
+    shared = {n: s.target for n, s in layers.items() if isinstance(s, KVSharingSpec)}
+    assert len(shared) == 15
+    assert set(shared.values()) == {"model.layers.13", "model.layers.14"}
+    with pytest.raises(CatalogueError, match="'num_kv_shared_layers' is null"):
+        layer_specs_from_config({**GEMMA3N_E2B, "num_kv_shared_layers": None})
+
+
+def test_nemotron_h_without_n_groups_takes_transformers_default_8() -> None:
+    # vLLM 0.33 reads config.json through NemotronHConfig: n_groups left out is 8, and the
+    # conv state holds 2 * n_groups * ssm_state_size channels beside the intermediate size.
+    config = dict(NEMOTRON_H)
+    del config["n_groups"]
+    state = layer_specs_from_config(config)["model.layers.0"]
+    assert state.shapes[0] == (3, 8192 + 2 * 8 * 128)  # type: ignore[union-attr]
+    assert layer_specs_from_config({**config, "n_groups": 1})["model.layers.0"].shapes[0] == (
+        3,
+        8192 + 2 * 128,
+    )  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("name", "dropped"),
+    [("jamba-mini-1.5", ("attn_layer_period", "attn_layer_offset", "mamba_d_state")),
+     ("qwen3-next-80b-a3b", ("linear_num_key_heads", "linear_conv_kernel_dim")),
+     ("deepseek-v3", ("kv_lora_rank", "qk_rope_head_dim"))],
+)  # fmt: skip
+def test_fields_left_out_take_transformers_defaults(name: str, dropped: tuple[str, ...]) -> None:
+    # The presets write transformers' defaults for these: leaving them out changes nothing.
+    config = load_config(name)
+    for key in dropped:
+        del config[key]
+    assert layer_specs_from_config(config) == load_model(name).layers
+
+
+def _gemma3n_small(num_shared: int) -> dict[str, object]:
+    layer_types = (["sliding_attention"] * 4 + ["full_attention"]) * 2
+    return {**GEMMA3N_E2B, "num_hidden_layers": 10, "layer_types": layer_types,
+            "num_kv_shared_layers": num_shared}  # fmt: skip
+
+
+def test_gemma3n_shared_layers_take_the_cache_vllm_picks_by_position() -> None:
+    # vLLM 0.33's Gemma-3n: a sliding shared layer takes layer first_shared - 2, a full one
+    # first_shared - 1, whatever their kinds: here layer 4 (full) and layer 5 (sliding).
+    layers = layer_specs_from_config(_gemma3n_small(4))
+    shared = {n: s.target for n, s in layers.items() if isinstance(s, KVSharingSpec)}
+    assert shared == {
+        "model.layers.6": "model.layers.4",
+        "model.layers.7": "model.layers.4",
+        "model.layers.8": "model.layers.4",
+        "model.layers.9": "model.layers.5",
+    }
+
+
+@pytest.mark.parametrize(
+    ("num_shared", "expected"),
+    [(9, {"model.layers.4": "model.layers.0", "model.layers.9": "model.layers.0"}), (10, {})],
+)
+def test_gemma3n_shared_layers_with_no_target_keep_their_own_cache(
+    num_shared: int, expected: dict[str, str]
+) -> None:
+    # A target before layer 0 is none in vLLM 0.33: the layer allocates its own cache.
+    layers = layer_specs_from_config(_gemma3n_small(num_shared))
+    shared = {n: s.target for n, s in layers.items() if isinstance(s, KVSharingSpec)}
+    assert shared == expected
+    assert len(layers) == 10
+    assert layers["model.layers.1"].kind == "sliding_window"  # type: ignore[union-attr]
 
 
 def test_llama4_maverick_uses_chunked_attention_with_every_fourth_layer_global() -> None:

@@ -19,6 +19,7 @@ from hybrid_kv.catalogue import (
     layer_specs_from_config,
     load_config,
     load_model,
+    max_model_len_from_config,
     weight_estimate_note,
 )
 from hybrid_kv.cli import main
@@ -639,13 +640,14 @@ def test_a_window_of_0_or_null_is_no_window_as_vllm_reads_it(name: str, window: 
     assert len(layers) == len(load_model(name).layers)
 
 
-def test_gemma3n_without_a_window_shares_kv_by_layer_type() -> None:
+@pytest.mark.parametrize("window", [0, None])
+def test_gemma3n_without_a_window_is_refused_as_vllm_cannot_load_it(window: int | None) -> None:
+    # vLLM 0.33 writes null for a window of 0 into Gemma3nTextConfig, whose sliding_window
+    # must be an int: it fails before building the model.
     config = load_config("gemma-3n-e4b")
-    config.get("text_config", config)["sliding_window"] = 0
-    layers, windowed = layer_specs_from_config(config), load_model("gemma-3n-e4b").layers
-    shared = {n: s for n, s in windowed.items() if isinstance(s, KVSharingSpec)}
-    assert shared and {n: layers[n] for n in shared} == shared
-    assert {s.kind for n, s in layers.items() if n not in shared} == {"full"}
+    config["text_config"]["sliding_window"] = window
+    with pytest.raises(CatalogueError, match="cannot load Gemma-3n without a window"):
+        layer_specs_from_config(config)
 
 
 def test_cohere2_without_a_window_is_refused_as_vllm_cannot_load_it() -> None:
@@ -653,3 +655,111 @@ def test_cohere2_without_a_window_is_refused_as_vllm_cannot_load_it() -> None:
     config["sliding_window"] = 0
     with pytest.raises(CatalogueError, match="'sliding_window' is 0, and vLLM 0.33 needs"):
         layer_specs_from_config(config)
+
+
+@pytest.mark.parametrize(
+    ("name", "served"),
+    [("gemma-2-9b", "bf16"), ("gemma-3-27b", "bf16"), ("gemma-3n-e4b", "fp16"),
+     ("mistral-7b-v0.1", "fp16")],
+)  # fmt: skip
+def test_a_float16_checkpoint_is_served_as_vllm_serves_it(name: str, served: str) -> None:
+    # vLLM 0.33 runs Gemma-2 and Gemma-3 float16 checkpoints in bfloat16 (numerical
+    # instability); other models, Gemma-3n among them, in float16.
+    config = load_config(name)
+    config["torch_dtype"] = "float16"
+    layers = layer_specs_from_config(config)
+    owners = [spec for spec in layers.values() if not isinstance(spec, KVSharingSpec)]
+    assert {spec.dtype for spec in owners} == {served}  # type: ignore[union-attr]
+
+
+def test_the_config_dtype_is_read_where_vllm_reads_it_first() -> None:
+    # transformers' `dtype` ahead of the older `torch_dtype`, the root config ahead of the
+    # text config.
+    mistral = {**load_config("mistral-7b-v0.1"), "torch_dtype": "float16", "dtype": "bfloat16"}
+    llama4 = load_config("llama-4-scout")
+    llama4["text_config"]["torch_dtype"] = "float16"  # the root says bfloat16
+    for config in (mistral, llama4):
+        layers = layer_specs_from_config(config)
+        assert {spec.dtype for spec in layers.values()} == {"bf16"}  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [("gemma-3-27b", "head_dim"), ("gpt-oss-20b", "head_dim"), ("qwen3-next-80b-a3b", "head_dim"),
+     ("mistral-7b-v0.1", "num_key_value_heads"), ("gemma-2-9b", "num_key_value_heads")],
+)  # fmt: skip
+def test_a_null_that_transformers_refuses_is_refused(name: str, key: str) -> None:
+    # transformers' class types these fields as a plain int: vLLM 0.33 fails reading the config.
+    config = load_config(name)
+    config.get("text_config", config)[key] = None
+    with pytest.raises(CatalogueError, match=f"'{key}' is null, and transformers'"):
+        layer_specs_from_config(config)
+
+
+def test_a_null_head_dim_where_transformers_takes_one_is_derived() -> None:
+    config = {**load_config("mistral-7b-v0.1"), "head_dim": None}
+    assert {spec.head_size for spec in layer_specs_from_config(config).values()} == {128}  # type: ignore[union-attr]
+
+
+_LLAMA_4K = {**load_config("llama-3.1-8b"), "max_position_embeddings": 4096, "rope_scaling": None}
+
+
+@pytest.mark.parametrize(
+    ("changes", "length"),
+    [
+        ({"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, 16384),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, 8192),
+        ({"rope_parameters": {"rope_type": "linear", "factor": 3.0, "rope_theta": 1e4}}, 12288),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, 4096),  # already scaled
+        ({"seq_length": 1000}, 1000),  # the smallest length field
+        ({"model_max_length": 9999}, 9999),  # wins when set
+        (
+            {
+                "max_position_embeddings": 131072,
+                "original_max_position_embeddings": 4096,
+                "rope_scaling": {"type": "longrope", "long_factor": [1.0], "short_factor": [1.0]},
+            },
+            4096,
+        ),
+    ],
+)
+def test_max_model_len_is_the_length_vllm_serves_by_default(
+    changes: dict[str, Any], length: int
+) -> None:
+    # vLLM 0.33's _get_and_verify_max_len, checked against vLLM for each case.
+    assert max_model_len_from_config({**_LLAMA_4K, **changes}) == length
+
+
+def test_a_rope_factor_that_is_no_number_is_refused() -> None:
+    config = {**_LLAMA_4K, "rope_scaling": {"rope_type": "linear", "factor": "4"}}
+    with pytest.raises(CatalogueError, match="RoPE 'factor' must be > 0"):
+        max_model_len_from_config(config)
+
+
+def test_mixtral_with_mixed_layer_types_runs_full_as_in_vllm() -> None:
+    # vLLM 0.33's Mixtral attention has only the model-wide window, set when every layer
+    # slides; Mistral's (Llama's) reads layer_types per layer.
+    layer_types = ["sliding_attention", "full_attention"] * 16
+    mistral = {**load_config("mistral-7b-v0.1"), "layer_types": layer_types}
+    mixtral = {**mistral, "model_type": "mixtral"}
+    assert {spec.kind for spec in layer_specs_from_config(mixtral).values()} == {"full"}
+    kinds = {spec.kind for spec in layer_specs_from_config(mistral).values()}
+    assert kinds == {"full", "sliding_window"}
+
+
+def test_jamba_attention_offset_beyond_its_period_is_refused() -> None:
+    config = {**load_config("jamba-mini-1.5"), "attn_layer_offset": 8}
+    with pytest.raises(CatalogueError, match=r"attn_layer_offset \(8\) must be smaller"):
+        layer_specs_from_config(config)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "granite"])
+def test_llama_with_a_sliding_window_slides_as_vllm_reads_it(model_type: str) -> None:
+    # vLLM 0.33's Llama and Granite attention: per layer from layer_types, else the model-wide
+    # window on every layer.
+    config = {**load_config("llama-3.1-8b"), "model_type": model_type, "sliding_window": 64}
+    windows = {getattr(s, "sliding_window", None) for s in layer_specs_from_config(config).values()}
+    assert windows == {64}
+    config["layer_types"] = ["sliding_attention", "full_attention"] * 16
+    kinds = [spec.kind for spec in layer_specs_from_config(config).values()]
+    assert kinds[:2] == ["sliding_window", "full"]

@@ -222,14 +222,69 @@ def load_model(model: str, *, dtype: str | None = None, tensor_parallel_size: in
     )
 
 
+# The text config's length fields vLLM 0.33 takes the smallest of (`model_max_length`, where
+# set, wins), and the RoPE types whose `factor` max_position_embeddings already includes.
+_MAX_LEN_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "model_max_length",
+    "max_target_positions",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+_PRESCALED_ROPE = frozenset(
+    {"su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling"}
+)
+
+
+def _rope_parameters(config: Config) -> list[Mapping[str, Any]]:
+    """The config's RoPE parameters (`rope_parameters`, or the older `rope_scaling`), one
+    mapping per layer type where they are given per layer type."""
+    params = config.get("rope_parameters") or config.get("rope_scaling")
+    if not isinstance(params, Mapping) or not params:
+        return []
+    if all(isinstance(value, Mapping) for value in params.values()):
+        return [value for value in params.values() if value]
+    return [params]
+
+
 def max_model_len_from_config(config: Config) -> int:
-    """`max_position_embeddings` of the text model (transformers' default when omitted)."""
+    """The context length vLLM 0.33 serves by default: the smallest length field of the text
+    model (`max_position_embeddings`, ...; `model_max_length` where set; transformers'
+    default when all are omitted), times a linear or dynamic RoPE scaling factor (not for
+    Gemma-3, nor the types whose length includes it); with LongRoPE,
+    `original_max_position_embeddings`."""
     text, model_type = _text_config(config)
-    default = _DEFAULT_MAX_POSITIONS.get(model_type)
-    value = text.get("max_position_embeddings", default)
-    if value is None:
-        raise CatalogueError(f"{model_type} config is missing 'max_position_embeddings'")
-    return _int(text, "max_position_embeddings", model_type, value)
+    lengths = {key: text[key] for key in _MAX_LEN_KEYS if text.get(key) is not None}
+    if text.get("model_max_length"):
+        lengths = {"model_max_length": text["model_max_length"]}
+    if not lengths:
+        default = _DEFAULT_MAX_POSITIONS.get(model_type)
+        if default is None:
+            raise CatalogueError(f"{model_type} config is missing 'max_position_embeddings'")
+        lengths = {"max_position_embeddings": default}
+    key, length = min(
+        ((key, _int(text, key, model_type, value)) for key, value in lengths.items()),
+        key=lambda item: item[1],
+    )
+    rope = _rope_parameters(config)
+    rope_types = [str(p.get("rope_type", p.get("type", "default"))) for p in rope]
+    if "longrope" in rope_types and config.get("original_max_position_embeddings") is not None:
+        key = "original_max_position_embeddings"
+        return _int(config, key, model_type, config[key])
+    factor: Any = 1.0
+    if "gemma3" not in str(config.get("model_type")):
+        for params, rope_type in zip(rope, rope_types, strict=True):
+            if rope_type not in _PRESCALED_ROPE:
+                factor = params.get("factor", factor)
+    if factor is None:
+        factor = 1.0
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+        raise CatalogueError(f"{model_type} config: RoPE 'factor' must be > 0, got {factor!r}")
+    return max(1, int(length * factor))
 
 
 def layer_specs_from_config(
@@ -239,7 +294,8 @@ def layer_specs_from_config(
 
     `dtype` is the attention KV-cache dtype; by default the checkpoint's dtype when it is 16-bit,
     else bf16 (fp32 checkpoints are served in bf16). Mamba states use the checkpoint dtype
-    rule too, independently of `dtype` (like vLLM's separate Mamba cache dtype).
+    rule too, independently of `dtype` (like vLLM's separate Mamba cache dtype), except
+    Nemotron-H's SSM state: the config's `mamba_ssm_cache_dtype`, else float32, as in vLLM.
     """
     if not isinstance(config, Mapping):
         raise CatalogueError(f"a config must be a JSON object, got {type(config).__name__}")
@@ -300,46 +356,101 @@ _MODEL_TYPE_ALIASES = {
 # against transformers 5.20 (the version vLLM 0.33 runs with). Where a class has no head_dim
 # default, head_dim is hidden_size // num_attention_heads; with no KV-head default, the KV
 # heads are the heads (also when the config writes null). `phi4` and `kimi_k2` have no class.
+# `sliding_window` (and Llama-4's `attention_chunk_size`) are the classes' defaults for a config
+# that leaves the key out; one that writes null has none.
+_MLA_DEFAULTS = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
+_MAMBA2_DEFAULTS = {
+    "mamba_n_heads": 128,
+    "mamba_n_groups": 1,
+    "mamba_d_state": 256,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+}
 _TRANSFORMERS_DEFAULTS: dict[str, dict[str, int]] = {
     "llama": {"num_attention_heads": 32},
     "granite": {"num_attention_heads": 32},
-    "mistral": {"num_attention_heads": 32, "num_key_value_heads": 8},
-    "ministral": {"num_attention_heads": 32, "num_key_value_heads": 8},
+    "mistral": {"num_attention_heads": 32, "num_key_value_heads": 8, "sliding_window": 4096},
+    "ministral": {"num_attention_heads": 32, "num_key_value_heads": 8, "sliding_window": 4096},
     "mixtral": {"num_attention_heads": 32, "num_key_value_heads": 8},
-    "qwen2": {"num_attention_heads": 32, "num_key_value_heads": 32},
-    "qwen2_moe": {"num_attention_heads": 16, "num_key_value_heads": 16},
-    "qwen3": {"num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128},
-    "qwen3_moe": {"num_attention_heads": 32, "num_key_value_heads": 4},
+    "qwen2": {"num_attention_heads": 32, "num_key_value_heads": 32, "sliding_window": 4096},
+    "qwen2_moe": {"num_attention_heads": 16, "num_key_value_heads": 16, "sliding_window": 4096},
+    "qwen3": {
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "head_dim": 128,
+        "sliding_window": 4096,
+    },
+    "qwen3_moe": {"num_attention_heads": 32, "num_key_value_heads": 4, "sliding_window": 4096},
     "phi3": {"num_attention_heads": 32},
     "gemma2": {
         "num_attention_heads": 8,
         "num_key_value_heads": 4,
         "head_dim": 256,
         "vocab_size": 256000,
+        "sliding_window": 4096,
     },
     "gemma3_text": {
         "num_attention_heads": 8,
         "num_key_value_heads": 4,
         "head_dim": 256,
         "vocab_size": 262208,
+        "sliding_window": 4096,
     },
     "gemma3n_text": {
         "num_attention_heads": 8,
         "num_key_value_heads": 2,
         "head_dim": 256,
         "vocab_size": 262400,
+        "sliding_window": 512,
+        "num_kv_shared_layers": 15,
     },
-    "cohere2": {"num_attention_heads": 64},
-    "gpt_oss": {"num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64},
-    "llama4_text": {"num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128},
-    "deepseek_v2": {"num_attention_heads": 32},
-    "deepseek_v3": {"num_attention_heads": 128, "num_key_value_heads": 128},
-    "jamba": {"num_attention_heads": 32, "num_key_value_heads": 8},
+    "cohere2": {"num_attention_heads": 64, "sliding_window": 4096},
+    "gpt_oss": {
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "sliding_window": 128,
+    },
+    "llama4_text": {
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "attention_chunk_size": 8192,
+    },
+    "deepseek_v2": {"num_attention_heads": 32, **_MLA_DEFAULTS},
+    "deepseek_v3": {"num_attention_heads": 128, "num_key_value_heads": 128, **_MLA_DEFAULTS},
+    "jamba": {
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "attn_layer_period": 8,
+        "attn_layer_offset": 4,
+        "mamba_expand": 2,
+        "mamba_d_state": 16,
+        "mamba_d_conv": 4,
+    },
     "bamba": {"num_attention_heads": 32, "num_key_value_heads": 8},
-    "granitemoehybrid": {"num_attention_heads": 32},
-    "falcon_h1": {"num_attention_heads": 32, "num_key_value_heads": 8},
-    "nemotron_h": {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128},
-    "qwen3_next": {"num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256},
+    "granitemoehybrid": {"num_attention_heads": 32, **_MAMBA2_DEFAULTS},
+    "falcon_h1": {"num_attention_heads": 32, "num_key_value_heads": 8, **_MAMBA2_DEFAULTS},
+    "nemotron_h": {
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "mamba_num_heads": 128,
+        "mamba_head_dim": 64,
+        "n_groups": 8,
+        "ssm_state_size": 128,
+        "conv_kernel": 4,
+    },
+    "qwen3_next": {
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+    },
 }
 # A multimodal config's text_config without a model_type is read as its text model's class.
 _TRANSFORMERS_DEFAULTS.update(
@@ -352,6 +463,21 @@ _TRANSFORMERS_DEFAULTS.update(
         )
     }
 )
+
+
+# Fields transformers' class types as a plain int for a `model_type` (as the config writes it):
+# a config that writes null there fails its validation, so vLLM 0.33 cannot load it. (Left out,
+# they take the class default.) Checked against transformers 5.20.
+_GEMMA_LIKE = {"gemma2", "gemma3", "gemma3_text", "gemma3n", "gemma3n_text", "gpt_oss"}
+_LLAMA4 = {"llama4", "llama4_text"}
+_NOT_NULL: dict[str, frozenset[str]] = {
+    "head_dim": frozenset({*_GEMMA_LIKE, *_LLAMA4, "qwen3", "nemotron_h", "qwen3_next"}),
+    "num_key_value_heads": frozenset(
+        {*_GEMMA_LIKE, *_LLAMA4, "mistral", "ministral", "mixtral", "qwen3_moe", "jamba"}
+        | {"nemotron_h", "qwen3_next"}
+    ),
+    "num_kv_shared_layers": frozenset({"gemma3n", "gemma3n_text"}),
+}
 
 
 @dataclass(frozen=True)
@@ -427,11 +553,29 @@ def _unsupported(text: Config, model_type: str) -> str:
     )
 
 
+# vLLM 0.33 serves these model types (the config's own `model_type`) in bfloat16 when their
+# checkpoint is float16, for numerical stability (its _FLOAT16_NOT_SUPPORTED_MODELS).
+_NO_FLOAT16 = frozenset({"gemma2", "gemma3", "gemma3_text"})
+
+
 def _model_dtype(config: Config, text: Config) -> str:
-    raw = text.get("torch_dtype", config.get("torch_dtype", config.get("dtype", "bfloat16")))
+    """The dtype vLLM 0.33 serves the checkpoint in (`--dtype auto`): the config's `dtype`
+    (transformers' name, ahead of the older `torch_dtype`), else its text config's; 16-bit
+    as written, anything else bf16; float16 is bf16 for the model types in `_NO_FLOAT16`."""
+    raw = next(
+        (
+            scope[key]
+            for scope in (config, text)
+            for key in ("dtype", "torch_dtype")
+            if scope.get(key) is not None
+        ),
+        "bfloat16",
+    )
     try:
         dtype = canonical_dtype(str(raw))
     except SpecError:
+        return "bf16"
+    if dtype == "fp16" and config.get("model_type") in _NO_FLOAT16:
         return "bf16"
     return dtype if dtype in ("bf16", "fp16") else "bf16"
 
@@ -458,7 +602,9 @@ def _int(text: Config, key: str, model_type: str, value: Any = None) -> int:
 
 
 def _get_int(ctx: _Context, key: str, default: int | None = None) -> int:
-    value = ctx.text.get(key, default)
+    """`key` of the text config; left out, transformers' default for the class, else
+    `default`."""
+    value = ctx.text.get(key, ctx.defaults.get(key, default))
     if value is None:
         raise CatalogueError(f"{ctx.model_type} config is missing {key!r}")
     return _int(ctx.text, key, ctx.model_type, value)
@@ -470,6 +616,12 @@ def _attention_dims(ctx: _Context) -> tuple[int, int, int]:
     needs the KV heads to divide the heads, and tensor parallelism shards the KV heads
     (`kv % tp == 0`) or replicates them (`tp % kv == 0`)."""
     text, model_type, tp = ctx.text, ctx.model_type, ctx.tp
+    for key, model_types in _NOT_NULL.items():
+        if key in text and text[key] is None and ctx.source_type in model_types:
+            raise CatalogueError(
+                f"{model_type} config: {key!r} is null, and transformers' {ctx.source_type} "
+                "config (through which vLLM 0.33 reads it) needs an int: vLLM cannot load it"
+            )
     heads = _int(text, "num_attention_heads", model_type, ctx.lookup("num_attention_heads"))
     kv_value = ctx.lookup("num_key_value_heads")
     kv_heads = (
@@ -614,14 +766,15 @@ def _kinds_from_layer_types(
 def _window(ctx: _Context, kinds: list[str]) -> int | None:
     if "sliding_window" not in kinds or _window_disabled(ctx):
         return None
-    return _int(ctx.text, "sliding_window", ctx.model_type)
+    return _int(ctx.text, "sliding_window", ctx.model_type, ctx.lookup("sliding_window"))
 
 
 def _window_disabled(ctx: _Context) -> bool:
-    """Whether the config writes `sliding_window` as null or 0: vLLM 0.33 reads 0 as no window
-    (its ModelConfig: "some checkpoints set sliding_window to 0 to indicate that sliding window
-    is disabled"), and a layer with no window attends to every token."""
-    value = ctx.text.get("sliding_window", 1)
+    """Whether the config writes `sliding_window` as null or 0 (or leaves it out where
+    transformers' class has no window by default): vLLM 0.33 reads 0 as no window (its
+    ModelConfig: "some checkpoints set sliding_window to 0 to indicate that sliding window is
+    disabled"), and a layer with no window attends to every token."""
+    value = ctx.lookup("sliding_window")
     return value is None or (type(value) is int and value == 0)
 
 
@@ -638,17 +791,21 @@ def _windowed(ctx: _Context, kinds: list[str]) -> tuple[list[str], int | None]:
 
 
 def _sliding_pattern(
-    pattern_default: int | None, window_extra: int = 0
+    pattern_default: int, window_extra: int = 0, *, pattern_key: str | None = None
 ) -> Callable[[_Context], dict[str, LayerSpec]]:
-    """Gemma-2/3, Cohere2: `layer_types`, else every `pattern`-th layer is full. A sliding
-    layer's window is the config's plus `window_extra` (Cohere2: vLLM 0.33's attention sees
+    """Gemma-2/3, Cohere2: `layer_types`, else every `pattern`-th layer is full: the config's
+    `pattern_key` where transformers' class reads one (Gemma-3, Cohere2), else
+    `pattern_default` (Gemma-2 alternates whatever the config says). A sliding layer's window
+    is the config's plus `window_extra` (Cohere2: vLLM 0.33's attention sees
     `sliding_window + 1` tokens, and its KV cache spec says so)."""
 
     def build(ctx: _Context) -> dict[str, LayerSpec]:
         num_layers, kv_heads, head_dim = _attention_shape(ctx)
         kinds = _kinds_from_layer_types(ctx, num_layers, _ATTENTION_KINDS)
         if kinds is None:
-            pattern = _get_int(ctx, "sliding_window_pattern", pattern_default)
+            pattern = pattern_default
+            if pattern_key is not None:
+                pattern = _get_int(ctx, pattern_key, pattern_default)
             kinds = [
                 "full" if (i + 1) % pattern == 0 else "sliding_window" for i in range(num_layers)
             ]
@@ -656,7 +813,7 @@ def _sliding_pattern(
             # vLLM 0.33's Cohere2 attention adds to the window: it cannot load this config.
             raise CatalogueError(
                 f"{ctx.model_type} config: 'sliding_window' is "
-                f"{ctx.text['sliding_window']!r}, and vLLM 0.33 needs a window for its "
+                f"{ctx.lookup('sliding_window')!r}, and vLLM 0.33 needs a window for its "
                 "sliding layers"
             )
         kinds, window = _windowed(ctx, kinds)
@@ -680,30 +837,33 @@ def _gpt_oss(ctx: _Context) -> dict[str, LayerSpec]:
 
 
 def _gemma3n(ctx: _Context) -> dict[str, LayerSpec]:
+    """Gemma-3n: the last `num_kv_shared_layers` layers share the KV cache of a layer before
+    them, chosen by position as vLLM 0.33's Gemma-3n attention does: a sliding shared layer
+    takes layer `first_shared - 2`, a full one `first_shared - 1`, whatever kind that layer is
+    (in released checkpoints the last sliding and the last full layer before the shared ones).
+    A shared layer whose target would be before layer 0 keeps a cache of its own. A config
+    that leaves `num_kv_shared_layers` out shares 15 layers (transformers' default)."""
     num_layers, kv_heads, head_dim = _attention_shape(ctx)
     kinds = _kinds_from_layer_types(ctx, num_layers, _ATTENTION_KINDS)
     if kinds is None:
         kinds = ["full" if (i + 1) % 5 == 0 else "sliding_window" for i in range(num_layers)]
-    # Shared layers take their cache from a layer of the same `layer_types` entry, as in vLLM,
-    # even when a disabled window makes sliding layers full.
-    types = kinds
-    kinds, window = _windowed(ctx, kinds)
+    if "sliding_window" in kinds and _window_disabled(ctx):
+        # vLLM 0.33 reads a window of 0 as none and writes null into transformers'
+        # Gemma3nTextConfig, whose sliding_window must be an int: the model does not load.
+        raise CatalogueError(
+            f"{ctx.model_type} config: 'sliding_window' is {ctx.lookup('sliding_window')!r}, and "
+            "vLLM 0.33 cannot load Gemma-3n without a window for its sliding layers"
+        )
+    window = _window(ctx, kinds)
     layers = _build(ctx, kinds, kv_heads, head_dim, window=window)
-    num_shared = ctx.text.get("num_kv_shared_layers", 0)
-    if num_shared:
-        num_shared = _get_int(ctx, "num_kv_shared_layers")
+    num_shared = ctx.lookup("num_kv_shared_layers")  # transformers' default: 15
+    if num_shared != 0:
+        num_shared = _int(ctx.text, "num_kv_shared_layers", ctx.model_type, num_shared)
         first_shared = num_layers - num_shared
-        if first_shared <= 0:
-            raise CatalogueError(f"{ctx.model_type} config: every layer is a KV-sharing layer")
-        for index in range(first_shared, num_layers):
-            # The last non-shared layer of the same attention type owns the cache.
-            owners = [i for i in range(first_shared) if types[i] == types[index]]
-            if not owners:
-                raise CatalogueError(
-                    f"{ctx.model_type} config: layer {index} ({types[index]}) has no "
-                    "non-shared layer of its type to share KV with"
-                )
-            layers[_name(index)] = KVSharingSpec(_name(owners[-1]))
+        for index in range(max(first_shared, 0), num_layers):
+            target = first_shared - (2 if kinds[index] == "sliding_window" else 1)
+            if target >= 0:
+                layers[_name(index)] = KVSharingSpec(_name(target))
     return layers
 
 
@@ -712,7 +872,11 @@ def _mistral(ctx: _Context) -> dict[str, LayerSpec]:
     one window on every layer (none: full attention)."""
     num_layers, kv_heads, head_dim = _attention_shape(ctx)
     kinds = _kinds_from_layer_types(ctx, num_layers, _ATTENTION_KINDS)
-    window = ctx.text.get("sliding_window")
+    window = ctx.lookup("sliding_window")
+    if kinds is not None and ctx.source_type == "mixtral" and len(set(kinds)) > 1:
+        # vLLM 0.33's Mixtral attention takes no per-layer window, only the model-wide one,
+        # which vLLM sets only when every layer slides: mixed layer_types run full.
+        kinds = ["full"] * num_layers
     if kinds is not None:
         kinds, size = _windowed(ctx, kinds)
         return _build(ctx, kinds, kv_heads, head_dim, window=size)
@@ -732,7 +896,7 @@ def _mistral(ctx: _Context) -> dict[str, LayerSpec]:
                     )
         return layers
     kind = "full" if window is None or _window_disabled(ctx) else "sliding_window"
-    size = None if kind == "full" else _int(ctx.text, "sliding_window", ctx.model_type)
+    size = None if kind == "full" else _int(ctx.text, "sliding_window", ctx.model_type, window)
     return _build(ctx, [kind] * num_layers, kv_heads, head_dim, window=size)
 
 
@@ -747,9 +911,9 @@ def _qwen2(ctx: _Context) -> dict[str, LayerSpec]:
     `num_hidden_layers`."""
     num_layers, kv_heads, head_dim = _attention_shape(ctx)
     given = _kinds_from_layer_types(ctx, num_layers, _ATTENTION_KINDS)
-    window = ctx.text.get("sliding_window") if ctx.text.get("use_sliding_window") else None
+    window = ctx.lookup("sliding_window") if ctx.text.get("use_sliding_window") else None
     if window is not None and not _window_disabled(ctx):
-        window = _int(ctx.text, "sliding_window", ctx.model_type)
+        window = _int(ctx.text, "sliding_window", ctx.model_type, window)
     else:
         window = None
     if window is None and given is None:
@@ -785,13 +949,14 @@ def _qwen2(ctx: _Context) -> dict[str, LayerSpec]:
 
 
 def _llama(ctx: _Context) -> dict[str, LayerSpec]:
-    num_layers, kv_heads, head_dim = _attention_shape(ctx)
-    return _build(ctx, ["full"] * num_layers, kv_heads, head_dim)
+    """Llama, Granite: full attention, unless the config adds a `sliding_window` (and
+    `layer_types`), which vLLM 0.33's Llama and Granite models read as Mistral's are read."""
+    return _mistral(ctx)
 
 
 def _llama4(ctx: _Context) -> dict[str, LayerSpec]:
     num_layers, kv_heads, head_dim = _attention_shape(ctx)
-    chunk = ctx.text.get("attention_chunk_size")
+    chunk = ctx.lookup("attention_chunk_size")
     no_rope = ctx.text.get("no_rope_layers") or None
     if no_rope is None:
         interval = _get_int(ctx, "no_rope_layer_interval", 4)
@@ -800,9 +965,10 @@ def _llama4(ctx: _Context) -> dict[str, LayerSpec]:
         raise CatalogueError(
             f"{ctx.model_type} config: 'no_rope_layers' must list {num_layers} flags"
         )
-    if chunk is None:
+    if chunk is None or (type(chunk) is int and chunk == 0):
+        # vLLM 0.33 chunks only with a chunk size (0 is none): every layer attends globally.
         return _build(ctx, ["full"] * num_layers, kv_heads, head_dim)
-    chunk = _get_int(ctx, "attention_chunk_size")
+    chunk = _int(ctx.text, "attention_chunk_size", ctx.model_type, chunk)
     # RoPE layers (flag 1) use chunked local attention; NoPE layers attend globally.
     kinds = ["chunked_local" if flag else "full" for flag in no_rope]
     return _build(ctx, kinds, kv_heads, head_dim, chunk=chunk)
@@ -823,9 +989,15 @@ def _deepseek(ctx: _Context) -> dict[str, LayerSpec]:
 def _jamba(ctx: _Context) -> dict[str, LayerSpec]:
     num_layers, kv_heads, head_dim = _attention_shape(ctx)
     period = _get_int(ctx, "attn_layer_period")
-    offset = ctx.text.get("attn_layer_offset")
+    offset = ctx.lookup("attn_layer_offset")
     if not isinstance(offset, int) or offset < 0:
         raise CatalogueError(f"{ctx.model_type} config is missing 'attn_layer_offset'")
+    if offset >= period:
+        # transformers' JambaConfig refuses it, so vLLM 0.33 cannot load it.
+        raise CatalogueError(
+            f"{ctx.model_type} config: attn_layer_offset ({offset}) must be smaller than "
+            f"attn_layer_period ({period}), as transformers' JambaConfig requires"
+        )
     hidden = _get_int(ctx, "hidden_size")
     mamba = MambaSpec.mamba1(
         intermediate_size=_get_int(ctx, "mamba_expand") * hidden,
@@ -904,7 +1076,7 @@ def _falcon_h1(ctx: _Context) -> dict[str, LayerSpec]:
 
 def _nemotron_h(ctx: _Context) -> dict[str, LayerSpec]:
     """Nemotron-H: `hybrid_override_pattern`, one character per layer: `M` Mamba-2, `*`
-    attention, `-` MLP and `E` MoE (no cache)."""
+    attention, `-` MLP and `E` MoE (no cache). The SSM state is float32 by default."""
     pattern = _require(ctx.text, "hybrid_override_pattern", ctx.model_type)
     if not isinstance(pattern, str) or not pattern or set(pattern) - set("M*-E"):
         raise CatalogueError(
@@ -923,10 +1095,40 @@ def _nemotron_h(ctx: _Context) -> dict[str, LayerSpec]:
         state_size=_get_int(ctx, "ssm_state_size"),
         conv_kernel=_get_int(ctx, "conv_kernel"),
         dtype=ctx.model_dtype,
+        ssm_dtype=_nemotron_h_ssm_dtype(ctx),
         tensor_parallel_size=ctx.tp,
     )
     kinds = {"M": "mamba", "*": "full", "-": "none", "E": "none"}
     return _build(ctx, [kinds[c] for c in pattern], kv_heads, head_dim, mamba=mamba)
+
+
+# The config's `mamba_ssm_cache_dtype` values vLLM 0.33 reads as a state dtype (its
+# STR_DTYPE_TO_TORCH_DTYPE names; the fp8 ones are stored as bytes).
+_MAMBA_SSM_DTYPES = {
+    "float32": "fp32",
+    "float": "fp32",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "fp8": "fp8_e4m3",
+    "fp8_e4m3": "fp8_e4m3",
+    "fp8_e5m2": "fp8_e5m2",
+}
+
+
+def _nemotron_h_ssm_dtype(ctx: _Context) -> str:
+    """The SSM state's dtype: vLLM 0.33 keeps Nemotron-H's in the config's
+    `mamba_ssm_cache_dtype`, float32 when the config has none (its NemotronH config hook, for
+    accuracy), not in the checkpoint dtype as other Mamba models; `auto` is the conv state's."""
+    value = ctx.text.get("mamba_ssm_cache_dtype", "float32")
+    if value == "auto":
+        return ctx.model_dtype
+    if not isinstance(value, str) or value not in _MAMBA_SSM_DTYPES:
+        raise CatalogueError(
+            f"{ctx.model_type} config: 'mamba_ssm_cache_dtype' must be one of auto, "
+            f"{', '.join(_MAMBA_SSM_DTYPES)}; got {value!r}"
+        )
+    return _MAMBA_SSM_DTYPES[value]
 
 
 def _qwen3_next(ctx: _Context) -> dict[str, LayerSpec]:
@@ -951,8 +1153,8 @@ def _qwen3_next(ctx: _Context) -> dict[str, LayerSpec]:
 
 _BUILDERS: dict[str, Callable[[_Context], dict[str, LayerSpec]]] = {
     "gemma2": _sliding_pattern(2),
-    "gemma3": _sliding_pattern(6),
-    "cohere2": _sliding_pattern(4, window_extra=1),
+    "gemma3": _sliding_pattern(6, pattern_key="sliding_window_pattern"),
+    "cohere2": _sliding_pattern(4, window_extra=1, pattern_key="sliding_window_pattern"),
     "gpt_oss": _gpt_oss,
     "gemma3n": _gemma3n,
     "mistral": _mistral,
