@@ -778,6 +778,16 @@ def _window_disabled(ctx: _Context) -> bool:
     return value is None or (type(value) is int and value == 0)
 
 
+def _require_window(ctx: _Context, kinds: list[str], why: str) -> None:
+    """Refuses a config with sliding layers whose window is disabled (`_window_disabled`) for a
+    model vLLM 0.33 cannot load so; `why` ends the message ("vLLM 0.33 {why}")."""
+    if "sliding_window" in kinds and _window_disabled(ctx):
+        raise CatalogueError(
+            f"{ctx.model_type} config: 'sliding_window' is {ctx.lookup('sliding_window')!r}, "
+            f"and vLLM 0.33 {why}"
+        )
+
+
 def _windowed(ctx: _Context, kinds: list[str]) -> tuple[list[str], int | None]:
     """`kinds` and the window of their sliding layers; with the window disabled (`_window`),
     sliding layers are full, as vLLM 0.33 runs them."""
@@ -809,13 +819,9 @@ def _sliding_pattern(
             kinds = [
                 "full" if (i + 1) % pattern == 0 else "sliding_window" for i in range(num_layers)
             ]
-        if window_extra and "sliding_window" in kinds and _window_disabled(ctx):
-            # vLLM 0.33's Cohere2 attention adds to the window: it cannot load this config.
-            raise CatalogueError(
-                f"{ctx.model_type} config: 'sliding_window' is "
-                f"{ctx.lookup('sliding_window')!r}, and vLLM 0.33 needs a window for its "
-                "sliding layers"
-            )
+        if window_extra:
+            # vLLM 0.33's Cohere2 attention adds to the window: it cannot load a config without.
+            _require_window(ctx, kinds, "needs a window for its sliding layers")
         kinds, window = _windowed(ctx, kinds)
         if window is not None:
             window += window_extra
@@ -847,13 +853,9 @@ def _gemma3n(ctx: _Context) -> dict[str, LayerSpec]:
     kinds = _kinds_from_layer_types(ctx, num_layers, _ATTENTION_KINDS)
     if kinds is None:
         kinds = ["full" if (i + 1) % 5 == 0 else "sliding_window" for i in range(num_layers)]
-    if "sliding_window" in kinds and _window_disabled(ctx):
-        # vLLM 0.33 reads a window of 0 as none and writes null into transformers'
-        # Gemma3nTextConfig, whose sliding_window must be an int: the model does not load.
-        raise CatalogueError(
-            f"{ctx.model_type} config: 'sliding_window' is {ctx.lookup('sliding_window')!r}, and "
-            "vLLM 0.33 cannot load Gemma-3n without a window for its sliding layers"
-        )
+    # vLLM 0.33 reads a window of 0 as none and writes null into transformers'
+    # Gemma3nTextConfig, whose sliding_window must be an int: the model does not load.
+    _require_window(ctx, kinds, "cannot load Gemma-3n without a window for its sliding layers")
     window = _window(ctx, kinds)
     layers = _build(ctx, kinds, kv_heads, head_dim, window=window)
     num_shared = ctx.lookup("num_kv_shared_layers")  # transformers' default: 15
