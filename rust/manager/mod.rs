@@ -572,6 +572,18 @@ impl KVCacheManager {
         )
     }
 
+    /// Starts loading the line of each of a request's tables that a running step reads (see
+    /// [`GroupTable`]), so that the groups' loads overlap each other and the work before the
+    /// step. A hint: nothing when the request is unknown.
+    #[inline]
+    pub(crate) fn prefetch_tables(&self, handle: RequestHandle) {
+        if let Ok(state) = self.requests.get(handle.into()) {
+            for table in &state.tables {
+                crate::sync::prefetch(table);
+            }
+        }
+    }
+
     /// The handle of a registered request (see [`RequestHandle`]).
     pub fn handle(&self, request_id: &str) -> Result<RequestHandle> {
         self.requests.handle(request_id)

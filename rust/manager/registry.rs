@@ -382,6 +382,7 @@ impl Registry {
         if let Some(reg) = record.registrations.get_mut(me) {
             if reg.removals == removals {
                 let handle = reg.handle;
+                manager.prefetch_tables(handle);
                 if reg.synced < total {
                     let start = reg.synced - num_prompt;
                     append_outputs(manager, handle, &record.output[start..], &record.supplied)?;

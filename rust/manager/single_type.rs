@@ -11,13 +11,29 @@ use crate::types::{BlockHash, BlockId, CacheKey, GroupId, StoreInfo, NULL_BLOCK}
 use std::collections::HashSet;
 
 /// One request's blocks in one group.
+///
+/// A table starts a cache line, and the fields a running step reads come first, in that line
+/// (`HOT_BYTES`): its blocks, how many are cached, where the window's walk stops and whether a
+/// partial hit waits. A step over a request's groups then loads one line per group (a
+/// request's tables are far apart in memory from one step to the next, and these loads were
+/// most of a step's misses with the fields spread over three lines); Mamba align's and
+/// connectors' state follows.
 #[derive(Clone, Debug, Default)]
+#[repr(C, align(64))]
 pub(crate) struct GroupTable {
     /// Slot `i` covers tokens `[i * bs, (i + 1) * bs)`; the null block where none is needed.
     pub(crate) blocks: Vec<BlockId>,
     /// Blocks already entered into the prefix cache; `None` until the request's first
     /// allocation with a hit or its first cached block (vLLM's `num_cached_block`).
     pub(crate) num_cached: Option<usize>,
+    /// `remove_skipped_blocks` can no longer free a slot below this: its walk down from a
+    /// window's edge stops at the first null, and slot `unreachable_below - 1` is null (the
+    /// last walk ended there). 0 when nothing is known; never above `blocks.len()`.
+    pub(crate) unreachable_below: usize,
+    /// A hit (or, for Mamba align, a state keyed by the request itself) ending inside block
+    /// `.0`: the shared block `.1` gets a private copy at the next allocation (vLLM's
+    /// `_partial_hit_reqs`).
+    pub(crate) partial_hit: Option<(usize, BlockId)>,
     /// Mamba align: blocks were allocated for the request before (vLLM's
     /// `_allocated_block_reqs`).
     pub(crate) allocated: bool,
@@ -30,19 +46,24 @@ pub(crate) struct GroupTable {
     /// worker exports in the chunk being allocated (vLLM's `_checkpoints`), set when the chunk
     /// is counted.
     pub(crate) checkpoint: Option<(usize, usize)>,
-    /// A hit (or, for Mamba align, a state keyed by the request itself) ending inside block
-    /// `.0`: the shared block `.1` gets a private copy at the next allocation (vLLM's
-    /// `_partial_hit_reqs`).
-    pub(crate) partial_hit: Option<(usize, BlockId)>,
     /// Mamba align: the request keyed its own state inside a block at this prompt boundary
     /// `(block, tokens)`; the copy that preserves it, or the block itself when the request
     /// finishes there, goes to KV connectors (vLLM's `_producer_partial_tail_reqs`).
     pub(crate) producer_tail: Option<(BlockId, usize)>,
-    /// `remove_skipped_blocks` can no longer free a slot below this: its walk down from a
-    /// window's edge stops at the first null, and slot `unreachable_below - 1` is null (the
-    /// last walk ended there). 0 when nothing is known; never above `blocks.len()`.
-    pub(crate) unreachable_below: usize,
 }
+
+/// Bytes at the start of a [`GroupTable`] that hold what a running step reads: one cache line.
+pub(crate) const HOT_BYTES: usize = 64;
+const _: () = {
+    use std::mem::{align_of, offset_of, size_of};
+    assert!(align_of::<GroupTable>() == HOT_BYTES);
+    assert!(offset_of!(GroupTable, blocks) + size_of::<Vec<BlockId>>() <= HOT_BYTES);
+    assert!(offset_of!(GroupTable, num_cached) + size_of::<Option<usize>>() <= HOT_BYTES);
+    assert!(offset_of!(GroupTable, unreachable_below) + size_of::<usize>() <= HOT_BYTES);
+    // A step reads whether a partial hit waits: the option's tag, which rustc places at its
+    // start (its payload is read only when one waits).
+    assert!(offset_of!(GroupTable, partial_hit) + size_of::<usize>() <= HOT_BYTES);
+};
 
 impl GroupTable {
     pub(crate) fn clear(&mut self) {
