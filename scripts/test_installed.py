@@ -21,9 +21,10 @@ toolchain on PATH and no source tree on sys.path (standard library only, any OS)
    file (a directory added that way has its own .pth files ignored, so an editable hybrid_kv
    installed there stays off the path); `install` pip-installs the `test` extra's requirements
    but torch (whose tests then skip).
-4. pytest on a copy of tests/ alone in a scratch directory (with ../shared beside it, as in CI;
-   --no-conformance runs without it and leaves out tests/test_conformance.py), the cache plugin
-   off, then mypy.stubtest of hybrid_kv._core: both against the installed wheel.
+4. pytest on a copy of tests/ (and of the README, whose examples it runs) in a scratch
+   directory (with ../shared beside it, as in CI; --no-conformance runs without it and leaves
+   out tests/test_conformance.py), the cache plugin off, then mypy.stubtest of hybrid_kv._core:
+   both against the installed wheel.
 """
 
 from __future__ import annotations
@@ -351,6 +352,8 @@ def test(wheel: Path, scratch: Path, args: argparse.Namespace) -> None:
     say("pytest against the installed wheel, on a copy of tests/ alone")
     root = scratch / "hybrid-kv"
     shutil.copytree(REPO / "tests", root / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    # tests/test_readme_examples.py runs the README's examples against the installed package.
+    shutil.copy2(REPO / "README.md", root / "README.md")
     ignore = []
     if args.no_conformance:
         ignore = ["--ignore=tests/test_conformance.py"]
