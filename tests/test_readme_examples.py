@@ -1,6 +1,7 @@
 """The README's Python examples run as printed (a new user copies them), against the installed
-package: each block in order, in a fresh namespace; torch's on "meta" where the README names a
-GPU (the plan's 24 GiB allocates nothing there). What the README says they print or return is checked too."""
+package: each block in a fresh namespace; torch's on "meta" where the README names a GPU (the
+plan's 24 GiB then allocates nothing). What their comments say they print or return is checked
+too."""
 
 from __future__ import annotations
 
