@@ -442,27 +442,27 @@ const INT_DIGIT_OFFSET: usize = INT_SIZE_OFFSET + std::mem::size_of::<usize>();
 /// `item` must point to a live object whose type is exactly `int`, laid out as `layout` says.
 #[inline(always)]
 unsafe fn small_int(item: *mut pyo3::ffi::PyObject, layout: IntLayout) -> Option<u32> {
+    let base = item.cast::<u8>();
     // SAFETY: per the contract, `item` is an exact `int`: its header is followed by the size
-    // word and at least one digit (CPython allocates one digit even for zero). An `int` is
-    // immutable: neither word is written after the object is made, so reading them races with
-    // nothing, with or without the GIL.
-    let (size, digit) = unsafe {
-        let base = item.cast::<u8>();
-        (
-            base.add(INT_SIZE_OFFSET).cast::<usize>().read(),
-            base.add(INT_DIGIT_OFFSET).cast::<u32>().read(),
-        )
-    };
+    // word (`ob_size` up to 3.11, `lv_tag` from 3.12: `cpython/longintrepr.h`), then as many
+    // digits as it counts. Zero may have no digit (3.10 and 3.11 allocate none for it), so the
+    // digit is read only where the size word counts exactly one. An `int` is immutable: no
+    // word is written after the object is made, so reading them races with nothing, with or
+    // without the GIL.
+    let size = unsafe { base.add(INT_SIZE_OFFSET).cast::<usize>().read() };
+    // SAFETY: as above, only once the size word counts one digit.
+    let digit = || unsafe { base.add(INT_DIGIT_OFFSET).cast::<u32>().read() };
     match layout {
         IntLayout::SizeThenDigits => match size as isize {
             0 => Some(0),
-            1 => Some(digit),
+            1 => Some(digit()),
             _ => None,
         },
-        // Bits 0-1 hold the sign (0 positive, 1 zero, 2 negative), bit 2 may mark an immortal
-        // small int (3.14), and the digit count starts at bit 3.
+        // Bits 0-1 hold the sign (0 positive, 1 zero, 2 negative), bit 2 is reserved for an
+        // immortality flag (unused in 3.12 and 3.13; 3.14 marks small ints with it), and the
+        // digit count starts at bit 3.
         IntLayout::TagThenDigits => match (size >> 3, size & 3) {
-            (1, 0) => Some(digit),
+            (1, 0) => Some(digit()),
             (0, 1) => Some(0),
             _ => None,
         },

@@ -326,7 +326,8 @@ impl Cached {
     #[inline]
     fn current(&self, fields: &Bound<'_, PyDict>) -> bool {
         // SAFETY: the slot is alive (held here), and reading its reference count is a plain
-        // read of its header. With the GIL no other thread changes the count meanwhile. On a
+        // read of its header (`ob_refcnt`; from 3.12 on an immortal object's count there has bit
+        // 31 set, and a slot is never immortal). With the GIL no other thread changes the count meanwhile. On a
         // free-threaded build the count is the sum of two fields read without a lock: another
         // thread taking or dropping a reference to this slot meanwhile can make it off by those
         // references (never by the cache's own, which cannot change while the cache's lock is
@@ -403,7 +404,11 @@ fn instance_dict<'py>(object: &Bound<'py, PyAny>) -> Option<Bound<'py, PyDict>> 
     let py = object.py();
     // SAFETY: `object` is a live object (borrowed for 'py); PyObject_GenericGetDict returns a
     // new reference, or null with an exception set (no instance dict), which is cleared here.
-    // It takes no lock of ours and runs no Python code besides making an empty dict.
+    // It reads no Python attribute. An object that has no dict yet gets one, kept as its
+    // `__dict__` from then on: empty, or from 3.11 on made from the attribute values CPython
+    // keeps without a dict (3.13's dict shares them with the object). Making it may start a
+    // collection (3.10 and 3.11 run it at once, finalizers included; 3.12 and 3.13 defer it to
+    // the interpreter's next check): no caller holds a lock of this module meanwhile.
     let dict = unsafe {
         Bound::from_owned_ptr_or_opt(
             py,
