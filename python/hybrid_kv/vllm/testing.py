@@ -813,9 +813,12 @@ class Driver:
         output, chunks = self._in_flight.popleft()
         runner = self.fake_model_output(output, chunks)
         results = self.scheduler.update_from_output(output, runner)
-        drafts = self.fake_drafts(output, chunks)
-        if drafts is not None:
-            self.scheduler.update_draft_token_ids(drafts)
+        # Under async scheduling the drafts stay with the worker and the scheduler schedules
+        # its placeholders (vLLM's engine core hands it no drafts then).
+        if not self.scheduler.scheduler_config.async_scheduling:
+            drafts = self.fake_drafts(output, chunks)
+            if drafts is not None:
+                self.scheduler.update_draft_token_ids(drafts)
         return results
 
     def fake_model_output(self, output: SchedulerOutput, chunks: set[str]) -> ModelRunnerOutput:
