@@ -2,10 +2,10 @@
 asks of its KV cache manager or when: pipeline parallelism (batches in flight), Model Runner V2,
 data-parallel ranks, the per-step token budget, the admission limit, the adaptive long-prefill cap,
 the prefill cadence, EAGLE without the trailing-block drop, a separate draft model, dynamic
-speculative decoding and pausing the scheduler. Stock vLLM and `hybrid_kv.vllm.Scheduler` run the
-same workload in lock step and must agree on every step (`harness.summarize`), every engine-core
-output and every KV event; each test also asserts that its option acted on the run.
-`test_vllm_random.py` draws these options in combination."""
+speculative decoding, an embedding model and pausing the scheduler. Stock vLLM and
+`hybrid_kv.vllm.Scheduler` run the same workload in lock step and must agree on every step
+(`harness.summarize`), every engine-core output and every KV event; each test also asserts that its
+option acted on the run. `test_vllm_random.py` draws these options in combination."""
 
 from __future__ import annotations
 
@@ -418,3 +418,42 @@ def test_pausing_and_resuming_the_scheduler_matches_vllm(mode: str, clear_cache:
     )
     if clear_cache:
         assert our_log[-2][2] is True, "the cache was cleared"
+
+
+# ------------------------------------------------------------------------------ embedding model
+
+
+@pytest.mark.parametrize("layout,num_blocks", [("gpt-oss", 150), ("jamba", 150), ("full", 120)])
+def test_an_embedding_model_filling_max_model_len_matches_vllm(
+    layout: str, num_blocks: int
+) -> None:
+    # A pooling runner samples no token, so vLLM schedules a prompt's last chunk up to
+    # max_model_len (1024 here; a generating model's requests would stop one token short):
+    # every third prompt fills it, some are resent (hits), chunks of 256 without the
+    # whole-prompt fit check preempt.
+    options = harness.Options(
+        layout=layout,
+        num_blocks=num_blocks,
+        pooling_runner=True,
+        max_model_len=1024,
+        max_num_batched_tokens=512,
+        long_prefill_token_threshold=256,
+        reserve_full_isl=False,
+    )
+    stock = harness.build_scheduler(options)
+    assert stock.num_sampled_tokens_per_step == 0
+    workload = [
+        dataclasses.replace(
+            spec,
+            pooling=True,
+            prompt=(spec.prompt * 8)[: 1024 if i % 3 == 0 else 1024 - i],
+            arrival_step=i // 8,
+        )
+        for i, spec in enumerate(WORKLOAD)
+    ]
+    workload += [
+        dataclasses.replace(spec, request_id=f"again-{spec.request_id}", arrival_step=10)
+        for spec in workload[:8]
+    ]
+    run = run_both(options, workload)
+    assert run.hits > 0 and run.preempted > 0

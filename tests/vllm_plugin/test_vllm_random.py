@@ -10,10 +10,10 @@ prompt embeddings, prompt-logprobs requests, KV events, stats logging, vLLM's pr
 and a short `max_model_len`; then what else an operator sets (`draw_operator_options`: pipeline
 parallelism, Model Runner V2, data-parallel ranks, the prefill cadence, the per-step token budget,
 the admission limit, the adaptive long-prefill cap, EAGLE without the trailing-block drop, a
-separate draft model, dynamic speculative decoding); then a chat workload with exact duplicates and
-block-aligned prompts; and, while it runs, client aborts, prefix-cache resets (with and without
-preempting the running requests) and scheduler pauses at seeded steps. Every step's
-`SchedulerOutput`, engine-core outputs and KV events must be equal on both sides.
+separate draft model, dynamic speculative decoding, an embedding model); then a chat workload with
+exact duplicates and block-aligned prompts; and, while it runs, client aborts, prefix-cache resets
+(with and without preempting the running requests) and scheduler pauses at seeded steps. Every
+step's `SchedulerOutput`, engine-core outputs and KV events must be equal on both sides.
 
 Mamba layouts also draw hashes finer than their blocks (fine-grained partial hash hits, with
 copy-on-write block copies, which the outputs compare too). The fixed tests elsewhere name each
@@ -123,9 +123,10 @@ def draw_operator_options(rng: random.Random, options: harness.Options) -> harne
     Model Runner V2, a data-parallel rank (independent, or coordinated for an MoE target, whose
     engine core throttles prefills), the prefill cadence, a per-step token budget and an
     admission limit below the batch's, the adaptive long-prefill cap, EAGLE without the
-    trailing-block drop, a separate draft model (PARD too) and dynamic speculative decoding.
-    Combinations vLLM 0.33 refuses are not drawn: async scheduling with PP or n-gram drafting
-    needs Model Runner V2, parallel EAGLE drafting needs V1."""
+    trailing-block drop, a separate draft model (PARD too), dynamic speculative decoding and
+    an embedding model (`as_embedding_requests`). Combinations vLLM 0.33 refuses are not
+    drawn: async scheduling with PP or n-gram drafting needs Model Runner V2, parallel
+    drafting (PARD) needs V1."""
     settings: dict[str, Any] = {}
     v2 = rng.random() < 0.3
     pp = rng.choice([1, 1, 1, 2, 3])
@@ -157,7 +158,27 @@ def draw_operator_options(rng: random.Random, options: harness.Options) -> harne
         settings["async_scheduling"] = True
     if drafts > 1 and rng.random() < 0.2:
         settings["spec_tokens_per_batch_size"] = ((1, 3, drafts), (4, 1024, 1))
+    if not drafts and not options.lora and rng.random() < 0.08:
+        settings["pooling_runner"] = True
     return dataclasses.replace(options, **settings)
+
+
+def as_embedding_requests(
+    rng: random.Random, workload: list[harness.RequestSpec], max_model_len: int
+) -> list[harness.RequestSpec]:
+    """`workload` for an embedding model: pooling requests, a third of them filling a short
+    `max_model_len` (the model samples no token; the default one would not fit the pools)."""
+    fill = max_model_len <= 1024
+    return [
+        dataclasses.replace(
+            spec,
+            pooling=True,
+            prompt=(spec.prompt * (max_model_len // len(spec.prompt) + 1))[:max_model_len]
+            if fill and rng.random() < 0.3
+            else spec.prompt,
+        )
+        for spec in workload
+    ]
 
 
 def partial_hash_hits(options: harness.Options) -> bool:
@@ -286,7 +307,10 @@ def test_random_configurations_and_workloads_match_vllm(seed: int) -> None:
         ),
     )
     if seed not in REGRESSION_SEEDS:
-        options = draw_operator_options(random.Random(f"{seed}-operator"), options)
+        operator = random.Random(f"{seed}-operator")
+        options = draw_operator_options(operator, options)
+        if options.pooling_runner:
+            workload = as_embedding_requests(operator, workload, options.max_model_len)
     stock = harness.build_scheduler(options)
     ours = harness.build_scheduler(options, hkv.Scheduler)
     assert ours.uses_hybrid_kv, f"fell back to vLLM's manager for {options}"

@@ -268,6 +268,9 @@ class Options:
     data_parallel_rank: int = 0
     # Serve the GLM-4.5-like MoE target (the "mtp" method's) without drafting.
     moe: bool = False
+    # An embedding model (ModelConfig runner "pooling", convert "embed"): it samples no token,
+    # so a prompt may fill `max_model_len`; its requests are pooling requests.
+    pooling_runner: bool = False
 
 
 def _retention(options: Options) -> int | None:
@@ -391,6 +394,7 @@ def _vllm_config(options: Options) -> VllmConfig:
         dtype="float16",
         seed=0,
         enable_prompt_embeds=options.prompt_embeds,
+        **({"runner": "pooling", "convert": "embed"} if options.pooling_runner else {}),
     )
     scheduler = SchedulerConfig(
         max_num_seqs=options.max_num_seqs,
