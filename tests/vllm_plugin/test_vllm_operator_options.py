@@ -2,10 +2,11 @@
 asks of its KV cache manager or when: pipeline parallelism (batches in flight), Model Runner V2,
 data-parallel ranks, the per-step token budget, the admission limit, the adaptive long-prefill cap,
 the prefill cadence, EAGLE without the trailing-block drop, a separate draft model, dynamic
-speculative decoding, an embedding model and pausing the scheduler. Stock vLLM and
-`hybrid_kv.vllm.Scheduler` run the same workload in lock step and must agree on every step
-(`harness.summarize`), every engine-core output and every KV event; each test also asserts that its
-option acted on the run. `test_vllm_random.py` draws these options in combination."""
+speculative decoding, an embedding model, pausing the scheduler and context parallelism (decode
+falls back to vLLM's manager). Stock vLLM and `hybrid_kv.vllm.Scheduler` run the same workload in
+lock step and must agree on every step (`harness.summarize`), every engine-core output and every
+KV event; each test also asserts that its option acted on the run. `test_vllm_random.py` draws
+these options in combination."""
 
 from __future__ import annotations
 
@@ -457,3 +458,35 @@ def test_an_embedding_model_filling_max_model_len_matches_vllm(
     ]
     run = run_both(options, workload)
     assert run.hits > 0 and run.preempted > 0
+
+
+# ---------------------------------------------------------------------- context parallelism
+
+
+def test_decode_context_parallelism_falls_back_to_vllms_manager_with_its_reason(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Four tensor-parallel ranks (more than the model's 2 KV heads), two decode-context ones.
+    options = harness.Options(tensor_parallel_size=4, decode_context_parallel_size=2)
+    with caplog.at_level("WARNING", logger="vllm.hybrid_kv"):
+        ours = harness.build_scheduler(options, hkv.Scheduler)
+    assert not ours.uses_hybrid_kv and ours.dcp_world_size == 2
+    (line,) = [r.getMessage() for r in caplog.records if "hybrid-kv" in r.getMessage()]
+    assert line == (
+        "hybrid-kv: using vLLM's own KV cache manager: decode/prefill context parallelism: "
+        "context-parallel block sizes are not implemented"
+    )
+    assert sum(1 for _ in harness.Driver(ours, WORKLOAD[:8]).run()) > 0
+
+
+def test_prefill_context_parallelism_is_served_as_vllm_serves_it() -> None:
+    # Model Runner V2 only; vLLM 0.33's scheduler builds its manager with pcp_world_size 1.
+    options = harness.Options(
+        layout="full", num_blocks=160, prefill_context_parallel_size=2, v2_model_runner=True
+    )
+    stock = harness.build_scheduler(options)
+    assert stock.pcp_world_size == 2
+    assert {m.pcp_world_size for m in stock.kv_cache_manager.coordinator.single_type_managers} == {
+        1
+    }
+    assert run_both(options).preempted > 0

@@ -266,6 +266,11 @@ class Options:
     # and keeps the rank as `data_parallel_index`); ranks of an MoE model are coordinated.
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    # Tensor and context parallelism (ParallelConfig): decode context parallelism falls back
+    # to vLLM's manager; vLLM 0.33's scheduler hands prefill context parallelism to no manager.
+    tensor_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
     # Serve the GLM-4.5-like MoE target (the "mtp" method's) without drafting.
     moe: bool = False
     # An embedding model (ModelConfig runner "pooling", convert "embed"): it samples no token,
@@ -469,6 +474,9 @@ def _vllm_config(options: Options) -> VllmConfig:
         pipeline_parallel_size=options.pipeline_parallel_size,
         data_parallel_size=options.data_parallel_size,
         data_parallel_rank=options.data_parallel_rank,
+        tensor_parallel_size=options.tensor_parallel_size,
+        decode_context_parallel_size=options.decode_context_parallel_size,
+        prefill_context_parallel_size=options.prefill_context_parallel_size,
     )
     config = VllmConfig(
         lora_config=LoRAConfig(max_loras=2, max_lora_rank=8) if options.lora else None,
