@@ -35,6 +35,8 @@ class Run:
     # Steps that scheduled a request while an earlier step of it was still in flight.
     overlapped: int = 0
     outputs: list[Any] = dataclasses.field(default_factory=list)
+    # Engine-core outputs of each step.
+    results: list[Any] = dataclasses.field(default_factory=list)
 
 
 def run_both(
@@ -70,6 +72,7 @@ def run_both(
         run.preempted += len(expected["preempted"])
         run.hits += sum(1 for _, _, n in expected["new"] if n > 0)
         run.outputs.append(our_out)
+        run.results.append(our_results)
     assert drivers[1].done
     return run
 
@@ -270,7 +273,11 @@ def test_a_data_parallel_ranks_kv_events_carry_its_rank(
         assert scheduler.parallel_config.data_parallel_index == 3
         assert scheduler.parallel_config.data_parallel_size == (4 if moe else 1)
     assert created == [3, 3]
-    assert run_both(options).hits > 0
+    # The rank reports finished requests to the data-parallel coordinator.
+    run = run_both(options)
+    assert run.hits > 0 and any(
+        eco.finished_requests for results in run.results for r in results for eco in r.values()
+    )
 
 
 def _holds_prefills(options: harness.Options) -> None:

@@ -529,6 +529,9 @@ def _build_scheduler(options: Options, scheduler_cls: type[Any] | None, config: 
         block_size=scheduler_block_size,
         hash_block_size=hash_block_size,
         log_stats=options.log_stats,
+        # An online data-parallel engine (internal load balancing, vLLM's default) reports
+        # the requests that finished to its coordinator (EngineCoreProc).
+        include_finished_set=options.data_parallel_size > 1,
     )
 
 
