@@ -47,6 +47,7 @@ from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.pooling_params import PoolingParams
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_utils import (
     get_request_block_hasher,
     init_none_hash,
@@ -606,12 +607,27 @@ def chat_workload(
 
 
 @cache
+def _none_hash(hash_algo: str) -> Any:
+    """vLLM's NONE_HASH (the parent of every prompt's first block) for `hash_algo`, drawn once
+    per process as its engine core draws it (from a random seed for xxHash)."""
+    init_none_hash(get_hash_fn_by_name(hash_algo))
+    return kv_cache_utils.NONE_HASH
+
+
+@cache
 def _block_hasher(
     block_size: int, lookahead: int = 0, hash_algo: str = "sha256"
 ) -> Callable[[Request], list[Any]]:
-    hash_fn = get_hash_fn_by_name(hash_algo)
-    init_none_hash(hash_fn)
-    return get_request_block_hasher(block_size, hash_fn, lookahead)
+    hasher = get_request_block_hasher(block_size, get_hash_fn_by_name(hash_algo), lookahead)
+    none_hash = _none_hash(hash_algo)
+
+    def hash_request(request: Request) -> list[Any]:
+        # vLLM reads NONE_HASH from a module global its engine core sets once; runs here use
+        # several algorithms in one process, so each hashing call sets its own.
+        kv_cache_utils.NONE_HASH = none_hash
+        return hasher(request)
+
+    return hash_request
 
 
 def make_request(
