@@ -52,9 +52,17 @@ def run_both(
     stock_events, our_events = harness.EventRecorder(), harness.EventRecorder()
     stock.kv_event_publisher, ours.kv_event_publisher = stock_events, our_events
     drivers = harness.Driver(stock, workload), harness.Driver(ours, workload)
-    if before_step is not None:
-        for driver in drivers:
-            driver.schedule = _before(driver.schedule, before_step, driver)  # type: ignore[method-assign]
+    # The requests of hybrid-kv's steps in flight when each step is scheduled.
+    in_flight: list[set[str]] = []
+
+    def hook(driver: harness.Driver) -> None:
+        if driver is drivers[1]:
+            in_flight.append({r for out, _ in driver._in_flight for r in out.num_scheduled_tokens})
+        if before_step is not None:
+            before_step(driver)
+
+    for driver in drivers:
+        driver.schedule = _before(driver.schedule, hook, driver)  # type: ignore[method-assign]
     run = Run()
     for (stock_out, stock_results), (our_out, our_results) in zip(
         drivers[0].run(), drivers[1].run(), strict=True
@@ -66,8 +74,7 @@ def run_both(
             f"{where}: engine-core outputs differ"
         )
         assert our_events.events == stock_events.events, f"{where}: KV events differ"
-        in_flight = {rid for out, _ in drivers[1]._in_flight for rid in out.num_scheduled_tokens}
-        run.overlapped += len(in_flight.intersection(our_out.num_scheduled_tokens)) > 0
+        run.overlapped += not in_flight[-1].isdisjoint(our_out.num_scheduled_tokens)
         run.steps += 1
         run.preempted += len(expected["preempted"])
         run.hits += sum(1 for _, _, n in expected["new"] if n > 0)
