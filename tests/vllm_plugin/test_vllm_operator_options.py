@@ -299,7 +299,10 @@ def _holds_prefills(options: harness.Options) -> None:
 
     run = run_both(options, before_step=hook)
     assert any(
-        waiting and running and not out.scheduled_new_reqs
+        waiting
+        and running
+        and not out.scheduled_new_reqs
+        and out.total_num_scheduled_tokens < options.max_num_batched_tokens
         for (waiting, running), out in zip(held, run.outputs, strict=True)
     )
 
