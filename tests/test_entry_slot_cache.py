@@ -185,7 +185,9 @@ def test_a_step_with_a_count_the_short_path_does_not_read_is_decided_in_full(
         result = adapter.allocate_slots(request, n, num_lookahead_tokens=k)
     except (TypeError, ValueError, OverflowError, hk.HybridKvError):
         return
-    assert result is not _EMPTY
+    # Not answered inside the horizon: by the adapter's Python path, or by the core, whose
+    # answer may be the empty result too (2^30 tokens in flight, none processed, need no block).
+    assert result is not _EMPTY or slot.running_calls == 2
 
 
 def _new_blocks() -> Any:

@@ -528,6 +528,32 @@ def test_out_of_blocks_may_only_have_freed_blocks_that_left_the_window() -> None
     assert [t.tolist() for t in manager.get_block_ids("late")] == [[]]
 
 
+def test_a_resumed_request_may_have_more_tokens_in_flight_than_computed() -> None:
+    # vLLM counts the tokens of steps scheduled before a preemption in flight until their
+    # outputs are in (pipeline stages, async scheduling), also once the request resumed from
+    # fewer computed tokens: the count is taken as it is, and none of the request's tokens then
+    # counts as processed, so no block leaves the sliding window yet.
+    manager = hk.KVCacheManager([FULL_SW[1]], 16, 1024, enable_caching=False)
+    req = hk.Request("r", list(range(80)))
+    # Resumed with 48 tokens of earlier steps in flight: a first chunk of 64.
+    req.num_in_flight_tokens = 48
+    assert manager.allocate_slots(req, 64) is not None
+    req.num_in_flight_tokens = 112
+    req.num_computed_tokens = 64
+    assert (req.num_in_flight_tokens, req.num_computed_tokens) == (112, 64)
+    assert manager.allocate_slots(req, 16) is not None
+    assert manager.get_block_ids("r")[0].tolist() == [1, 2, 3, 4, 5]
+    # Once those outputs are in, the blocks below the processed tokens' window are freed.
+    req.num_in_flight_tokens = 16
+    req.num_computed_tokens = 80
+    req.append_output_token_ids(7)
+    assert manager.allocate_slots(req, 1) is not None
+    assert manager.get_block_ids("r")[0].tolist()[:3] == [0, 0, 3]
+    # Computed tokens past the known ones plus those in flight are still refused.
+    with pytest.raises(hk.OutOfRangeError, match="num_computed_tokens 98 exceeds"):
+        req.num_computed_tokens = 98
+
+
 def test_a_collected_request_returns_its_blocks_before_the_counters_are_read() -> None:
     manager = hk.KVCacheManager(FULL_SW, 64, 1024, enable_caching=False)
     req = hk.Request("r", list(range(100)))

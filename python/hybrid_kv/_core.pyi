@@ -381,8 +381,10 @@ class Request:
     def num_computed_tokens(self, value: int) -> None: ...
     @property
     def num_in_flight_tokens(self) -> int:
-        """Tokens scheduled but not yet processed (async scheduling): out-of-window blocks are
-        freed only once processed. At most `max(num_tokens, num_computed_tokens)`."""
+        """Tokens scheduled but not yet processed (async scheduling, pipeline parallelism):
+        out-of-window blocks are freed only once processed. May exceed `num_computed_tokens`:
+        as in vLLM, the tokens of steps scheduled before a preemption stay counted until their
+        outputs are in, and the request then has no processed tokens."""
     @num_in_flight_tokens.setter
     def num_in_flight_tokens(self, value: int) -> None: ...
     @property

@@ -235,10 +235,13 @@ impl RequestRecord {
         self.set_progress(Some(value), None)
     }
 
-    /// Sets the scheduler's counts together, checked as a pair (`None` keeps a count): tokens
-    /// in flight are at most the request's tokens or its computed tokens, whichever is more;
+    /// Sets the scheduler's counts together, checked as a pair (`None` keeps a count):
     /// computed tokens at most the request's tokens plus those in flight (the processed
-    /// tokens, computed minus in flight, are known tokens). Nothing changes on an error.
+    /// tokens, computed minus in flight, are known tokens). Tokens in flight have no bound of
+    /// their own: vLLM's count keeps the tokens of steps scheduled before a preemption until
+    /// their outputs are in, so a request resumed meanwhile (a prefix-cache reset's, or under
+    /// pipeline parallelism) has more in flight than computed, and its processed tokens are
+    /// none (vLLM's `max(0, computed - in flight)`). Nothing changes on an error.
     pub fn set_progress(
         &mut self,
         computed: Option<usize>,
@@ -247,13 +250,7 @@ impl RequestRecord {
         let n = self.num_tokens();
         let c = computed.unwrap_or(self.num_computed_tokens);
         let f = in_flight.unwrap_or(self.num_in_flight_tokens);
-        if in_flight.is_some() && f > n.max(c) {
-            return Err(CoreError::OutOfRange(format!(
-                "num_in_flight_tokens {f} exceeds the request's {n} tokens and its {c} computed \
-                 tokens"
-            )));
-        }
-        if computed.is_some() && c > n + f {
+        if computed.is_some() && c > n.saturating_add(f) {
             return Err(CoreError::OutOfRange(format!(
                 "num_computed_tokens {c} exceeds the request's {n} tokens plus its {f} tokens \
                  in flight"
@@ -625,6 +622,22 @@ mod tests {
         r.output.truncate(2);
         r.set_progress(None, Some(0)).unwrap();
         assert!(!r.inside_horizon(1, 5, 1, 0));
+    }
+
+    #[test]
+    fn tokens_in_flight_may_exceed_the_tokens_and_the_computed_ones() {
+        // vLLM keeps the tokens of steps scheduled before a preemption in flight until their
+        // outputs are in, also once the request resumed from fewer computed tokens.
+        let m = manager();
+        let mut r = record("p", &[1, 2, 3, 4, 5, 6], &m);
+        r.set_progress(Some(0), Some(10)).unwrap();
+        r.set_progress(Some(6), Some(16)).unwrap();
+        assert_eq!((r.num_computed_tokens, r.num_in_flight_tokens), (6, 16));
+        // Computed tokens are still at most the known ones plus those in flight.
+        assert!(r.set_progress(Some(7), Some(0)).is_err());
+        assert_eq!((r.num_computed_tokens, r.num_in_flight_tokens), (6, 16));
+        r.set_progress(Some(22), None).unwrap();
+        assert!(r.set_progress(Some(23), None).is_err());
     }
 
     fn ready(s: Synced) -> (RequestHandle, bool) {

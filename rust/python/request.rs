@@ -333,8 +333,9 @@ impl PyRequest {
         Ok(lock(&self.record).set_num_computed_tokens(value.get())?)
     }
 
-    /// Tokens scheduled but not yet processed (async scheduling): blocks out of the window are
-    /// only freed once processed.
+    /// Tokens scheduled but not yet processed (async scheduling, pipeline parallelism): blocks
+    /// out of the window are only freed once processed. May exceed the computed tokens (those
+    /// of steps scheduled before a preemption stay counted until their outputs are in).
     #[getter]
     fn num_in_flight_tokens(&self) -> usize {
         lock(&self.record).num_in_flight_tokens

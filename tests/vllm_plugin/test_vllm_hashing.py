@@ -208,3 +208,26 @@ def test_vllms_hashes_are_taken_only_when_sha256_and_complete(algo: str) -> None
     )
     short.block_hashes.pop()
     assert served(short) is None
+
+
+def test_requests_are_hashed_from_their_algorithms_none_hash_whatever_ran_before() -> None:
+    # vLLM keeps the parent hash of every prompt's first block (NONE_HASH) in a module global
+    # its engine core sets once per process; the harness hashes with several algorithms in one
+    # process. A SHA-256 request made after an xxHash one once chained from the xxHash seed.
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import (
+        BlockHash,
+        generate_block_hash_extra_keys,
+        hash_block_tokens,
+        resolve_none_hash_seed,
+    )
+
+    sha256 = get_hash_fn_by_name("sha256")
+    spec = WORKLOAD[0]
+    harness.make_request(spec)
+    harness.make_request(spec, lookahead=5, hash_algo="xxhash")
+    request = harness.make_request(spec)
+    extra, _ = generate_block_hash_extra_keys(request, 0, harness.BLOCK_SIZE, 0)
+    parent = BlockHash(sha256(resolve_none_hash_seed(sha256)))
+    expected = hash_block_tokens(sha256, parent, list(spec.prompt[: harness.BLOCK_SIZE]), extra)
+    assert request.block_hashes[0] == expected

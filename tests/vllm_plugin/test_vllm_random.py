@@ -7,10 +7,13 @@ or by request priority), the scheduler's watermark, whole-prompt fit check, long
 chunked prefill (on, or whole prompts only), async scheduling, speculative decoding (n-gram, EAGLE-3
 with or without lookahead hashes, MTP), a `prefix_match_unit` below the block size, LoRA adapters,
 prompt embeddings, prompt-logprobs requests, KV events, stats logging, vLLM's prefix-caching hash
-and a short `max_model_len`; then a chat workload with exact duplicates and block-aligned prompts;
-and, while it runs, client aborts and prefix-cache resets (with and without preempting the running
-requests) at seeded steps. Every step's `SchedulerOutput`, engine-core outputs and KV events must be
-equal on both sides.
+and a short `max_model_len`; then what else an operator sets (`draw_operator_options`: pipeline
+parallelism, Model Runner V2, data-parallel ranks, the prefill cadence, the per-step token budget,
+the admission limit, the adaptive long-prefill cap, EAGLE without the trailing-block drop, a
+separate draft model, dynamic speculative decoding, an embedding model); then a chat workload with
+exact duplicates and block-aligned prompts; and, while it runs, client aborts, prefix-cache resets
+(with and without preempting the running requests) and scheduler pauses at seeded steps. Every
+step's `SchedulerOutput`, engine-core outputs and KV events must be equal on both sides.
 
 Mamba layouts also draw hashes finer than their blocks (fine-grained partial hash hits, with
 copy-on-write block copies, which the outputs compare too). The fixed tests elsewhere name each
@@ -114,6 +117,70 @@ def draw_options(rng: random.Random) -> harness.Options:
     return harness.Options(**settings)
 
 
+def draw_operator_options(rng: random.Random, options: harness.Options) -> harness.Options:
+    """What else an operator sets, on top of `options` (from a generator of its own, so the
+    draws above stay what they were for every seed): pipeline parallelism (batches in flight),
+    Model Runner V2, a data-parallel rank (independent, or coordinated for an MoE target, whose
+    engine core throttles prefills), the prefill cadence, a per-step token budget and an
+    admission limit below the batch's, the adaptive long-prefill cap, EAGLE without the
+    trailing-block drop, a separate draft model (PARD too), dynamic speculative decoding and
+    an embedding model (`as_embedding_requests`). Combinations vLLM 0.33 refuses are not
+    drawn: async scheduling with PP or n-gram drafting needs Model Runner V2, parallel
+    drafting (PARD) needs V1."""
+    settings: dict[str, Any] = {}
+    v2 = rng.random() < 0.3
+    pp = rng.choice([1, 1, 1, 2, 3])
+    if pp > 1 and options.async_scheduling:
+        v2 = True
+    settings["pipeline_parallel_size"] = pp
+    settings["v2_model_runner"] = v2
+    if rng.random() < 0.15:
+        size = rng.choice([2, 4])
+        settings["data_parallel_size"] = size
+        settings["data_parallel_rank"] = rng.randrange(size)
+        settings["moe"] = rng.random() < 0.5
+    settings["prefill_schedule_interval"] = rng.choice([1, 1, 1, 2, 4])
+    if rng.random() < 0.15:
+        settings["max_num_scheduled_tokens"] = max(
+            1, options.max_num_batched_tokens // rng.choice([2, 4, 16])
+        )
+    if options.max_num_seqs > 1 and rng.random() < 0.15:
+        settings["max_num_active_seqs"] = rng.randint(1, options.max_num_seqs // 2)
+    if options.long_prefill_token_threshold and rng.random() < 0.5:
+        settings["long_prefill_adaptive"] = True
+    if options.eagle_tokens and rng.random() < 0.15:
+        settings["eagle_block_drop"] = False
+    drafts = options.ngram_tokens or options.eagle_tokens
+    if not drafts and rng.random() < 0.15:
+        drafts = settings["draft_model_tokens"] = rng.choice([1, 3])
+        settings["parallel_drafting"] = not v2 and rng.random() < 0.3
+    if options.ngram_tokens and v2 and rng.random() < 0.3:
+        settings["async_scheduling"] = True
+    if drafts > 1 and rng.random() < 0.2:
+        settings["spec_tokens_per_batch_size"] = ((1, 3, drafts), (4, 1024, 1))
+    if not drafts and not options.lora and rng.random() < 0.08:
+        settings["pooling_runner"] = True
+    return dataclasses.replace(options, **settings)
+
+
+def as_embedding_requests(
+    rng: random.Random, workload: list[harness.RequestSpec], max_model_len: int
+) -> list[harness.RequestSpec]:
+    """`workload` for an embedding model: pooling requests, a third of them filling a short
+    `max_model_len` (the model samples no token; the default one would not fit the pools)."""
+    fill = max_model_len <= 1024
+    return [
+        dataclasses.replace(
+            spec,
+            pooling=True,
+            prompt=(spec.prompt * (max_model_len // len(spec.prompt) + 1))[:max_model_len]
+            if fill and rng.random() < 0.3
+            else spec.prompt,
+        )
+        for spec in workload
+    ]
+
+
 def partial_hash_hits(options: harness.Options) -> bool:
     """Whether vLLM turns fine-grained partial hash hits on: a Mamba block above the hash block."""
     return options.prefix_caching and (
@@ -169,15 +236,24 @@ def draw_workload(rng: random.Random, options: harness.Options) -> list[harness.
 class ChaosDriver(harness.Driver):
     """The harness's engine loop, plus what clients and operators do meanwhile: before a
     seeded share of steps it aborts a few requests (in any state) and, more rarely, resets
-    the prefix cache, preempting the running requests or not. The choices depend only on the
-    seed, the step and the scheduler's request ids, so both sides make the same ones while
-    their outputs agree; `log` records them and what `reset_prefix_cache` returned."""
+    the prefix cache, preempting the running requests or not; with `pauses`, it also pauses
+    the scheduler a few steps, as vLLM's engine core does (`harness.Driver.pause`). The choices
+    depend only on the seed, the step and the scheduler's request ids, so both sides make the
+    same ones while their outputs agree; `log` records them and what `reset_prefix_cache`
+    returned (`pause_log` what the pauses did)."""
 
     seed: int = 0
     chaos: float = 0.0
+    pauses: bool = False
     log: list[Any] = dataclasses.field(default_factory=list)
 
     def schedule(self) -> Any:
+        pause = random.Random(f"{self.seed}-{self.step}-pause")
+        if self.pauses and not self.paused and pause.random() < self.chaos / 3:
+            mode = pause.choice(["abort", "wait", "keep"])
+            self.pause(
+                mode, clear_cache=pause.random() < 0.5, resume_at=self.step + pause.randint(1, 8)
+            )
         rng = random.Random(f"{self.seed}-{self.step}")
         if rng.random() < self.chaos:
             ids = sorted(self.scheduler.requests)
@@ -192,10 +268,11 @@ class ChaosDriver(harness.Driver):
         return super().schedule()
 
 
-# Draws kept whatever the seed range: 200072 once diverged (Granite-4-like, MTP, async steps: a
-# state block re-keyed by another request while this one held it); 81001222 makes stock vLLM
-# fail the assertion `vllm_failed_known` names (Granite-4-like, EAGLE-3 with lookahead hashes,
-# dense retention, a preempted request resumed with drafts past its tokens).
+# Draws kept whatever the seed range (without `draw_operator_options`, which came later):
+# 200072 once diverged (Granite-4-like, MTP, async steps: a state block re-keyed by another
+# request while this one held it); 81001222 makes stock vLLM fail the assertion
+# `vllm_failed_known` names (Granite-4-like, EAGLE-3 with lookahead hashes, dense retention, a
+# preempted request resumed with drafts past its tokens).
 REGRESSION_SEEDS = (200072, 81001222)
 
 
@@ -229,13 +306,20 @@ def test_random_configurations_and_workloads_match_vllm(seed: int) -> None:
             ["sha256", "sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
         ),
     )
+    if seed not in REGRESSION_SEEDS:
+        operator = random.Random(f"{seed}-operator")
+        options = draw_operator_options(operator, options)
+        if options.pooling_runner:
+            workload = as_embedding_requests(operator, workload, options.max_model_len)
     stock = harness.build_scheduler(options)
     ours = harness.build_scheduler(options, hkv.Scheduler)
     assert ours.uses_hybrid_kv, f"fell back to vLLM's manager for {options}"
     stock_events, our_events = harness.EventRecorder(), harness.EventRecorder()
     stock.kv_event_publisher, ours.kv_event_publisher = stock_events, our_events
-    stock_driver = ChaosDriver(stock, workload, seed=seed, chaos=chaos)
-    our_driver = ChaosDriver(ours, workload, seed=seed, chaos=chaos)
+    # Pausing and resuming the scheduler, from a generator of its own.
+    pauses = seed not in REGRESSION_SEEDS and random.Random(f"{seed}-pause").random() < 0.3
+    stock_driver = ChaosDriver(stock, workload, seed=seed, chaos=chaos, pauses=pauses)
+    our_driver = ChaosDriver(ours, workload, seed=seed, chaos=chaos, pauses=pauses)
     steps = 0
     stalled = False
     stock_steps, our_steps = stock_driver.run(MAX_STEPS), our_driver.run(MAX_STEPS)
@@ -268,6 +352,7 @@ def test_random_configurations_and_workloads_match_vllm(seed: int) -> None:
         our_out, our_results = next(our_steps)
         where = f"seed {seed}, step {steps}, {options}"
         assert our_driver.log == stock_driver.log, f"{where}: aborts or resets differ"
+        assert our_driver.pause_log == stock_driver.pause_log, f"{where}: pauses differ"
         assert harness.summarize(our_out) == harness.summarize(stock_out), (
             f"{where}: SchedulerOutput differs"
         )

@@ -221,6 +221,19 @@ def test_same_outputs_as_vllm_with_eagle_and_async_scheduling(layout: str, num_b
     assert run.preempted > 0 and run.spec_tokens > 0
 
 
+def test_under_async_scheduling_requests_schedule_draft_placeholders_as_in_vllms_engine() -> None:
+    # vLLM's engine core hands the scheduler no drafts under async scheduling (they stay with
+    # the worker): every scheduled draft is the scheduler's placeholder (-1). The driver once
+    # handed it the fake drafter's tokens, as without async scheduling.
+    options = harness.Options(layout="full", num_blocks=300, eagle_tokens=3, async_scheduling=True)
+    scheduled: list[int] = []
+    stock = harness.build_scheduler(options)
+    for output, _ in harness.Driver(stock, WORKLOAD[:8]).run():
+        for tokens in output.scheduled_spec_decode_tokens.values():
+            scheduled.extend(tokens)
+    assert scheduled and set(scheduled) == {-1}
+
+
 @pytest.mark.parametrize(
     "changes",
     [{}, {"async_scheduling": True, "eagle_tokens": 2, "eagle_method": "mtp"}],

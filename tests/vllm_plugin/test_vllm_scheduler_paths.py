@@ -146,10 +146,22 @@ def run_both(options: harness.Options, **paths: Any) -> tuple[list[Any], list[An
 
 
 LAYOUTS = [("gpt-oss", 260), ("jamba", 300)]
-DRAFTING = [{}, {"ngram_tokens": 3}, {"eagle_tokens": 3, "async_scheduling": True}]
+DRAFTING = [
+    {},
+    {"ngram_tokens": 3},
+    {"eagle_tokens": 3, "async_scheduling": True},
+    # Two pipeline stages on Model Runner V2: three batches in flight.
+    {
+        "eagle_tokens": 3,
+        "async_scheduling": True,
+        "pipeline_parallel_size": 2,
+        "v2_model_runner": True,
+    },
+]
+IDS = ["plain", "ngram", "eagle-async", "eagle-async-pp2-v2"]
 
 
-@pytest.mark.parametrize("drafting", DRAFTING, ids=["plain", "ngram", "eagle-async"])
+@pytest.mark.parametrize("drafting", DRAFTING, ids=IDS)
 @pytest.mark.parametrize("layout,num_blocks", LAYOUTS)
 def test_requests_stopping_inside_a_block_match_vllm(
     layout: str, num_blocks: int, drafting: dict[str, Any]
@@ -161,7 +173,7 @@ def test_requests_stopping_inside_a_block_match_vllm(
     assert reasons.count(FinishReason.STOP) >= len(stop_at) // 2
 
 
-@pytest.mark.parametrize("drafting", DRAFTING, ids=["plain", "ngram", "eagle-async"])
+@pytest.mark.parametrize("drafting", DRAFTING, ids=IDS)
 @pytest.mark.parametrize("layout,num_blocks", LAYOUTS)
 def test_requests_aborted_in_the_step_that_scheduled_them_match_vllm(
     layout: str, num_blocks: int, drafting: dict[str, Any]
@@ -171,7 +183,7 @@ def test_requests_aborted_in_the_step_that_scheduled_them_match_vllm(
     assert len(aborts) >= 3
 
 
-@pytest.mark.parametrize("drafting", DRAFTING, ids=["plain", "ngram", "eagle-async"])
+@pytest.mark.parametrize("drafting", DRAFTING, ids=IDS)
 @pytest.mark.parametrize("layout,num_blocks", LAYOUTS)
 def test_structured_output_requests_waiting_for_their_grammar_match_vllm(
     layout: str, num_blocks: int, drafting: dict[str, Any]

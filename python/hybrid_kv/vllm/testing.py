@@ -15,8 +15,10 @@ imported (vLLM resolves its platform once).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import json
+import os
 import random
 import shutil
 import tempfile
@@ -45,12 +47,14 @@ from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.pooling_params import PoolingParams
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_utils import (
     get_request_block_hasher,
     init_none_hash,
     resolve_cache_hit_alignment_tokens,
     resolve_kv_cache_block_sizes,
 )
+from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
@@ -63,7 +67,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 BLOCK_SIZE = 16
@@ -200,6 +204,17 @@ class Options:
     # drop no block. False: `disable_lookahead_block_hashes`, hits drop their last block in the
     # group that holds the drafter's layers (group 0, full attention, in every layout here).
     eagle_lookahead_hashes: bool = True
+    # SpeculativeConfig.disable_eagle_block_drop (experimental in vLLM): EAGLE hits keep their
+    # last block and hashes cover no lookahead; the drafter's group is not flagged.
+    eagle_block_drop: bool = True
+    # A separate draft model (vLLM's "draft_model" method; the tiny target itself) proposing
+    # this many tokens: KV slots for every draft token, one more input slot per request
+    # (`parallel_drafting`, PARD: one per draft token).
+    draft_model_tokens: int = 0
+    parallel_drafting: bool = False
+    # SpeculativeConfig.num_speculative_tokens_per_batch_size (dynamic speculative decoding):
+    # (first, last batch size, draft tokens) ranges; steps then propose that many.
+    spec_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
     # CacheConfig.enable_mamba_shared_prefix_checkpoint (acts only with partial hash hits).
     mamba_shared_prefix_checkpoint: bool = False
     # LoRA serving (at most 2 adapters per step), for workloads whose requests name adapters.
@@ -228,6 +243,40 @@ class Options:
     # hash hybrid-kv keys its prefix cache with ("sha256", vLLM's default, or "sha256_cbor",
     # "xxhash", "xxhash_cbor").
     hash_algo: str = "sha256"
+    # More SchedulerConfig knobs: the per-step token budget when below the batch's
+    # (`max_num_scheduled_tokens`), the admission limit below `max_num_seqs`
+    # (`max_num_active_seqs`), the long-prefill cap floored at a fair share of the budget
+    # (`long_prefill_token_threshold_adaptive`) and prefill admitted once every N steps
+    # (`prefill_schedule_interval`: applied by the scheduler itself, or, on the ranks of a
+    # data-parallel MoE model, by the engine core's `schedule(throttle_prefills=...)`).
+    max_num_scheduled_tokens: int | None = None
+    max_num_active_seqs: int | None = None
+    long_prefill_adaptive: bool = False
+    prefill_schedule_interval: int = 1
+    # ParallelConfig.pipeline_parallel_size: the engine keeps `VllmConfig.max_concurrent_batches`
+    # batches in flight (PP of them; with async scheduling on Model Runner V2, one more), so
+    # `schedule()` runs again before the outputs of the steps before it are in.
+    pipeline_parallel_size: int = 1
+    # Model Runner V2 (`VLLM_USE_V2_MODEL_RUNNER`; vLLM 0.33's default where Triton runs, V1
+    # here): resumed requests are sent as new ones, an EAGLE or draft-model drafter skips
+    # steps whose drafts go unused, and with async scheduling and PP a request decodes once
+    # every PP steps.
+    v2_model_runner: bool = False
+    # This engine's rank among `data_parallel_size` (ParallelConfig; its KV events carry the
+    # rank). Ranks of a dense model run independently (vLLM's engine core sets the size to 1
+    # and keeps the rank as `data_parallel_index`); ranks of an MoE model are coordinated.
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    # Tensor and context parallelism (ParallelConfig): decode context parallelism falls back
+    # to vLLM's manager; vLLM 0.33's scheduler hands prefill context parallelism to no manager.
+    tensor_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
+    # Serve the GLM-4.5-like MoE target (the "mtp" method's) without drafting.
+    moe: bool = False
+    # An embedding model (ModelConfig runner "pooling", convert "embed"): it samples no token,
+    # so a prompt may fill `max_model_len`; its requests are pooling requests.
+    pooling_runner: bool = False
 
 
 def _retention(options: Options) -> int | None:
@@ -235,7 +284,7 @@ def _retention(options: Options) -> int | None:
 
 
 def _speculative_tokens(options: Options) -> int:
-    return options.ngram_tokens or options.eagle_tokens
+    return options.ngram_tokens or options.eagle_tokens or options.draft_model_tokens
 
 
 def kv_cache_config(options: Options, config: VllmConfig | None = None) -> KVCacheConfig:
@@ -261,9 +310,12 @@ def kv_cache_config(options: Options, config: VllmConfig | None = None) -> KVCac
         for spec in LAYOUTS[options.layout](options.block_size)
     ]
     groups = [KVCacheGroupSpec([f"layers.{g}"], spec) for g, spec in enumerate(specs)]
-    if options.eagle_tokens and not options.eagle_lookahead_hashes and options.prefix_caching:
-        # vLLM's planner flags the groups holding draft layers when hits drop a block: the
-        # drafter's full-attention layers join the full-attention group.
+    speculative = config.speculative_config
+    if speculative is not None and speculative.use_eagle_block_drop():
+        # vLLM's planner flags the groups holding draft layers for every EAGLE-family drafter
+        # that keeps the trailing-block drop (with or without lookahead hashes, with or
+        # without prefix caching): the drafter's full-attention layers join the
+        # full-attention group.
         groups[0].is_eagle_group = True
     return KVCacheConfig(
         num_blocks=options.num_blocks,
@@ -309,15 +361,46 @@ def eagle_dir() -> str:
     return _config_dir("hybrid-kv-eagle-", config)
 
 
+_V2_MODEL_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+@contextlib.contextmanager
+def model_runner(v2: bool) -> Iterator[None]:
+    """`VLLM_USE_V2_MODEL_RUNNER` set as an engine serving with Model Runner V2 (or V1) has it,
+    for the block: vLLM reads it whenever a config asks `use_v2_model_runner` (building the
+    config and the scheduler, and `max_concurrent_batches`)."""
+    old = os.environ.get(_V2_MODEL_RUNNER)
+    os.environ[_V2_MODEL_RUNNER] = "1" if v2 else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[_V2_MODEL_RUNNER]
+        else:
+            os.environ[_V2_MODEL_RUNNER] = old
+
+
+def max_concurrent_batches(scheduler: Any) -> int:
+    """The batches vLLM's engine core keeps in flight around `scheduler` (its batch queue)."""
+    with model_runner(scheduler.use_v2_model_runner):
+        return int(scheduler.vllm_config.max_concurrent_batches)
+
+
 def vllm_config(options: Options) -> VllmConfig:
+    with model_runner(options.v2_model_runner):
+        return _vllm_config(options)
+
+
+def _vllm_config(options: Options) -> VllmConfig:
     mtp = bool(options.eagle_tokens) and options.eagle_method == "mtp"
     model = ModelConfig(
-        model=mtp_model_dir() if mtp else model_dir(),
+        model=mtp_model_dir() if mtp or options.moe else model_dir(),
         skip_tokenizer_init=True,
         max_model_len=options.max_model_len,
         dtype="float16",
         seed=0,
         enable_prompt_embeds=options.prompt_embeds,
+        **({"runner": "pooling", "convert": "embed"} if options.pooling_runner else {}),
     )
     scheduler = SchedulerConfig(
         max_num_seqs=options.max_num_seqs,
@@ -332,6 +415,10 @@ def vllm_config(options: Options) -> VllmConfig:
         scheduler_reserve_full_isl=options.reserve_full_isl,
         long_prefill_token_threshold=options.long_prefill_token_threshold,
         policy=options.policy,
+        max_num_scheduled_tokens=options.max_num_scheduled_tokens,
+        max_num_active_seqs=options.max_num_active_seqs,
+        long_prefill_token_threshold_adaptive=options.long_prefill_adaptive,
+        prefill_schedule_interval=options.prefill_schedule_interval,
     )
     cache = CacheConfig(
         block_size=options.block_size,
@@ -347,12 +434,18 @@ def vllm_config(options: Options) -> VllmConfig:
     )
     cache.num_gpu_blocks = options.num_blocks
     speculative = None
+    per_batch_size = (
+        None
+        if options.spec_tokens_per_batch_size is None
+        else [tuple(r) for r in options.spec_tokens_per_batch_size]
+    )
     if options.ngram_tokens:
         speculative = SpeculativeConfig(
             method="ngram",
             num_speculative_tokens=options.ngram_tokens,
             prompt_lookup_max=3,
             prompt_lookup_min=2,
+            num_speculative_tokens_per_batch_size=per_batch_size,
         )
     elif options.eagle_tokens:
         speculative = SpeculativeConfig(
@@ -360,12 +453,32 @@ def vllm_config(options: Options) -> VllmConfig:
             model=None if mtp else eagle_dir(),
             num_speculative_tokens=options.eagle_tokens,
             disable_lookahead_block_hashes=not options.eagle_lookahead_hashes,
+            disable_eagle_block_drop=not options.eagle_block_drop,
+            num_speculative_tokens_per_batch_size=per_batch_size,
+            target_model_config=model,
+            target_parallel_config=ParallelConfig(),
+        )
+    elif options.draft_model_tokens:
+        speculative = SpeculativeConfig(
+            method="draft_model",
+            model=model_dir(),
+            num_speculative_tokens=options.draft_model_tokens,
+            parallel_drafting=options.parallel_drafting,
+            num_speculative_tokens_per_batch_size=per_batch_size,
             target_model_config=model,
             target_parallel_config=ParallelConfig(),
         )
     events = None
     if options.kv_events:
         events = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    parallel = ParallelConfig(
+        pipeline_parallel_size=options.pipeline_parallel_size,
+        data_parallel_size=options.data_parallel_size,
+        data_parallel_rank=options.data_parallel_rank,
+        tensor_parallel_size=options.tensor_parallel_size,
+        decode_context_parallel_size=options.decode_context_parallel_size,
+        prefill_context_parallel_size=options.prefill_context_parallel_size,
+    )
     config = VllmConfig(
         lora_config=LoRAConfig(max_loras=2, max_lora_rank=8) if options.lora else None,
         model_config=model,
@@ -373,10 +486,16 @@ def vllm_config(options: Options) -> VllmConfig:
         cache_config=cache,
         speculative_config=speculative,
         kv_events_config=events,
+        parallel_config=parallel,
     )
     # vLLM's CPU platform turns async scheduling off ("not required on CPU"); the scheduler
     # itself runs the same on any platform, so put it back as a GPU engine would have it.
     config.scheduler_config.async_scheduling = options.async_scheduling
+    if options.data_parallel_size > 1:
+        # As vLLM's engine core process (EngineCoreProc.run_engine_core) sets up a rank.
+        config.parallel_config.data_parallel_index = options.data_parallel_rank
+        if not config.model_config.is_moe:
+            config.parallel_config.reconfigure_for_independent_dp_rank()
     return config
 
 
@@ -387,6 +506,11 @@ def build_scheduler(
     offline for `options`, from `config` if given (a `vllm_config(options)` the caller changed)."""
     if config is None:
         config = vllm_config(options)
+    with model_runner(options.v2_model_runner):
+        return _build_scheduler(options, scheduler_cls, config)
+
+
+def _build_scheduler(options: Options, scheduler_cls: type[Any] | None, config: Any) -> Any:
     if scheduler_cls is None:
         scheduler_cls = config.scheduler_config.get_scheduler_cls()
     kv_config = kv_cache_config(options, config)
@@ -406,6 +530,9 @@ def build_scheduler(
         block_size=scheduler_block_size,
         hash_block_size=hash_block_size,
         log_stats=options.log_stats,
+        # An online data-parallel engine (internal load balancing, vLLM's default) reports
+        # the requests that finished to its coordinator (EngineCoreProc).
+        include_finished_set=options.data_parallel_size > 1,
     )
 
 
@@ -480,12 +607,27 @@ def chat_workload(
 
 
 @cache
+def _none_hash(hash_algo: str) -> Any:
+    """vLLM's NONE_HASH (the parent of every prompt's first block) for `hash_algo`, drawn once
+    per process as its engine core draws it (from a random seed for xxHash)."""
+    init_none_hash(get_hash_fn_by_name(hash_algo))
+    return kv_cache_utils.NONE_HASH
+
+
+@cache
 def _block_hasher(
     block_size: int, lookahead: int = 0, hash_algo: str = "sha256"
 ) -> Callable[[Request], list[Any]]:
-    hash_fn = get_hash_fn_by_name(hash_algo)
-    init_none_hash(hash_fn)
-    return get_request_block_hasher(block_size, hash_fn, lookahead)
+    hasher = get_request_block_hasher(block_size, get_hash_fn_by_name(hash_algo), lookahead)
+    none_hash = _none_hash(hash_algo)
+
+    def hash_request(request: Request) -> list[Any]:
+        # vLLM reads NONE_HASH from a module global its engine core sets once; runs here use
+        # several algorithms in one process, so each hashing call sets its own.
+        kv_cache_utils.NONE_HASH = none_hash
+        return hasher(request)
+
+    return hash_request
 
 
 def make_request(
@@ -583,6 +725,15 @@ class Driver:
     _in_flight: deque[tuple[SchedulerOutput, set[str]]] = field(default_factory=deque)
     # The scheduler output of the last `timed_step`.
     last_output: SchedulerOutput | None = None
+    # The data-parallel engine core's count of steps in the current wave, and whether the
+    # wave runs (see `_end_step`).
+    _wave_steps: int = 0
+    _wave_running: bool = False
+    # While the scheduler is paused (`pause`): the step to resume at and whether the caches
+    # are still to be cleared.
+    _pause: tuple[int, bool] | None = None
+    # What `pause` and the steps since did: pauses, aborted requests, cache resets, resumes.
+    pause_log: list[Any] = field(default_factory=list)
 
     def _admit(self) -> int:
         """Adds the requests that arrived by this step; returns the ns spent in the scheduler's
@@ -611,12 +762,75 @@ class Driver:
             self._next == len(self.workload)
             and not self._in_flight
             and not self.scheduler.has_requests()
+            and self._pause is None
         )
 
+    def pause(self, mode: str, clear_cache: bool, resume_at: int) -> None:
+        """An operator pauses the scheduler (EngineCoreProc.pause_scheduler): "abort" aborts
+        every request and admits none, "wait" lets the running ones finish and admits none,
+        "keep" schedules nothing. Once the engine is idle (no batch in flight, no request to
+        step) the pause completes and, with `clear_cache`, resets the prefix cache, preempting
+        the requests kept; from step `resume_at` on, the operator resumes (resume_scheduler)
+        as soon as the pause completed. Arrivals meanwhile wait in the queue."""
+        if mode == "abort":
+            aborted = self.scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
+            self.pause_log.append(("abort all", self.step, sorted(r.request_id for r in aborted)))
+        self.scheduler.set_pause_state(
+            PauseState.PAUSED_ALL if mode == "keep" else PauseState.PAUSED_NEW
+        )
+        self.pause_log.append(("pause", self.step, mode, clear_cache))
+        self._pause = (resume_at, clear_cache)
+
+    def _pause_step(self) -> None:
+        if self._pause is None or self._in_flight or self.scheduler.has_requests():
+            return
+        resume_at, clear_cache = self._pause
+        if clear_cache:
+            reset = self.scheduler.reset_prefix_cache(reset_running_requests=True)
+            self.pause_log.append(("cleared", self.step, reset))
+            self._pause = (resume_at, False)
+        elif self.step >= resume_at:
+            self.scheduler.set_pause_state(PauseState.UNPAUSED)
+            self.pause_log.append(("resume", self.step))
+            self._pause = None
+
+    @property
+    def paused(self) -> bool:
+        return self._pause is not None
+
+    def _throttle_prefills(self) -> bool:
+        """The engine core's `_should_throttle_prefills`: on the ranks of a data-parallel MoE
+        model (DPEngineCoreProc; a dense model's ranks have data_parallel_size 1 here), prefills
+        wait for every `prefill_schedule_interval`-th step of a wave."""
+        interval = self.scheduler.scheduler_config.prefill_schedule_interval
+        return (
+            self.scheduler.parallel_config.data_parallel_size > 1
+            and interval > 1
+            and self._wave_steps % interval != 0
+        )
+
+    def _end_step(self, output: SchedulerOutput) -> None:
+        """DPEngineCoreProc's busy loop after a step, the other ranks idle: a step that ran
+        nothing with no request left does not count; every `dp_sync_interval` steps (and the
+        first) the ranks agree whether the wave still runs; a wave that ended starts again at
+        step 0."""
+        unfinished = self.scheduler.has_unfinished_requests()
+        if not (output.total_num_scheduled_tokens or unfinished or self._wave_running):
+            return
+        self._wave_steps += 1
+        sync_interval = self.scheduler.parallel_config.dp_sync_interval
+        if self._wave_steps == 1 or self._wave_steps % sync_interval == 0:
+            self._wave_running = unfinished
+        else:
+            self._wave_running = True
+        if not self._wave_running:
+            self._wave_steps = 0
+
     def schedule(self) -> SchedulerOutput:
+        self._pause_step()
         self._admit()
         self.step += 1
-        output = self.scheduler.schedule()
+        output = self.scheduler.schedule(self._throttle_prefills())
         chunks = {
             rid
             for rid in output.num_scheduled_tokens
@@ -630,9 +844,12 @@ class Driver:
         output, chunks = self._in_flight.popleft()
         runner = self.fake_model_output(output, chunks)
         results = self.scheduler.update_from_output(output, runner)
-        drafts = self.fake_drafts(output, chunks)
-        if drafts is not None:
-            self.scheduler.update_draft_token_ids(drafts)
+        # Under async scheduling the drafts stay with the worker and the scheduler schedules
+        # its placeholders (vLLM's engine core hands it no drafts then).
+        if not self.scheduler.scheduler_config.async_scheduling:
+            drafts = self.fake_drafts(output, chunks)
+            if drafts is not None:
+                self.scheduler.update_draft_token_ids(drafts)
         return results
 
     def fake_model_output(self, output: SchedulerOutput, chunks: set[str]) -> ModelRunnerOutput:
@@ -662,9 +879,11 @@ class Driver:
         )
 
     def fake_drafts(self, output: SchedulerOutput, chunks: set[str]) -> DraftTokenIds | None:
-        k = self.scheduler.num_spec_tokens
-        if not k:
+        if not self.scheduler.num_spec_tokens:
             return None
+        # As many drafts as the step asked for (dynamic speculative decoding picks them by
+        # batch size), none when it said no request can use them (Model Runner V2).
+        k = 0 if output.skip_drafts else output.num_spec_tokens_to_schedule
         req_ids = [
             rid
             for rid in output.num_scheduled_tokens
@@ -700,7 +919,7 @@ class Driver:
 
     def run(self, max_steps: int = 100_000) -> Iterator[tuple[SchedulerOutput, Any]]:
         """Yields (scheduler output, engine-core outputs of the step it completes)."""
-        depth = self.scheduler.vllm_config.max_concurrent_batches
+        depth = max_concurrent_batches(self.scheduler)
         while not self.done:
             if self.step >= max_steps:
                 raise RuntimeError(f"workload not finished after {max_steps} steps")
@@ -710,6 +929,7 @@ class Driver:
                 len(self._in_flight) >= depth or not self.scheduler.has_requests()
             ):
                 results.append(self.finish_oldest())
+            self._end_step(output)
             yield output, results
 
 
@@ -741,6 +961,10 @@ def summarize(output: SchedulerOutput) -> dict[str, Any]:
         "preempted": sorted(output.preempted_req_ids or ()),
         "zero": output.new_block_ids_to_zero,
         "copies": output.kv_cache_block_copies,
+        # Tokens sent back to the first pipeline stage (pipeline parallelism without async
+        # scheduling), the drafts the step asks for and whether it skips them.
+        "new_token_ids": [list(t) for t in cached.new_token_ids],
+        "drafting": (output.num_spec_tokens_to_schedule, output.skip_drafts),
     }
 
 
