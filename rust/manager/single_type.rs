@@ -53,7 +53,7 @@ pub(crate) struct GroupTable {
 }
 
 /// Bytes at the start of a [`GroupTable`] that hold what a running step reads: one cache line.
-pub(crate) const HOT_BYTES: usize = 64;
+const HOT_BYTES: usize = 64;
 const _: () = {
     use std::mem::{align_of, offset_of, size_of};
     assert!(align_of::<GroupTable>() == HOT_BYTES);

@@ -326,13 +326,13 @@ impl Cached {
     #[inline]
     fn current(&self, fields: &Bound<'_, PyDict>) -> bool {
         // SAFETY: the slot is alive (held here), and reading its reference count is a plain
-        // read of its header (`ob_refcnt`; from 3.12 on an immortal object's count there has bit
-        // 31 set, and a slot is never immortal). With the GIL no other thread changes the count meanwhile. On a
-        // free-threaded build the count is the sum of two fields read without a lock: another
-        // thread taking or dropping a reference to this slot meanwhile can make it off by those
-        // references (never by the cache's own, which cannot change while the cache's lock is
-        // held), and only a call for the same request does that (the slot's calls do not
-        // overlap, see `PyVllmSlot`).
+        // read of its header (`ob_refcnt`; from 3.12 on an immortal object's count there has
+        // bit 31 set, and a slot is never immortal). With the GIL no other thread changes the
+        // count meanwhile. On a free-threaded build the count is the sum of two fields read
+        // without a lock: another thread taking or dropping a reference to this slot meanwhile
+        // can make it off by those references (never by the cache's own, which cannot change
+        // while the cache's lock is held), and only a call for the same request does that (the
+        // slot's calls do not overlap, see `PyVllmSlot`).
         self.fields.as_ptr() == fields.as_ptr() && unsafe { ffi::Py_REFCNT(self.slot.as_ptr()) } > 1
     }
 }
