@@ -240,25 +240,40 @@ def plan_kv_cache(
     return _build_plan(settings, layers, buckets, chosen, distribution, reasons, alternatives)
 
 
-def _in_flight(max_in_flight_tokens: int | None, **scheduler: object) -> InFlight | None:
+def _in_flight(
+    max_in_flight_tokens: int | None,
+    *,
+    max_num_batched_tokens: int | None,
+    async_scheduling: bool,
+    pipeline_parallel_size: int,
+    model_runner: str,
+) -> InFlight | None:
     """The scheduler options the tokens in flight are counted from, or None when they are
     given as a count (`max_in_flight_tokens`), which the options must then not contradict."""
     if max_in_flight_tokens is not None:
+        options = {
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "async_scheduling": async_scheduling,
+            "pipeline_parallel_size": pipeline_parallel_size,
+            "model_runner": model_runner,
+        }
         # By type too: `pipeline_parallel_size=True` is not the default 1.
-        defaults = {k: (type(v), v) for k, v in _SCHEDULER_DEFAULTS.items()}
-        given = sorted(k for k, v in scheduler.items() if (type(v), v) != defaults[k])
+        given = sorted(
+            name
+            for name, value in options.items()
+            if (type(value), value) != (type(_SCHEDULER_DEFAULTS[name]), _SCHEDULER_DEFAULTS[name])
+        )
         if given:
             raise PlanError(
                 f"give max_in_flight_tokens or the scheduler options it is counted from "
                 f"({', '.join(given)}), not both"
             )
         return None
-    batched = scheduler["max_num_batched_tokens"]
     return InFlight(
-        DEFAULT_MAX_IN_FLIGHT_TOKENS if batched is None else batched,  # type: ignore[arg-type]
-        async_scheduling=scheduler["async_scheduling"],  # type: ignore[arg-type]
-        pipeline_parallel_size=scheduler["pipeline_parallel_size"],  # type: ignore[arg-type]
-        model_runner=scheduler["model_runner"],  # type: ignore[arg-type]
+        DEFAULT_MAX_IN_FLIGHT_TOKENS if max_num_batched_tokens is None else max_num_batched_tokens,
+        async_scheduling=async_scheduling,
+        pipeline_parallel_size=pipeline_parallel_size,
+        model_runner=model_runner,
     )
 
 
