@@ -352,8 +352,8 @@ def _add_plan_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--async-scheduling",
         action="store_true",
-        help="vLLM's async scheduling: one batch more in flight (2 without pipeline "
-        "parallelism), sliding-window groups reserve for its tokens too",
+        help="vLLM's async scheduling: one more batch in flight (2 batches without pipeline "
+        "parallelism), whose tokens sliding-window groups reserve blocks for",
     )
     parser.add_argument(
         "--pipeline-parallel-size",
