@@ -72,6 +72,42 @@ def test_plan_options_reach_the_planner(capsys: pytest.CaptureFixture[str]) -> N
 
 
 @pytest.mark.parametrize(
+    ("options", "batches", "assumed"),
+    [
+        (
+            [],
+            1,
+            "2,048 tokens in flight (1 batch of 2,048: sync scheduling, pipeline parallel size 1",
+        ),
+        (["--async-scheduling"], 2, "(2 batches of 2,048: async scheduling, pipeline parallel"),
+        (["--pipeline-parallel-size", "3"], 3, "sync scheduling, pipeline parallel size 3"),
+        (["-pp", "3", "--async-scheduling"], 4, "pipeline parallel size 3, model runner v2)"),
+        (["-pp", "4", "--model-runner", "v1"], 4, "size 4, model runner v1)"),
+        (["-pp", "2", "--async-scheduling", "--model-runner", "V2"], 3, "6,144 tokens in fl"),
+    ],
+)
+def test_pipeline_stages_and_the_model_runner_set_the_tokens_in_flight(
+    options: list[str], batches: int, assumed: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # vLLM 0.33's `max_concurrent_batches` x `max_num_batched_tokens`, and the report says so.
+    argv = ["plan", "gemma-3-27b", "--memory", "40GiB", "--max-model-len", "32768", *options]
+    assert main([*argv, "--max-num-batched-tokens", "2048", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    for plan in (document["plan"], document["vllm"]):
+        assert plan["max_in_flight_tokens"] == batches * 2048
+        assert plan["in_flight"]["max_concurrent_batches"] == batches
+    # vLLM's grouping of Gemma 3: a full-attention group and six of 1024-token windows.
+    window = -(-(1023 + batches * 2048) // 16) + 1
+    assert document["vllm"]["blocks_per_request"] == 32768 // 16 + 6 * window
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert assumed in out.splitlines()[1]
+    # The warning that one pool holds every layer (vLLM sizes each stage for its own).
+    staged = "-pp" in options or "--pipeline-parallel-size" in options
+    assert ("pipeline stages" in out) == staged
+
+
+@pytest.mark.parametrize(
     ("text", "tokens"),
     [("8192", 8192), ("8K", 8192), ("8k", 8000), ("2.5k", 2500), (" 4k", 4000)],
 )
@@ -102,6 +138,13 @@ def test_a_bad_token_count_is_named(
     assert f"argument --max-model-len: {message}" in capsys.readouterr().err
 
 
+def test_an_unknown_model_runner_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(["plan", "gemma-3-27b", "--memory", "40GiB", "--model-runner", "v3"])
+    assert caught.value.code == 2
+    assert "argument --model-runner: invalid choice: 'v3'" in capsys.readouterr().err
+
+
 def test_dtype_auto_is_the_checkpoints_as_in_vllm(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["plan", "llama-3.1-8b", "--memory", "24GiB", "--strategy", "vllm", "--json"]
     assert main(argv) == 0
@@ -114,10 +157,12 @@ def test_vllms_option_names_are_taken(capsys: pytest.CaptureFixture[str]) -> Non
     # As an operator copies them from a `vllm serve` command line.
     argv = ["plan", "gpt-oss-120b", "--gpu-memory", "80GiB", "--max-model-len", "8192", "--json"]
     ours = ["--tensor-parallel-size", "2", "--dtype", "fp8", "--no-prefix-caching"]
-    vllms = ["-tp", "2", "--kv-cache-dtype", "fp8", "--no-enable-prefix-caching"]
+    ours += ["--pipeline-parallel-size", "2"]
+    vllms = ["-tp", "2", "--kv-cache-dtype", "fp8", "--no-enable-prefix-caching", "-pp", "2"]
     assert main([*argv, *ours]) == 0
     expected = json.loads(capsys.readouterr().out)
     assert expected["tensor_parallel_size"] == 2
+    assert expected["plan"]["in_flight"]["pipeline_parallel_size"] == 2
     assert main([*argv, *vllms]) == 0
     assert json.loads(capsys.readouterr().out) == expected
 
@@ -206,6 +251,18 @@ def test_plan_figure_labels_axes_and_lists_only_present_kinds() -> None:
         (["plan", "llama-3.1-8b", "--memory", "1GiB", "--block-size", "24"], "multiple"),
         (["plan", "llama-3.1-8b", "--memory", "1GiB", "--dtype", "int2"], "unknown dtype"),
         (["plan", "llama-3.1-8b", "--memory", "1GiB", "--lengths", "1kb:2"], "bad --lengths"),
+        *(
+            (
+                ["plan", "gemma-3-27b", "--memory", "40GiB", "--pipeline-parallel-size", text],
+                f"--pipeline-parallel-size must be an integer >= 1, got '{text}'",
+            )
+            for text in ("0", "-1", "two", "1.5", "", "2e0")
+        ),
+        (
+            ["plan", "gemma-3-27b", "--memory", "40GiB", "-pp", "2", "--async-scheduling"]
+            + ["--model-runner", "v1"],
+            "async scheduling is not supported by vLLM's V1 model runner with pipeline",
+        ),
     ],
 )
 def test_errors_are_one_line_with_exit_code_2(

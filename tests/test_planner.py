@@ -12,6 +12,7 @@ import pytest
 from hybrid_kv.catalogue import list_presets, load_model
 from hybrid_kv.planner import (
     PLAN_SCHEMA_VERSION,
+    InFlight,
     InsufficientMemoryError,
     LengthDistribution,
     PlanError,
@@ -266,6 +267,67 @@ def test_more_tokens_in_flight_reserve_more_sliding_window_blocks() -> None:
     two = plan_kv_cache(layers, HUGE, 32768, strategy="vllm", max_in_flight_tokens=4096)
     assert two.blocks_per_request - sync.blocks_per_request == 2048 // 16
     assert two.max_concurrency < sync.max_concurrency
+
+
+@pytest.mark.parametrize(
+    ("stages", "async_scheduling", "runner", "batches"),
+    [
+        (1, False, "v2", 1),
+        (1, True, "v1", 2),
+        (1, True, "v2", 2),
+        (2, False, "v1", 2),
+        (3, False, "v2", 3),
+        (2, True, "v2", 3),
+        (4, True, "v2", 5),
+    ],
+)
+def test_every_batch_in_flight_reserves_sliding_window_blocks(
+    stages: int, async_scheduling: bool, runner: str, batches: int
+) -> None:
+    # vLLM 0.33's `max_concurrent_batches`: one batch per pipeline stage, one more with async
+    # scheduling on Model Runner V2 (2 with one stage on either runner).
+    layers = model(("full", full(), 4), ("sw", sw(1024), 4))
+    plan = plan_kv_cache(
+        layers,
+        HUGE,
+        131072,
+        strategy="vllm",
+        max_num_batched_tokens=1024,
+        async_scheduling=async_scheduling,
+        pipeline_parallel_size=stages,
+        model_runner=runner,
+    )
+    assert plan.max_in_flight_tokens == batches * 1024
+    sliding = next(g for g in plan.groups if g.kind == "sliding_window")
+    assert sliding.admission_blocks(131072, plan.max_in_flight_tokens) == (
+        -(-(1023 + batches * 1024) // 16) + 1
+    )
+    assert plan.in_flight is not None and plan.in_flight.max_concurrent_batches == batches
+    assert plan.to_dict()["in_flight"] == {
+        "max_num_batched_tokens": 1024,
+        "async_scheduling": async_scheduling,
+        "pipeline_parallel_size": stages,
+        "model_runner": runner,
+        "max_concurrent_batches": batches,
+        "max_in_flight_tokens": batches * 1024,
+    }
+
+
+def test_the_default_is_one_batch_of_vllms_default_budget() -> None:
+    plan = plan_kv_cache({"l0": full()}, HUGE, 128)
+    assert plan.max_in_flight_tokens == 2048
+    assert plan.in_flight == InFlight(2048)
+    # A count given as such names no options.
+    counted = plan_kv_cache({"l0": full()}, HUGE, 128, max_in_flight_tokens=3000)
+    assert counted.max_in_flight_tokens == 3000 and counted.in_flight is None
+    assert counted.to_dict()["in_flight"] is None
+
+
+def test_pipeline_stages_warn_that_the_pool_holds_every_layer() -> None:
+    layers = model(("full", full(), 4), ("sw", sw(1024), 4))
+    plan = plan_kv_cache(layers, HUGE, 4096, pipeline_parallel_size=2)
+    assert any("2 pipeline stages" in w and "not modelled" in w for w in plan.warnings)
+    assert not any("pipeline" in w for w in plan_kv_cache(layers, HUGE, 4096).warnings)
 
 
 def test_low_concurrency_is_warned_about() -> None:
@@ -646,6 +708,25 @@ def test_block_outer_layout_strides_blocks_by_the_block_size() -> None:
         ({"enable_prefix_caching": "yes"}, "must be a bool"),
         ({"lengths": [1024]}, "must be a LengthDistribution"),
         ({"reference_len": 4, "lengths": LengthDistribution.point(4)}, "not both"),
+        ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be >= 1, got 0"),
+        ({"pipeline_parallel_size": 2.0}, "pipeline_parallel_size must be an int"),
+        ({"pipeline_parallel_size": True}, "pipeline_parallel_size must be an int"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be >= 1"),
+        ({"async_scheduling": 1}, "async_scheduling must be a bool"),
+        ({"model_runner": "v3"}, "model_runner must be one of v1, v2, got 'v3'"),
+        (
+            {"async_scheduling": True, "pipeline_parallel_size": 2, "model_runner": "v1"},
+            "not supported by vLLM's V1 model runner with pipeline parallelism",
+        ),
+        (
+            {"max_in_flight_tokens": 4096, "pipeline_parallel_size": 2},
+            r"max_in_flight_tokens or the scheduler options .*\(pipeline_parallel_size\)",
+        ),
+        (
+            {"max_in_flight_tokens": 4096, "async_scheduling": True, "model_runner": "v1"},
+            r"\(async_scheduling, model_runner\), not both",
+        ),
+        ({"max_in_flight_tokens": 4096, "pipeline_parallel_size": True}, "not both"),
     ],
 )
 def test_bad_arguments_raise_plan_error(kwargs: dict[str, object], message: str) -> None:

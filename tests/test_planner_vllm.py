@@ -3,7 +3,9 @@
 `--strategy vllm` must give what vLLM gives: groups, layer membership, block sizes, bytes per
 block, `num_blocks`, the per-request reservation, max concurrency and KV-cache tokens, the
 tensors, and the same refusals with the same fitting `max_model_len`, for every preset and
-synthetic mix at 4k and 128k tokens and 1, 16 and 40 GiB; every layer's view must have the
+synthetic mix at 4k and 128k tokens and 1, 16 and 40 GiB, and, where vLLM is installed, for the
+tokens in flight vLLM counts from 1 to 4 pipeline stages, with and without async scheduling, on
+either model runner (`VllmConfig.max_in_flight_tokens`); every layer's view must have the
 shape, strides, offset and dtype vLLM allocates, in all six layouts, for vLLM's plans and for
 our min-waste plans laid out by vLLM's own code.
 
@@ -18,7 +20,7 @@ from typing import Any
 
 import pytest
 import vllm_reference as ref
-from hybrid_kv.planner import InsufficientMemoryError, PlanError, plan_kv_cache
+from hybrid_kv.planner import InFlight, InsufficientMemoryError, PlanError, plan_kv_cache
 
 RECORDED = ref.load_recorded()
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -29,13 +31,13 @@ def _case_id(case: dict[str, Any]) -> str:
     return f"{case['model']}-{case['memory']}-{case['max_model_len']}"
 
 
-def ours(model: str, memory: int, max_model_len: int) -> dict[str, Any]:
-    """Our `--strategy vllm` plan in the recorded summary's terms."""
+def ours(model: str, memory: int, max_model_len: int, **scheduler: Any) -> dict[str, Any]:
+    """Our `--strategy vllm` plan in the recorded summary's terms, with `ref.IN_FLIGHT` tokens
+    in flight or those `scheduler` (`plan_kv_cache`'s scheduler options) counts."""
     layers = ref.model_layers(model)
+    in_flight = scheduler or {"max_in_flight_tokens": ref.IN_FLIGHT}
     try:
-        plan = plan_kv_cache(
-            layers, memory, max_model_len, strategy="vllm", max_in_flight_tokens=ref.IN_FLIGHT
-        )
+        plan = plan_kv_cache(layers, memory, max_model_len, strategy="vllm", **in_flight)
     except InsufficientMemoryError as error:
         # A budget that does not hold the null block: vLLM's refusal names no figure ("No
         # available memory for the cache blocks").
@@ -97,6 +99,66 @@ def test_vllm_strategy_matches_live_vllm() -> None:
         theirs = ref.summarise(ref.model_layers(case["model"]), memory, case["max_model_len"])
         assert theirs == case["vllm"], f"recording stale for {_case_id(case)}"
         assert ours(case["model"], memory, case["max_model_len"]) == theirs, _case_id(case)
+
+
+# ----------------------------------------------------------------------------- in flight
+
+
+def _scheduler_id(options: tuple[bool, int, str]) -> str:
+    asynchronous, stages, runner = options
+    return f"{'async' if asynchronous else 'sync'}-pp{stages}-{runner}"
+
+
+def _scheduler(options: tuple[bool, int, str], batched: int = 2048) -> dict[str, Any]:
+    asynchronous, stages, runner = options
+    return {
+        "max_num_batched_tokens": batched,
+        "async_scheduling": asynchronous,
+        "pipeline_parallel_size": stages,
+        "model_runner": runner,
+    }
+
+
+V1_ASYNC_PP = "Async scheduling is not supported by the V1 model runner with pipeline parallelism"
+# Presets with sliding-window and chunked-local groups (whose reservation counts the tokens in
+# flight), a Mamba hybrid and KV sharing.
+IN_FLIGHT_MODELS = ("gemma-3-27b", "gpt-oss-20b", "llama-4-scout", "gemma-3n-e4b", "bamba-9b")
+
+
+@live
+@pytest.mark.parametrize("options", ref.SCHEDULER_OPTIONS, ids=_scheduler_id)
+def test_tokens_in_flight_are_vllms(options: tuple[bool, int, str]) -> None:
+    for batched in (256, 2048, 8192):
+        theirs = ref.vllm_in_flight(batched, *options)
+        if isinstance(theirs, str):
+            # vLLM refuses the options; so do we, saying why.
+            assert V1_ASYNC_PP in theirs
+            with pytest.raises(PlanError, match="not supported by vLLM's V1 model runner"):
+                InFlight(**_scheduler(options, batched))
+            continue
+        assert InFlight(**_scheduler(options, batched)).tokens == theirs, batched
+        plan = plan_kv_cache(ref.model_layers("gpt-oss-20b"), 2**34, 8192, **_scheduler(options))
+        assert plan.max_in_flight_tokens == ref.vllm_in_flight(2048, *options)
+
+
+@live
+@pytest.mark.parametrize(
+    "options",
+    [o for o in ref.SCHEDULER_OPTIONS if not (o[0] and o[1] > 1 and o[2] == "v1")],
+    ids=_scheduler_id,
+)
+def test_vllm_strategy_matches_live_vllm_with_every_batch_in_flight(
+    options: tuple[bool, int, str],
+) -> None:
+    in_flight = ref.vllm_in_flight(2048, *options)
+    assert isinstance(in_flight, int)
+    for model in IN_FLIGHT_MODELS:
+        layers = ref.model_layers(model)
+        for memory in (ref.MEMORIES["1GiB"], ref.MEMORIES["16GiB"]):
+            for length in ref.LENGTHS:
+                theirs = ref.summarise(layers, memory, length, in_flight=in_flight)
+                mine = ours(model, memory, length, **_scheduler(options))
+                assert mine == theirs, f"{model}-{memory}-{length}"
 
 
 # ----------------------------------------------------------------------------- views

@@ -3,10 +3,12 @@
 `test_planner_vllm.py` checks every preset and a few synthetic mixes; this draws others:
 full-attention, sliding-window (windows from 32 to 32k tokens), chunked-local, MLA and Mamba
 layers in random numbers and orders, with random head counts, head sizes and dtypes, layers
-sharing another's KV cache, budgets from 64 MiB to 64 GiB and `max_model_len` from 256 to 256k.
-vLLM's plan (groups and their layers, block sizes, bytes per block, `num_blocks`, the
-per-request reservation, concurrency, tensors) or its refusal with the fitting `max_model_len`
-must be ours; and in a layout drawn from vLLM's six, every layer's view (shape, strides, offset,
+sharing another's KV cache, budgets from 64 MiB to 64 GiB and `max_model_len` from 256 to 256k,
+and the scheduler options vLLM counts the tokens in flight from (`max_num_batched_tokens`, 1 to
+4 pipeline stages, async scheduling, the model runner). vLLM's plan (groups and their layers,
+block sizes, bytes per block, `num_blocks`, the per-request reservation, concurrency, tensors)
+or its refusal with the fitting `max_model_len` must be ours, and options vLLM refuses we
+refuse; and in a layout drawn from vLLM's six, every layer's view (shape, strides, offset,
 dtype) must be what vLLM's `allocate_kv_cache` gives, for vLLM's plan and for our min-waste
 plan laid out by vLLM's code. CI runs `HYBRID_KV_RANDOM_CASES` cases (default 12) from
 `HYBRID_KV_RANDOM_SEED` (default 0); vLLM must be installed.
@@ -26,7 +28,7 @@ pytest.importorskip("vllm", reason="vLLM 0.33 is not installed")
 import vllm_reference as ref  # noqa: E402
 from hybrid_kv import specs  # noqa: E402
 from hybrid_kv.planner import PlanError, plan_kv_cache  # noqa: E402
-from test_planner_vllm import _blocks_alias, _views, ours  # noqa: E402
+from test_planner_vllm import V1_ASYNC_PP, _blocks_alias, _views, ours  # noqa: E402
 
 NUM_CASES = int(os.environ.get("HYBRID_KV_RANDOM_CASES", "12"))
 FIRST_SEED = int(os.environ.get("HYBRID_KV_RANDOM_SEED", "0"))
@@ -93,17 +95,35 @@ def draw_budget(rng: random.Random) -> tuple[int, int]:
     return memory, max_model_len
 
 
+def draw_scheduler(rng: random.Random) -> dict[str, object]:
+    """`plan_kv_cache`'s scheduler options, as an operator sets vLLM's."""
+    return {
+        "max_num_batched_tokens": rng.choice([256, 1024, 2048, 8192, 16384]),
+        "async_scheduling": rng.random() < 0.5,
+        "pipeline_parallel_size": rng.randint(1, 4),
+        "model_runner": rng.choice(["v1", "v2"]),
+    }
+
+
 @pytest.mark.parametrize("seed", range(FIRST_SEED, FIRST_SEED + NUM_CASES))
 def test_vllm_strategy_matches_live_vllm_on_random_mixes(seed: int, monkeypatch) -> None:
     rng = random.Random(seed)
     layers = draw_layers(rng)
     memory, max_model_len = draw_budget(rng)
+    scheduler = draw_scheduler(rng)
+    kinds = sorted({type(s).__name__ for s in layers.values()})
+    where = f"seed {seed}: {len(layers)} layers {kinds}, {memory} B, {max_model_len}, {scheduler}"
+    in_flight = ref.vllm_in_flight(*scheduler.values())  # type: ignore[arg-type]
+    if isinstance(in_flight, str):
+        assert V1_ASYNC_PP in in_flight, where
+        with pytest.raises(PlanError, match="not supported by vLLM's V1 model runner"):
+            plan_kv_cache(layers, memory, max_model_len, strategy="vllm", **scheduler)  # type: ignore[arg-type]
+        return
     # `ours` reads the layers by model name.
     monkeypatch.setattr(ref, "model_layers", lambda name: dict(layers))
-    theirs = ref.summarise(layers, memory, max_model_len)
-    mine = ours("random", memory, max_model_len)
-    kinds = sorted({type(s).__name__ for s in layers.values()})
-    assert mine == theirs, f"seed {seed}: {len(layers)} layers {kinds}, {memory} B, {max_model_len}"
+    theirs = ref.summarise(layers, memory, max_model_len, in_flight=in_flight)
+    mine = ours("random", memory, max_model_len, **scheduler)
+    assert mine == theirs, where
 
 
 @pytest.mark.parametrize("seed", range(FIRST_SEED, FIRST_SEED + NUM_CASES))

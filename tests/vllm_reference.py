@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,6 +39,12 @@ LAYOUTS = ("LBNHC", "LBHNC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 MEMORIES = {"1GiB": 2**30, "16GiB": 16 * 2**30, "40GiB": 40 * 2**30}
 LENGTHS = (4096, 131072)
 IN_FLIGHT = 2048
+SCHEDULER_OPTIONS = [  # (async_scheduling, pipeline_parallel_size, model_runner)
+    (asynchronous, stages, runner)
+    for runner in ("v1", "v2")
+    for stages in (1, 2, 3, 4)
+    for asynchronous in (False, True)
+]
 LAYOUT_CASES = [  # (model, max_model_len, memory): vLLM's per-layer views in every layout
     ("gemma-3-27b", 4096, 2**30 * 3),
     ("jamba-mini-1.5", 4096, 2**30),
@@ -205,11 +212,51 @@ def vllm_config(max_model_len: int, layout: str = "LBNHC", in_flight: int = IN_F
     )
 
 
-def vllm_plan(layers: dict[str, LayerSpec], memory: int, max_model_len: int, layout: str = "LBNHC"):
+def vllm_in_flight(
+    max_num_batched_tokens: int, async_scheduling: bool, pipeline_parallel_size: int, runner: str
+) -> int | str:
+    """vLLM's `VllmConfig.max_in_flight_tokens` for these scheduler options, from a
+    `VllmConfig` vLLM builds with `VLLM_USE_V2_MODEL_RUNNER` set for `runner` ("v1" or "v2"),
+    or the message with which vLLM refuses the options."""
+    from vllm.config import ParallelConfig, SchedulerConfig, VllmConfig
+
+    old = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
+    try:
+        scheduler = SchedulerConfig(
+            async_scheduling=async_scheduling,
+            max_model_len=max(max_num_batched_tokens, 4096),
+            is_encoder_decoder=False,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+        parallel = ParallelConfig(
+            pipeline_parallel_size=pipeline_parallel_size, distributed_executor_backend="mp"
+        )
+        try:
+            config = VllmConfig(parallel_config=parallel, scheduler_config=scheduler)
+        except ValueError as error:  # pydantic's ValidationError
+            return str(error)
+        # vLLM's CPU platform turns async scheduling off; the GPU engine keeps it.
+        config.scheduler_config.async_scheduling = async_scheduling
+        return int(config.max_in_flight_tokens)
+    finally:
+        if old is None:
+            del os.environ["VLLM_USE_V2_MODEL_RUNNER"]
+        else:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = old
+
+
+def vllm_plan(
+    layers: dict[str, LayerSpec],
+    memory: int,
+    max_model_len: int,
+    layout: str = "LBNHC",
+    in_flight: int = IN_FLIGHT,
+):
     """`(config, kv_cache_config)` or `(config, error message)` when vLLM refuses."""
     from vllm.v1.core import kv_cache_planning as planning
 
-    config = vllm_config(max_model_len, layout)
+    config = vllm_config(max_model_len, layout, in_flight)
     specs = vllm_specs(layers)
     groups = planning.get_global_kv_cache_groups(config, [specs])
     try:
@@ -219,13 +266,16 @@ def vllm_plan(layers: dict[str, LayerSpec], memory: int, max_model_len: int, lay
     return config, kv_cache_config
 
 
-def summarise(layers: dict[str, LayerSpec], memory: int, max_model_len: int) -> dict[str, Any]:
-    """What the tests compare: groups, pool, admission, concurrency (or the refusal)."""
+def summarise(
+    layers: dict[str, LayerSpec], memory: int, max_model_len: int, in_flight: int = IN_FLIGHT
+) -> dict[str, Any]:
+    """What the tests compare: groups, pool, admission, concurrency (or the refusal), with
+    `in_flight` tokens in flight (vLLM's `max_in_flight_tokens`)."""
     import re
 
     from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
 
-    config, result = vllm_plan(layers, memory, max_model_len)
+    config, result = vllm_plan(layers, memory, max_model_len, in_flight=in_flight)
     if isinstance(result, str):
         fit = re.search(r"estimated maximum model length is (\d+)", result)
         needed = re.search(r"\(([\d.]+) GiB KV cache is needed", result)

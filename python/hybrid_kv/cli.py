@@ -30,7 +30,9 @@ from hybrid_kv.catalogue import (
 from hybrid_kv.planner import (
     DEFAULT_LAYOUT,
     DEFAULT_MAX_IN_FLIGHT_TOKENS,
+    DEFAULT_MODEL_RUNNER,
     KV_CACHE_LAYOUTS,
+    MODEL_RUNNERS,
     STRATEGIES,
     KVCachePlan,
     LengthDistribution,
@@ -350,7 +352,26 @@ def _add_plan_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--async-scheduling",
         action="store_true",
-        help="two batches in flight (vLLM's async scheduling): reserve for twice the tokens",
+        help="vLLM's async scheduling: one more batch in flight (2 batches without pipeline "
+        "parallelism), whose tokens sliding-window groups reserve blocks for",
+    )
+    parser.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        dest="pipeline_parallel_size",
+        default="1",
+        metavar="N",
+        help="vLLM's pipeline stages: N batches in flight (N + 1 with --async-scheduling on "
+        "model runner v2); the plan still holds every layer in one pool (default 1)",
+    )
+    parser.add_argument(
+        "--model-runner",
+        type=str.lower,
+        choices=MODEL_RUNNERS,
+        default=DEFAULT_MODEL_RUNNER,
+        help="vLLM's model runner, as VLLM_USE_V2_MODEL_RUNNER=1 (v2) or =0 (v1) selects it; "
+        "counts only with --async-scheduling and --pipeline-parallel-size > 1, which v1 "
+        f"refuses (default {DEFAULT_MODEL_RUNNER}, vLLM 0.33's where Triton runs)",
     )
     parser.add_argument(
         "--no-prefix-caching",
@@ -410,6 +431,18 @@ def _note_long_max_model_len(model: ModelSpec, max_model_len: int | None) -> Non
         )
 
 
+def _pipeline_parallel_size(text: str) -> int:
+    """`--pipeline-parallel-size`: an integer >= 1 (checked here, so that a bad value is one
+    line on stderr as the planner's errors are)."""
+    try:
+        size = int(text.strip(), 10)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise CommandError(f"--pipeline-parallel-size must be an integer >= 1, got {text!r}")
+    return size
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     if args.strategy == "vllm" and args.max_groups is not None:
         raise CommandError(
@@ -421,15 +454,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     _note_long_max_model_len(model, args.max_model_len)
     max_model_len = model.max_model_len if args.max_model_len is None else args.max_model_len
     lengths = LengthDistribution.parse(args.lengths) if args.lengths is not None else None
-    in_flight = args.max_num_batched_tokens
-    if isinstance(in_flight, int) and args.async_scheduling:
-        in_flight *= 2
     options: dict[str, Any] = {
         "block_size": args.block_size,
         "alignment": args.alignment,
         "reference_len": args.reference_len,
         "lengths": lengths,
-        "max_in_flight_tokens": in_flight,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "async_scheduling": args.async_scheduling,
+        "pipeline_parallel_size": _pipeline_parallel_size(args.pipeline_parallel_size),
+        "model_runner": args.model_runner,
         "enable_prefix_caching": not args.no_prefix_caching,
         "kv_cache_layout": args.kv_cache_layout,
         "prefix_match_unit": args.prefix_match_unit,
@@ -475,6 +508,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _in_flight_line(plan: KVCachePlan) -> str:
+    """The tokens in flight the plan reserves for, and the options they were counted from."""
+    if plan.in_flight is None:
+        return f"{plan.max_in_flight_tokens:,} tokens in flight"
+    return plan.in_flight.describe()
+
+
 def format_plan_report(
     model: ModelSpec,
     plan: KVCachePlan,
@@ -490,8 +530,8 @@ def format_plan_report(
         f"model: {model.name} ({model.model_type}; {len(model.layers)} layers: "
         f"{layer_summary}{tp})",
         (budget_line or f"KV cache budget {format_bytes(plan.memory_bytes)}")
-        + f"; max_model_len {plan.max_model_len:,}; {plan.max_in_flight_tokens:,} tokens in "
-        f"flight; layout {plan.kv_cache_layout}",
+        + f"; max_model_len {plan.max_model_len:,}; {_in_flight_line(plan)}; layout "
+        f"{plan.kv_cache_layout}",
         f"waste: expected over {plan.waste.distribution.source}",
         "",
     ]

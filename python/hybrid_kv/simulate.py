@@ -254,16 +254,18 @@ def simulate(
         max_num_batched_tokens=max_num_batched_tokens,
     )
     sched = {k: wl["sched"][k] for k in ("max_num_seqs", "max_num_batched_tokens")}
-    in_flight = sched["max_num_batched_tokens"]
+    # The replay schedules synchronously: one batch in flight.
     plan = plan_kv_cache(
         spec.layers,
         memory_bytes,
         max_len,
         strategy=strategy,
-        max_in_flight_tokens=in_flight,
+        max_num_batched_tokens=sched["max_num_batched_tokens"],
         **plan_options,
     )
-    manager = manager_from_plan(plan, enable_kv_events=True, max_in_flight_tokens=in_flight)
+    manager = manager_from_plan(
+        plan, enable_kv_events=True, max_in_flight_tokens=plan.max_in_flight_tokens
+    )
     report = SimulationReport(
         model=spec.name, workload=workload, plan=plan, sched=sched, result=ReplayResult()
     )

@@ -3,6 +3,7 @@
 * `plan` holds the values a plan is made of (groups, placements, buffers, waste, admission);
 * `search` the grouping search (vLLM 0.33's grouping and the min-waste search);
 * `entry` the entry point, `plan_kv_cache`;
+* `inflight` the tokens in flight vLLM counts from its scheduler options (`InFlight`);
 * `layout` vLLM's six physical layouts; `lengths` request-length distributions; `memory`
   memory sizes and GPU budgets.
 
@@ -15,6 +16,7 @@ never admits fewer `max_model_len` requests than vLLM's plan.
 
 from hybrid_kv.planner.entry import DEFAULT_MAX_IN_FLIGHT_TOKENS, plan_kv_cache
 from hybrid_kv.planner.errors import InsufficientMemoryError, PlanError
+from hybrid_kv.planner.inflight import DEFAULT_MODEL_RUNNER, MODEL_RUNNERS, InFlight
 from hybrid_kv.planner.layout import DEFAULT_LAYOUT, KV_CACHE_LAYOUTS
 from hybrid_kv.planner.lengths import LengthDistribution
 from hybrid_kv.planner.memory import format_bytes, kv_cache_budget, parse_memory
@@ -35,11 +37,14 @@ from hybrid_kv.planner.plan import (
 __all__ = [
     "DEFAULT_LAYOUT",
     "DEFAULT_MAX_IN_FLIGHT_TOKENS",
+    "DEFAULT_MODEL_RUNNER",
     "KV_CACHE_LAYOUTS",
+    "MODEL_RUNNERS",
     "PLAN_SCHEMA_VERSION",
     "STRATEGIES",
     "CandidateSummary",
     "ExpectedWaste",
+    "InFlight",
     "InsufficientMemoryError",
     "KVCacheBuffer",
     "KVCacheGroup",

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from hybrid_kv.planner.errors import InsufficientMemoryError, PlanError
+from hybrid_kv.planner.inflight import DEFAULT_MODEL_RUNNER, InFlight
 from hybrid_kv.planner.layout import (
     DEFAULT_LAYOUT,
     LayerShape,
@@ -58,6 +59,13 @@ __all__ = ["DEFAULT_MAX_IN_FLIGHT_TOKENS", "plan_kv_cache"]
 DEFAULT_MAX_IN_FLIGHT_TOKENS = 2048
 """vLLM's `SchedulerConfig.max_num_batched_tokens` default, one batch in flight."""
 
+_SCHEDULER_DEFAULTS = {
+    "max_num_batched_tokens": None,
+    "async_scheduling": False,
+    "pipeline_parallel_size": 1,
+    "model_runner": DEFAULT_MODEL_RUNNER,
+}
+
 EXTRA_ATTENTION_GROUPS = 4
 """min-waste may use this many attention groups more than vLLM (each costs a block table
 and a prefix scan per request); Mamba groups (one or two blocks per request) are not capped."""
@@ -82,10 +90,14 @@ def plan_kv_cache(
     reference_len: int | None = None,
     lengths: LengthDistribution | None = None,
     max_groups: int | None = None,
-    max_in_flight_tokens: int = DEFAULT_MAX_IN_FLIGHT_TOKENS,
+    max_in_flight_tokens: int | None = None,
     enable_prefix_caching: bool = True,
     kv_cache_layout: str = DEFAULT_LAYOUT,
     prefix_match_unit: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    async_scheduling: bool = False,
+    pipeline_parallel_size: int = 1,
+    model_runner: str = DEFAULT_MODEL_RUNNER,
 ) -> KVCachePlan:
     """Plan the KV cache of a model: `{layer_name: spec}` in model order.
 
@@ -100,14 +112,25 @@ def plan_kv_cache(
             up to `max_model_len`, see `LengthDistribution.default`).
         max_groups: cap on the number of groups for `min-waste` (default: at most 4 attention
             groups more than vLLM, Mamba groups uncapped).
-        max_in_flight_tokens: tokens scheduled but not yet processed (vLLM's
-            `max_num_batched_tokens` times the batches in flight: 2 with async scheduling);
+        max_in_flight_tokens: tokens scheduled but not yet processed, given as a count
+            (instead of the scheduler options below, which vLLM counts them from);
             sliding-window and chunked groups reserve blocks for them.
         enable_prefix_caching: off puts Mamba layers in vLLM's `none` mode (one state block
             per request, block size `max_model_len`, hashing at the scheduler block size).
         kv_cache_layout: one of `KV_CACHE_LAYOUTS` (vLLM's physical layouts).
         prefix_match_unit: hash granularity in tokens (vLLM's option; default the gcd of the
             group block sizes); every block size must be a multiple of it.
+        max_num_batched_tokens: tokens per scheduler step (vLLM's option; default 2048).
+        async_scheduling: vLLM's `--async-scheduling` (one more batch in flight).
+        pipeline_parallel_size: vLLM's `--pipeline-parallel-size` (one batch in flight per
+            stage). Only the tokens in flight depend on it: the plan is one pool holding every
+            layer given, as on one GPU, where vLLM sizes each stage's GPU for that stage's
+            layers (the plan's `warnings` say so).
+        model_runner: `"v2"` (default, vLLM 0.33's where Triton runs) or `"v1"`
+            (`VLLM_USE_V2_MODEL_RUNNER=0`): with async scheduling and pipeline parallelism,
+            V2 keeps `pipeline_parallel_size + 1` batches in flight and V1 refuses.
+            `InFlight` counts them as vLLM's `max_in_flight_tokens`; the plan's `in_flight`
+            says what was assumed.
 
     Raises:
         SpecError: invalid layers (names the layer).
@@ -120,7 +143,18 @@ def plan_kv_cache(
     max_model_len = _check_int("max_model_len", max_model_len)
     block_size = _check_int("block_size", block_size)
     alignment = _check_int("alignment", alignment)
-    max_in_flight_tokens = _check_int("max_in_flight_tokens", max_in_flight_tokens)
+    in_flight = _in_flight(
+        max_in_flight_tokens,
+        max_num_batched_tokens=max_num_batched_tokens,
+        async_scheduling=async_scheduling,
+        pipeline_parallel_size=pipeline_parallel_size,
+        model_runner=model_runner,
+    )
+    max_in_flight_tokens = (
+        in_flight.tokens
+        if in_flight is not None
+        else _check_int("max_in_flight_tokens", max_in_flight_tokens)
+    )
     if block_size % alignment:
         raise PlanError(
             f"block_size {block_size} must be a multiple of the kernel alignment {alignment}"
@@ -157,6 +191,7 @@ def plan_kv_cache(
         layout,
         prefix_match_unit,
         enable_prefix_caching,
+        in_flight,
     )
     buckets = buckets_of(layers)
     if not buckets:
@@ -205,6 +240,43 @@ def plan_kv_cache(
     return _build_plan(settings, layers, buckets, chosen, distribution, reasons, alternatives)
 
 
+def _in_flight(
+    max_in_flight_tokens: int | None,
+    *,
+    max_num_batched_tokens: int | None,
+    async_scheduling: bool,
+    pipeline_parallel_size: int,
+    model_runner: str,
+) -> InFlight | None:
+    """The scheduler options the tokens in flight are counted from, or None when they are
+    given as a count (`max_in_flight_tokens`), which the options must then not contradict."""
+    if max_in_flight_tokens is not None:
+        options = {
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "async_scheduling": async_scheduling,
+            "pipeline_parallel_size": pipeline_parallel_size,
+            "model_runner": model_runner,
+        }
+        # By type too: `pipeline_parallel_size=True` is not the default 1.
+        given = sorted(
+            name
+            for name, value in options.items()
+            if (type(value), value) != (type(_SCHEDULER_DEFAULTS[name]), _SCHEDULER_DEFAULTS[name])
+        )
+        if given:
+            raise PlanError(
+                f"give max_in_flight_tokens or the scheduler options it is counted from "
+                f"({', '.join(given)}), not both"
+            )
+        return None
+    return InFlight(
+        DEFAULT_MAX_IN_FLIGHT_TOKENS if max_num_batched_tokens is None else max_num_batched_tokens,
+        async_scheduling=async_scheduling,
+        pipeline_parallel_size=pipeline_parallel_size,
+        model_runner=model_runner,
+    )
+
+
 @dataclass(frozen=True)
 class _Settings:
     """The validated arguments every step of planning reads."""
@@ -218,6 +290,7 @@ class _Settings:
     layout: str
     prefix_match_unit: int | None
     prefix_caching: bool
+    in_flight: InFlight | None
 
 
 # --------------------------------------------------------------------------- choosing
@@ -600,6 +673,7 @@ def _attention_free_plan(settings: _Settings, distribution: LengthDistribution) 
         memory_bytes=settings.memory_bytes,
         max_model_len=settings.max_model_len,
         max_in_flight_tokens=settings.max_in_flight_tokens,
+        in_flight=settings.in_flight,
         mamba_cache_mode=settings.mamba_mode,  # type: ignore[arg-type]
         blocks_per_request=0,
         scheduler_block_size=scheduler,
@@ -745,6 +819,15 @@ def _build_plan(
             f"only {concurrency:.2f} requests of {settings.max_model_len} tokens fit at once: "
             "a second long request waits for the first to finish"
         )
+    stages = settings.in_flight.pipeline_parallel_size if settings.in_flight else 1
+    if stages > 1:
+        warnings.append(
+            f"one pool holds all {len(layers)} layers, as on one GPU: vLLM with {stages} "
+            "pipeline stages groups the whole model's layers but sizes each stage's GPU for "
+            "that stage's layers only (num_blocks: the smallest stage's), so its pool per GPU "
+            f"has more blocks than this one (up to about {stages}x); per-stage sizing is not "
+            "modelled"
+        )
     return KVCachePlan(
         strategy=settings.strategy,
         groups=tuple(groups),
@@ -756,6 +839,7 @@ def _build_plan(
         memory_bytes=settings.memory_bytes,
         max_model_len=settings.max_model_len,
         max_in_flight_tokens=settings.max_in_flight_tokens,
+        in_flight=settings.in_flight,
         mamba_cache_mode=settings.mamba_mode,  # type: ignore[arg-type]
         blocks_per_request=blocks_per_request,
         scheduler_block_size=scheduler,

@@ -14,6 +14,7 @@ from fractions import Fraction
 from typing import Any, Literal
 
 from hybrid_kv.planner.errors import PlanError
+from hybrid_kv.planner.inflight import InFlight
 from hybrid_kv.planner.lengths import LengthDistribution
 from hybrid_kv.specs import LayerSpec, MambaSpec
 
@@ -394,7 +395,8 @@ class KVCachePlan:
     request (`admission_blocks` summed over the groups), so `max_concurrency` and
     `kv_cache_tokens` are the figures vLLM logs ("KV cache size: N tokens, maximum
     concurrency for L tokens per request: X"). An attention-free model has no groups and one
-    block, as in vLLM.
+    block, as in vLLM. `in_flight` holds the scheduler options `max_in_flight_tokens` was
+    counted from (None when it was given as a count).
     """
 
     strategy: str
@@ -415,6 +417,7 @@ class KVCachePlan:
     reasons: tuple[str, ...]
     alternatives: tuple[CandidateSummary, ...] = ()
     warnings: tuple[str, ...] = ()
+    in_flight: InFlight | None = None
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -509,6 +512,7 @@ class KVCachePlan:
             "pool_bytes": self.pool_bytes,
             "max_model_len": self.max_model_len,
             "max_in_flight_tokens": self.max_in_flight_tokens,
+            "in_flight": None if self.in_flight is None else self.in_flight.to_dict(),
             "mamba_cache_mode": self.mamba_cache_mode,
             "blocks_per_request": self.blocks_per_request,
             "max_concurrency": None if concurrency is None else round(concurrency, 4),
