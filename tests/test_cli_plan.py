@@ -5,6 +5,7 @@ traceback."""
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 import os
 import subprocess
@@ -76,13 +77,16 @@ def test_plan_options_reach_the_planner(capsys: pytest.CaptureFixture[str]) -> N
     [
         (
             [],
-            1,
-            "2,048 tokens in flight (1 batch of 2,048: sync scheduling, pipeline parallel size 1",
+            2,
+            "4,096 tokens in flight (2 batches of 2,048: async scheduling (vLLM's default), "
+            "pipeline parallel size 1",
         ),
-        (["--async-scheduling"], 2, "(2 batches of 2,048: async scheduling, pipeline parallel"),
-        (["--pipeline-parallel-size", "3"], 3, "sync scheduling, pipeline parallel size 3"),
+        (["--no-async-scheduling"], 1, "(1 batch of 2,048: sync scheduling (given), pipeline"),
+        (["--async-scheduling"], 2, "(2 batches of 2,048: async scheduling (given), pipeline"),
+        (["--pipeline-parallel-size", "3"], 4, "async scheduling (vLLM's default), pipeline"),
+        (["-pp", "3", "--no-async-scheduling"], 3, "sync scheduling (given), pipeline parallel"),
         (["-pp", "3", "--async-scheduling"], 4, "pipeline parallel size 3, model runner v2)"),
-        (["-pp", "4", "--model-runner", "v1"], 4, "size 4, model runner v1)"),
+        (["-pp", "4", "--model-runner", "v1"], 4, "sync scheduling (vLLM's default), pipeline"),
         (["-pp", "2", "--async-scheduling", "--model-runner", "V2"], 3, "6,144 tokens in fl"),
     ],
 )
@@ -107,6 +111,63 @@ def test_pipeline_stages_and_the_model_runner_set_the_tokens_in_flight(
     assert ("pipeline stages" in out) == staged
 
 
+def _vllm_in_flight(asynchronous: bool | None, stages: int, runner: str) -> int | None:
+    """The tokens in flight vLLM 0.33 counts for `--max-num-batched-tokens 2048` and these
+    options (None where vLLM refuses them): from a `VllmConfig` vLLM builds where vLLM is
+    installed, else vLLM's arithmetic (`VllmConfig.__post_init__`'s resolution of
+    `async_scheduling=None`, then `max_concurrent_batches`) restated."""
+    if importlib.util.find_spec("vllm") is not None:
+        import vllm_reference as ref
+
+        tokens = ref.vllm_in_flight(2048, asynchronous, stages, runner)
+        return None if isinstance(tokens, str) else tokens
+    incompatible = runner == "v1" and stages > 1
+    if asynchronous and incompatible:
+        return None
+    on = not incompatible if asynchronous is None else asynchronous
+    if on and runner == "v2":
+        return (stages + 1) * 2048
+    return (2 if on and stages == 1 else stages) * 2048
+
+
+SCHEDULING_FLAGS = {None: [], False: ["--no-async-scheduling"], True: ["--async-scheduling"]}
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("asynchronous", [None, False, True], ids=["default", "no", "async"])
+def test_async_scheduling_is_resolved_as_vllm_resolves_it(
+    asynchronous: bool | None, stages: int, runner: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["plan", "gpt-oss-20b", "--memory", "16GiB", "--max-model-len", "8192"]
+    argv += ["-pp", str(stages), "--model-runner", runner, *SCHEDULING_FLAGS[asynchronous]]
+    expected = _vllm_in_flight(asynchronous, stages, runner)
+    if expected is None:
+        # vLLM refuses --async-scheduling with the V1 runner and pipeline stages; so do we.
+        assert main(argv) == 2
+        assert "not supported by vLLM's V1 model runner" in capsys.readouterr().err
+        return
+    assert main([*argv, "--max-num-batched-tokens", "2048", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    in_flight = document["plan"]["in_flight"]
+    assert document["plan"]["max_in_flight_tokens"] == expected
+    assert in_flight["max_in_flight_tokens"] == expected
+    assert in_flight["async_scheduling_vllm_default"] is (asynchronous is None)
+    # vLLM's default turns async scheduling off only for the V1 runner with stages, and warns.
+    turned_off = asynchronous is None and runner == "v1" and stages > 1
+    resolved = not turned_off if asynchronous is None else asynchronous
+    assert in_flight["async_scheduling"] is resolved
+    assert (in_flight["note"] is not None) == turned_off
+    assert (in_flight["note"] in document["plan"]["warnings"]) == turned_off
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    source = "vLLM's default" if asynchronous is None else "given"
+    scheduling = "async" if resolved else "sync"
+    assert f"{expected:,} tokens in flight" in out.splitlines()[1]
+    assert f"{scheduling} scheduling ({source})" in out.splitlines()[1]
+    assert ("V1 model runner does not support it with pipeline parallelism" in out) == turned_off
+
+
 @pytest.mark.parametrize(
     ("text", "tokens"),
     [("8192", 8192), ("8K", 8192), ("8k", 8000), ("2.5k", 2500), (" 4k", 4000)],
@@ -118,7 +179,9 @@ def test_token_counts_read_as_vllm_reads_them(
     argv = ["plan", "llama-3.1-8b", "--memory", "16GiB", "--strategy", "vllm", "--json"]
     assert main([*argv, "--max-model-len", text, "--max-num-batched-tokens", text]) == 0
     plan = json.loads(capsys.readouterr().out)["plan"]
-    assert (plan["max_model_len"], plan["max_in_flight_tokens"]) == (tokens, tokens)
+    assert (plan["max_model_len"], plan["in_flight"]["max_num_batched_tokens"]) == (tokens, tokens)
+    # Two batches of them in flight: vLLM's default async scheduling.
+    assert plan["max_in_flight_tokens"] == 2 * tokens
 
 
 @pytest.mark.parametrize(

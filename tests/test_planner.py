@@ -22,6 +22,7 @@ from hybrid_kv.planner import (
     parse_memory,
     plan_kv_cache,
 )
+from hybrid_kv.planner.inflight import V1_PP_ASYNC_NOTE
 from hybrid_kv.specs import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -186,7 +187,10 @@ def test_unify_pads_when_pages_do_not_divide() -> None:
 def test_per_request_reservation_is_vllms_at_4k_with_2048_in_flight(
     preset: str, blocks: int
 ) -> None:
-    plan = plan_kv_cache(load_model(preset).layers, 40 * GIB, 4096, strategy="vllm")
+    plan = plan_kv_cache(
+        load_model(preset).layers, 40 * GIB, 4096, strategy="vllm", async_scheduling=False
+    )
+    assert plan.max_in_flight_tokens == 2048
     assert plan.blocks_per_request == blocks
     assert plan.max_concurrency == plan.num_blocks / blocks
     assert plan.kv_cache_tokens == int(plan.num_blocks / blocks * 4096)
@@ -222,18 +226,20 @@ def test_only_mamba2_layers_declare_a_prefill_checkpoint_block() -> None:
 
 
 def test_budget_vllm_refuses_is_refused_with_the_length_that_fits() -> None:
-    # Gemma-3-27B at 1 GiB and 4096 tokens: vLLM needs 1.73 GiB and estimates 1856 tokens.
+    # Gemma-3-27B at 1 GiB and 4096 tokens, one batch of 2048 tokens in flight (sync
+    # scheduling): vLLM needs 1.73 GiB and estimates 1856 tokens.
+    layers = load_model("gemma-3-27b").layers
     with pytest.raises(InsufficientMemoryError) as caught:
-        plan_kv_cache(load_model("gemma-3-27b").layers, GIB, 4096, strategy="vllm")
+        plan_kv_cache(layers, GIB, 4096, strategy="vllm", async_scheduling=False)
     error = caught.value
     assert error.fitting_max_model_len == 1856
     assert f"{round(error.reserved_bytes / GIB, 2)}" == "1.73"
     assert "max_model_len of 1856 fits" in str(error) and "1.73 GiB" in str(error)
     assert error.needed_bytes == error.reserved_bytes + 1310720  # plus the null block
     # ... and the length it names does fit.
-    plan_kv_cache(load_model("gemma-3-27b").layers, GIB, 1856, strategy="vllm")
+    plan_kv_cache(layers, GIB, 1856, strategy="vllm", async_scheduling=False)
     with pytest.raises(InsufficientMemoryError):
-        plan_kv_cache(load_model("gemma-3-27b").layers, GIB, 1857, strategy="vllm")
+        plan_kv_cache(layers, GIB, 1857, strategy="vllm", async_scheduling=False)
 
 
 def test_pool_reserves_the_null_block() -> None:
@@ -272,6 +278,12 @@ def test_more_tokens_in_flight_reserve_more_sliding_window_blocks() -> None:
 @pytest.mark.parametrize(
     ("stages", "async_scheduling", "runner", "batches"),
     [
+        (1, None, "v2", 2),
+        (1, None, "v1", 2),
+        (2, None, "v2", 3),
+        (4, None, "v2", 5),
+        (2, None, "v1", 2),
+        (4, None, "v1", 4),
         (1, False, "v2", 1),
         (1, True, "v1", 2),
         (1, True, "v2", 2),
@@ -282,10 +294,11 @@ def test_more_tokens_in_flight_reserve_more_sliding_window_blocks() -> None:
     ],
 )
 def test_every_batch_in_flight_reserves_sliding_window_blocks(
-    stages: int, async_scheduling: bool, runner: str, batches: int
+    stages: int, async_scheduling: bool | None, runner: str, batches: int
 ) -> None:
     # vLLM 0.33's `max_concurrent_batches`: one batch per pipeline stage, one more with async
-    # scheduling on Model Runner V2 (2 with one stage on either runner).
+    # scheduling on Model Runner V2 (2 with one stage on either runner). Async scheduling is
+    # on by default (None) but for the V1 runner with pipeline parallelism.
     layers = model(("full", full(), 4), ("sw", sw(1024), 4))
     plan = plan_kv_cache(
         layers,
@@ -303,20 +316,32 @@ def test_every_batch_in_flight_reserves_sliding_window_blocks(
         -(-(1023 + batches * 1024) // 16) + 1
     )
     assert plan.in_flight is not None and plan.in_flight.max_concurrent_batches == batches
+    turned_off = async_scheduling is None and runner == "v1" and stages > 1
     assert plan.to_dict()["in_flight"] == {
         "max_num_batched_tokens": 1024,
-        "async_scheduling": async_scheduling,
+        "async_scheduling": not turned_off if async_scheduling is None else async_scheduling,
+        "async_scheduling_vllm_default": async_scheduling is None,
         "pipeline_parallel_size": stages,
         "model_runner": runner,
         "max_concurrent_batches": batches,
         "max_in_flight_tokens": batches * 1024,
+        "note": V1_PP_ASYNC_NOTE if turned_off else None,
     }
+    # vLLM's warning when its default turns async scheduling off is the plan's too.
+    assert (V1_PP_ASYNC_NOTE in plan.warnings) == turned_off
 
 
-def test_the_default_is_one_batch_of_vllms_default_budget() -> None:
+def test_the_default_is_vllms_default_async_scheduling_of_its_default_budget() -> None:
+    # vLLM 0.33 turns async scheduling on by default: 2 batches of 2048 tokens in flight.
     plan = plan_kv_cache({"l0": full()}, HUGE, 128)
-    assert plan.max_in_flight_tokens == 2048
+    assert plan.max_in_flight_tokens == 4096
     assert plan.in_flight == InFlight(2048)
+    assert plan.in_flight.async_scheduling is None
+    assert plan.in_flight.resolved_async_scheduling and plan.in_flight.vllm_default
+    assert "async scheduling (vLLM's default)" in plan.in_flight.describe()
+    sync = plan_kv_cache({"l0": full()}, HUGE, 128, async_scheduling=False)
+    assert sync.max_in_flight_tokens == 2048
+    assert "sync scheduling (given)" in sync.in_flight.describe()  # type: ignore[union-attr]
     # A count given as such names no options.
     counted = plan_kv_cache({"l0": full()}, HUGE, 128, max_in_flight_tokens=3000)
     assert counted.max_in_flight_tokens == 3000 and counted.in_flight is None
@@ -712,7 +737,7 @@ def test_block_outer_layout_strides_blocks_by_the_block_size() -> None:
         ({"pipeline_parallel_size": 2.0}, "pipeline_parallel_size must be an int"),
         ({"pipeline_parallel_size": True}, "pipeline_parallel_size must be an int"),
         ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be >= 1"),
-        ({"async_scheduling": 1}, "async_scheduling must be a bool"),
+        ({"async_scheduling": 1}, "async_scheduling must be a bool or None"),
         ({"model_runner": "v3"}, "model_runner must be one of v1, v2, got 'v3'"),
         (
             {"async_scheduling": True, "pipeline_parallel_size": 2, "model_runner": "v1"},
@@ -727,6 +752,7 @@ def test_block_outer_layout_strides_blocks_by_the_block_size() -> None:
             r"\(async_scheduling, model_runner\), not both",
         ),
         ({"max_in_flight_tokens": 4096, "pipeline_parallel_size": True}, "not both"),
+        ({"max_in_flight_tokens": 4096, "async_scheduling": False}, r"\(async_scheduling\)"),
     ],
 )
 def test_bad_arguments_raise_plan_error(kwargs: dict[str, object], message: str) -> None:

@@ -4,8 +4,9 @@
 block, `num_blocks`, the per-request reservation, max concurrency and KV-cache tokens, the
 tensors, and the same refusals with the same fitting `max_model_len`, for every preset and
 synthetic mix at 4k and 128k tokens and 1, 16 and 40 GiB, and, where vLLM is installed, for the
-tokens in flight vLLM counts from 1 to 4 pipeline stages, with and without async scheduling, on
-either model runner (`VllmConfig.max_in_flight_tokens`); every layer's view must have the
+tokens in flight vLLM counts from 1 to 4 pipeline stages, with and without async scheduling and
+with vLLM's default resolution of it, on either model runner (`VllmConfig.max_in_flight_tokens`);
+every layer's view must have the
 shape, strides, offset and dtype vLLM allocates, in all six layouts, for vLLM's plans and for
 our min-waste plans laid out by vLLM's own code.
 
@@ -104,12 +105,13 @@ def test_vllm_strategy_matches_live_vllm() -> None:
 # ----------------------------------------------------------------------------- in flight
 
 
-def _scheduler_id(options: tuple[bool, int, str]) -> str:
+def _scheduler_id(options: tuple[bool | None, int, str]) -> str:
     asynchronous, stages, runner = options
-    return f"{'async' if asynchronous else 'sync'}-pp{stages}-{runner}"
+    scheduling = {None: "default", False: "sync", True: "async"}[asynchronous]
+    return f"{scheduling}-pp{stages}-{runner}"
 
 
-def _scheduler(options: tuple[bool, int, str], batched: int = 2048) -> dict[str, Any]:
+def _scheduler(options: tuple[bool | None, int, str], batched: int = 2048) -> dict[str, Any]:
     asynchronous, stages, runner = options
     return {
         "max_num_batched_tokens": batched,
@@ -127,7 +129,7 @@ IN_FLIGHT_MODELS = ("gemma-3-27b", "gpt-oss-20b", "llama-4-scout", "gemma-3n-e4b
 
 @live
 @pytest.mark.parametrize("options", ref.SCHEDULER_OPTIONS, ids=_scheduler_id)
-def test_tokens_in_flight_are_vllms(options: tuple[bool, int, str]) -> None:
+def test_tokens_in_flight_are_vllms(options: tuple[bool | None, int, str]) -> None:
     for batched in (256, 2048, 8192):
         theirs = ref.vllm_in_flight(batched, *options)
         if isinstance(theirs, str):
@@ -139,6 +141,9 @@ def test_tokens_in_flight_are_vllms(options: tuple[bool, int, str]) -> None:
         assert InFlight(**_scheduler(options, batched)).tokens == theirs, batched
         plan = plan_kv_cache(ref.model_layers("gpt-oss-20b"), 2**34, 8192, **_scheduler(options))
         assert plan.max_in_flight_tokens == ref.vllm_in_flight(2048, *options)
+        # Async scheduling as vLLM's `VllmConfig` resolves it (None: vLLM's default).
+        assert plan.in_flight is not None
+        assert plan.in_flight.resolved_async_scheduling is ref.vllm_async_scheduling(*options)
 
 
 @live
@@ -148,7 +153,7 @@ def test_tokens_in_flight_are_vllms(options: tuple[bool, int, str]) -> None:
     ids=_scheduler_id,
 )
 def test_vllm_strategy_matches_live_vllm_with_every_batch_in_flight(
-    options: tuple[bool, int, str],
+    options: tuple[bool | None, int, str],
 ) -> None:
     in_flight = ref.vllm_in_flight(2048, *options)
     assert isinstance(in_flight, int)
@@ -225,12 +230,14 @@ def test_views_match_vllms_allocation_in_every_layout(case: dict[str, Any]) -> N
     pytest.importorskip("torch")
     layers = ref.model_layers(case["model"])
     arguments = (layers, case["memory"], case["max_model_len"])
+    # Recorded with one batch of `ref.IN_FLIGHT` tokens in flight: sync scheduling.
+    options = {"strategy": "vllm", "kv_cache_layout": case["layout"], "async_scheduling": False}
     if "error" in case:
         with pytest.raises(PlanError, match="layout"):
-            plan_kv_cache(*arguments, strategy="vllm", kv_cache_layout=case["layout"])
+            plan_kv_cache(*arguments, **options)
         return
     try:
-        plan = plan_kv_cache(*arguments, strategy="vllm", kv_cache_layout=case["layout"])
+        plan = plan_kv_cache(*arguments, **options)
     except PlanError as error:
         # A deliberate refusal where vLLM 0.33 goes ahead: show its layout aliases blocks.
         assert "overlap each other's blocks" in str(error)
@@ -247,8 +254,13 @@ def test_views_match_vllms_allocation_in_every_layout(case: dict[str, Any]) -> N
 def test_min_waste_plans_have_the_views_vllm_gives_their_groups(case: dict[str, Any]) -> None:
     pytest.importorskip("torch")
     layers = ref.model_layers(case["model"])
+    # Recorded with sync scheduling (`ref.PLAN_SCHEDULING`).
     plan = plan_kv_cache(
-        layers, case["memory"], case["max_model_len"], kv_cache_layout=case["layout"]
+        layers,
+        case["memory"],
+        case["max_model_len"],
+        kv_cache_layout=case["layout"],
+        **ref.PLAN_SCHEDULING,
     )
     assert [list(g.layer_names) for g in plan.groups] == case["groups"], (
         "the min-waste grouping changed: re-record with `python tests/vllm_reference.py`"
@@ -273,7 +285,11 @@ def test_min_waste_views_match_live_vllm(case: dict[str, Any]) -> None:
     pytest.importorskip("torch")
     layers = ref.model_layers(case["model"])
     plan = plan_kv_cache(
-        layers, case["memory"], case["max_model_len"], kv_cache_layout=case["layout"]
+        layers,
+        case["memory"],
+        case["max_model_len"],
+        kv_cache_layout=case["layout"],
+        **ref.PLAN_SCHEDULING,
     )
     theirs = ref.plan_views(plan, case["layout"])
     views, states = _views(plan)

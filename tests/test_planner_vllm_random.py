@@ -5,7 +5,8 @@ full-attention, sliding-window (windows from 32 to 32k tokens), chunked-local, M
 layers in random numbers and orders, with random head counts, head sizes and dtypes, layers
 sharing another's KV cache, budgets from 64 MiB to 64 GiB and `max_model_len` from 256 to 256k,
 and the scheduler options vLLM counts the tokens in flight from (`max_num_batched_tokens`, 1 to
-4 pipeline stages, async scheduling, the model runner). vLLM's plan (groups and their layers,
+4 pipeline stages, async scheduling given on or off or left to vLLM's default resolution, the
+model runner). vLLM's plan (groups and their layers,
 block sizes, bytes per block, `num_blocks`, the per-request reservation, concurrency, tensors)
 or its refusal with the fitting `max_model_len` must be ours, and options vLLM refuses we
 refuse; and in a layout drawn from vLLM's six, every layer's view (shape, strides, offset,
@@ -99,7 +100,7 @@ def draw_scheduler(rng: random.Random) -> dict[str, object]:
     """`plan_kv_cache`'s scheduler options, as an operator sets vLLM's."""
     return {
         "max_num_batched_tokens": rng.choice([256, 1024, 2048, 8192, 16384]),
-        "async_scheduling": rng.random() < 0.5,
+        "async_scheduling": rng.choice([None, False, True]),  # None: vLLM's default
         "pipeline_parallel_size": rng.randint(1, 4),
         "model_runner": rng.choice(["v1", "v2"]),
     }

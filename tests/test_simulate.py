@@ -76,7 +76,21 @@ def test_the_plan_reserves_for_the_tokens_the_scheduler_puts_in_flight() -> None
         max_model_len=8192,
         max_num_batched_tokens=4096,
     )
+    # The replay runs one batch at a time: sync scheduling, not vLLM's default async (two).
     assert report.plan.max_in_flight_tokens == 4096
+    assert "4,096 tokens in flight (sync scheduling)" in report.lines()[2]
+    assert report.to_dict()["in_flight"]["async_scheduling"] is False
+    # Asked for, async scheduling reserves for two batches.
+    asynchronous = simulate(
+        "gemma-3-27b",
+        "chat",
+        8 * GIB,
+        num_requests=2,
+        max_model_len=8192,
+        max_num_batched_tokens=4096,
+        async_scheduling=True,
+    )
+    assert asynchronous.plan.max_in_flight_tokens == 8192
 
 
 def test_a_budget_that_admits_no_request_is_refused_before_running() -> None:

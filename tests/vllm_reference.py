@@ -19,6 +19,7 @@ import gzip
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -43,8 +44,11 @@ SCHEDULER_OPTIONS = [  # (async_scheduling, pipeline_parallel_size, model_runner
     (asynchronous, stages, runner)
     for runner in ("v1", "v2")
     for stages in (1, 2, 3, 4)
-    for asynchronous in (False, True)
+    for asynchronous in (None, False, True)  # None: vLLM's default resolution
 ]
+PLAN_SCHEDULING = {"async_scheduling": False}
+"""The scheduling the recorded min-waste plans (`PLAN_CASES`) were made with: sync, one batch
+of 2048 tokens in flight (the planner's default before it followed vLLM's async default)."""
 LAYOUT_CASES = [  # (model, max_model_len, memory): vLLM's per-layer views in every layout
     ("gemma-3-27b", 4096, 2**30 * 3),
     ("jamba-mini-1.5", 4096, 2**30),
@@ -213,15 +217,62 @@ def vllm_config(max_model_len: int, layout: str = "LBNHC", in_flight: int = IN_F
 
 
 def vllm_in_flight(
-    max_num_batched_tokens: int, async_scheduling: bool, pipeline_parallel_size: int, runner: str
+    max_num_batched_tokens: int,
+    async_scheduling: bool | None,
+    pipeline_parallel_size: int,
+    runner: str,
 ) -> int | str:
     """vLLM's `VllmConfig.max_in_flight_tokens` for these scheduler options, from a
     `VllmConfig` vLLM builds with `VLLM_USE_V2_MODEL_RUNNER` set for `runner` ("v1" or "v2"),
-    or the message with which vLLM refuses the options."""
+    or the message with which vLLM refuses the options. `async_scheduling=None` is vLLM's
+    default (`--async-scheduling` not given), which `VllmConfig` resolves itself."""
+    return _vllm_scheduler_config(
+        max_num_batched_tokens,
+        async_scheduling,
+        pipeline_parallel_size,
+        runner,
+        lambda config: int(config.max_in_flight_tokens),
+    )
+
+
+def vllm_async_scheduling(
+    async_scheduling: bool | None, pipeline_parallel_size: int, runner: str
+) -> bool | str:
+    """`SchedulerConfig.async_scheduling` as vLLM's `VllmConfig` resolves it, or the message
+    with which vLLM refuses the options."""
+    return _vllm_scheduler_config(
+        2048,
+        async_scheduling,
+        pipeline_parallel_size,
+        runner,
+        lambda config: bool(config.scheduler_config.async_scheduling),
+    )
+
+
+def _vllm_scheduler_config(
+    max_num_batched_tokens: int,
+    async_scheduling: bool | None,
+    pipeline_parallel_size: int,
+    runner: str,
+    read: Callable[[Any], Any],
+) -> Any:
+    """`read(config)` of the `VllmConfig` vLLM builds for these options (read while
+    `VLLM_USE_V2_MODEL_RUNNER` selects `runner`), or vLLM's message refusing them."""
     from vllm.config import ParallelConfig, SchedulerConfig, VllmConfig
+    from vllm.platforms import current_platform
 
     old = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
+    # vLLM's CPU platform turns async scheduling off afterwards (`check_and_update_config`);
+    # the GPU engine keeps what `VllmConfig` resolved, which is taken as that hook sees it.
+    platform_update = current_platform.check_and_update_config
+    resolved: list[bool | None] = []
+
+    def check_and_update_config(vllm_config: Any) -> None:
+        resolved.append(vllm_config.scheduler_config.async_scheduling)
+        platform_update(vllm_config)
+
+    current_platform.check_and_update_config = check_and_update_config  # type: ignore[method-assign]
     try:
         scheduler = SchedulerConfig(
             async_scheduling=async_scheduling,
@@ -236,10 +287,11 @@ def vllm_in_flight(
             config = VllmConfig(parallel_config=parallel, scheduler_config=scheduler)
         except ValueError as error:  # pydantic's ValidationError
             return str(error)
-        # vLLM's CPU platform turns async scheduling off; the GPU engine keeps it.
-        config.scheduler_config.async_scheduling = async_scheduling
-        return int(config.max_in_flight_tokens)
+        assert len(resolved) == 1 and isinstance(resolved[0], bool), resolved
+        config.scheduler_config.async_scheduling = resolved[0]
+        return read(config)
     finally:
+        del current_platform.check_and_update_config
         if old is None:
             del os.environ["VLLM_USE_V2_MODEL_RUNNER"]
         else:
@@ -465,7 +517,9 @@ def record() -> dict[str, Any]:
             )
     plans = []
     for model, length, memory, layout in PLAN_CASES:
-        plan = plan_kv_cache(model_layers(model), memory, length, kv_cache_layout=layout)
+        plan = plan_kv_cache(
+            model_layers(model), memory, length, kv_cache_layout=layout, **PLAN_SCHEDULING
+        )
         plans.append(
             {
                 "model": model,

@@ -351,9 +351,12 @@ def _add_plan_parser(subparsers: Any) -> None:
     _add_plan_options(parser, batched_default=DEFAULT_MAX_IN_FLIGHT_TOKENS)
     parser.add_argument(
         "--async-scheduling",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="vLLM's async scheduling: one more batch in flight (2 batches without pipeline "
-        "parallelism), whose tokens sliding-window groups reserve blocks for",
+        "parallelism), whose tokens sliding-window groups reserve blocks for. Default: as "
+        "vLLM 0.33 resolves it, on unless model runner v1 runs pipeline parallelism; "
+        "--no-async-scheduling turns it off",
     )
     parser.add_argument(
         "--pipeline-parallel-size",
@@ -361,7 +364,7 @@ def _add_plan_parser(subparsers: Any) -> None:
         dest="pipeline_parallel_size",
         default="1",
         metavar="N",
-        help="vLLM's pipeline stages: N batches in flight (N + 1 with --async-scheduling on "
+        help="vLLM's pipeline stages: N batches in flight (N + 1 with async scheduling on "
         "model runner v2); the plan still holds every layer in one pool (default 1)",
     )
     parser.add_argument(
@@ -370,8 +373,9 @@ def _add_plan_parser(subparsers: Any) -> None:
         choices=MODEL_RUNNERS,
         default=DEFAULT_MODEL_RUNNER,
         help="vLLM's model runner, as VLLM_USE_V2_MODEL_RUNNER=1 (v2) or =0 (v1) selects it; "
-        "counts only with --async-scheduling and --pipeline-parallel-size > 1, which v1 "
-        f"refuses (default {DEFAULT_MODEL_RUNNER}, vLLM 0.33's where Triton runs)",
+        "counts only with --pipeline-parallel-size > 1, where v1 turns async scheduling off "
+        f"by default and refuses --async-scheduling (default {DEFAULT_MODEL_RUNNER}, vLLM "
+        "0.33's where Triton runs)",
     )
     parser.add_argument(
         "--no-prefix-caching",

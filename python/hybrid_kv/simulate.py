@@ -174,7 +174,8 @@ class SimulationReport:
             f"{format_bytes(plan.block_bytes)}; max_model_len {plan.max_model_len:,}; "
             f"KV cache {plan.kv_cache_tokens:,} tokens, max concurrency {concurrency:.2f}x",
             f"scheduler              max_num_seqs {self.sched['max_num_seqs']}, "
-            f"max_num_batched_tokens {self.sched['max_num_batched_tokens']:,}",
+            f"max_num_batched_tokens {self.sched['max_num_batched_tokens']:,}; "
+            f"{_in_flight(plan)}",
             f"workload {self.workload}: {r.num_finished} requests finished in {r.num_steps} steps",
             f"prefix-cache hit rate  {pc.get('hit_rate', 0.0):.1%} "
             f"({pc.get('hits', 0):,} of {pc.get('queries', 0):,} prompt tokens)",
@@ -197,6 +198,7 @@ class SimulationReport:
             "memory_bytes": plan.memory_bytes,
             "max_model_len": plan.max_model_len,
             "scheduler": dict(self.sched),
+            "in_flight": None if plan.in_flight is None else plan.in_flight.to_dict(),
             "num_blocks": plan.num_blocks,
             "block_bytes": plan.block_bytes,
             "kv_cache_tokens": plan.kv_cache_tokens,
@@ -214,6 +216,14 @@ class SimulationReport:
             "mean_usage": float(np.mean(self.usage)) if self.usage else 0.0,
             "manager_seconds": r.manager_seconds(),
         }
+
+
+def _in_flight(plan: KVCachePlan) -> str:
+    """`8,192 tokens in flight (sync scheduling)`: what the plan and the manager reserve for."""
+    if plan.in_flight is None:
+        return f"{plan.max_in_flight_tokens:,} tokens in flight"
+    scheduling = "async" if plan.in_flight.resolved_async_scheduling else "sync"
+    return f"{plan.max_in_flight_tokens:,} tokens in flight ({scheduling} scheduling)"
 
 
 def simulate(
@@ -235,8 +245,9 @@ def simulate(
 
     `max_model_len` defaults to min(the model's, 32768); one given is used as given, above the
     model's too (as `plan_kv_cache` takes it). The planner reserves blocks for the
-    workload's `max_num_batched_tokens` in flight (the replay runs one batch at a time) and the
-    manager admits with the same figure. `progress(step, finished, total)` is called after every
+    workload's `max_num_batched_tokens` in flight (the replay runs one batch at a time, so the
+    plan assumes sync scheduling unless `async_scheduling` is given among `plan_options`) and
+    the manager admits with the same figure. `progress(step, finished, total)` is called after every
     step. Raises `InsufficientMemoryError` when one `max_model_len` request cannot be admitted
     and `SimulationError` when the replay stops without finishing.
     """
@@ -254,7 +265,9 @@ def simulate(
         max_num_batched_tokens=max_num_batched_tokens,
     )
     sched = {k: wl["sched"][k] for k in ("max_num_seqs", "max_num_batched_tokens")}
-    # The replay schedules synchronously: one batch in flight.
+    # The replay schedules synchronously: one batch in flight, not the two of vLLM's default
+    # async scheduling (its report says so).
+    plan_options.setdefault("async_scheduling", False)
     plan = plan_kv_cache(
         spec.layers,
         memory_bytes,

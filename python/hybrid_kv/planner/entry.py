@@ -57,11 +57,12 @@ from hybrid_kv.specs import (
 __all__ = ["DEFAULT_MAX_IN_FLIGHT_TOKENS", "plan_kv_cache"]
 
 DEFAULT_MAX_IN_FLIGHT_TOKENS = 2048
-"""vLLM's `SchedulerConfig.max_num_batched_tokens` default, one batch in flight."""
+"""vLLM's `SchedulerConfig.max_num_batched_tokens` default: the tokens of one batch in flight
+(vLLM's default async scheduling keeps two batches in flight, `InFlight` counts them)."""
 
 _SCHEDULER_DEFAULTS = {
     "max_num_batched_tokens": None,
-    "async_scheduling": False,
+    "async_scheduling": None,
     "pipeline_parallel_size": 1,
     "model_runner": DEFAULT_MODEL_RUNNER,
 }
@@ -95,7 +96,7 @@ def plan_kv_cache(
     kv_cache_layout: str = DEFAULT_LAYOUT,
     prefix_match_unit: int | None = None,
     max_num_batched_tokens: int | None = None,
-    async_scheduling: bool = False,
+    async_scheduling: bool | None = None,
     pipeline_parallel_size: int = 1,
     model_runner: str = DEFAULT_MODEL_RUNNER,
 ) -> KVCachePlan:
@@ -121,14 +122,20 @@ def plan_kv_cache(
         prefix_match_unit: hash granularity in tokens (vLLM's option; default the gcd of the
             group block sizes); every block size must be a multiple of it.
         max_num_batched_tokens: tokens per scheduler step (vLLM's option; default 2048).
-        async_scheduling: vLLM's `--async-scheduling` (one more batch in flight).
+        async_scheduling: None (default) as vLLM resolves it: on (one more batch in flight),
+            but off for the V1 model runner with pipeline parallelism (the plan's `warnings`
+            carry vLLM's warning); True is vLLM's `--async-scheduling`, False its
+            `--no-async-scheduling` (give False for what else vLLM turns it off for: pooling
+            models, executors without support, ROCm DeepEP high-throughput DBO, some
+            speculative methods on the V1 runner).
         pipeline_parallel_size: vLLM's `--pipeline-parallel-size` (one batch in flight per
             stage). Only the tokens in flight depend on it: the plan is one pool holding every
             layer given, as on one GPU, where vLLM sizes each stage's GPU for that stage's
             layers (the plan's `warnings` say so).
         model_runner: `"v2"` (default, vLLM 0.33's where Triton runs) or `"v1"`
             (`VLLM_USE_V2_MODEL_RUNNER=0`): with async scheduling and pipeline parallelism,
-            V2 keeps `pipeline_parallel_size + 1` batches in flight and V1 refuses.
+            V2 keeps `pipeline_parallel_size + 1` batches in flight; V1 refuses an explicit
+            `async_scheduling=True` and resolves the default to off.
             `InFlight` counts them as vLLM's `max_in_flight_tokens`; the plan's `in_flight`
             says what was assumed.
 
@@ -244,7 +251,7 @@ def _in_flight(
     max_in_flight_tokens: int | None,
     *,
     max_num_batched_tokens: int | None,
-    async_scheduling: bool,
+    async_scheduling: bool | None,
     pipeline_parallel_size: int,
     model_runner: str,
 ) -> InFlight | None:
@@ -819,6 +826,8 @@ def _build_plan(
             f"only {concurrency:.2f} requests of {settings.max_model_len} tokens fit at once: "
             "a second long request waits for the first to finish"
         )
+    if settings.in_flight is not None and settings.in_flight.note:
+        warnings.append(settings.in_flight.note)
     stages = settings.in_flight.pipeline_parallel_size if settings.in_flight else 1
     if stages > 1:
         warnings.append(
