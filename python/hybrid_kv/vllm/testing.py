@@ -800,14 +800,7 @@ class Driver:
             self._next < len(self.workload) and self.workload[self._next].arrival_step <= self.step
         ):
             spec = self.workload[self._next]
-            request = make_request(
-                spec,
-                # Requests are hashed every `hash_block_size` tokens (the gcd of the groups'
-                # block sizes), as vLLM's engine core hashes them.
-                self.scheduler.hash_block_size,
-                self.scheduler.vllm_config.num_hash_lookahead_tokens,
-                self.scheduler.vllm_config.cache_config.prefix_caching_hash_algo,
-            )
+            request = self.make_request(spec)
             if spec.grammar is not None:
                 # The engine core starts compiling the grammar before it adds the request.
                 future: Future[Any] = Future()
@@ -825,6 +818,17 @@ class Driver:
                 else:
                     future.set_result(FakeGrammar(request_id, grammar))
         return elapsed
+
+    def make_request(self, spec: RequestSpec) -> Request:
+        """The request for `spec`, hashed as vLLM's engine core hashes it for the scheduler."""
+        return make_request(
+            spec,
+            # Requests are hashed every `hash_block_size` tokens (the gcd of the groups' block
+            # sizes).
+            self.scheduler.hash_block_size,
+            self.scheduler.vllm_config.num_hash_lookahead_tokens,
+            self.scheduler.vllm_config.cache_config.prefix_caching_hash_algo,
+        )
 
     @property
     def done(self) -> bool:
