@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import sysconfig
 
 import hybrid_kv as hk
 import numpy as np
@@ -40,6 +41,26 @@ def test_list_ints_read_like_arrays_across_the_interpreter_digit_boundaries() ->
     for bad in ([1, 2**32], [2**32 + 5], [-1], [3, -(2**30)], [2**70]):
         with pytest.raises(hk.HybridKvError):
             hk.hash_token_blocks(bad, 1)
+
+
+# The `int` layout each CPython the README supports (with the GIL) must be read in.
+SUPPORTED_INT_LAYOUTS = {
+    (3, 10): "size_then_digits",
+    (3, 11): "size_then_digits",
+    (3, 12): "tag_then_digits",
+    (3, 13): "tag_then_digits",
+}
+
+
+def test_supported_cpythons_read_one_digit_ints_directly() -> None:
+    # The direct reads are enabled by a layout check at first use, and a failed check takes the
+    # C API for every item (same values, slower): a supported CPython must pass it.
+    version = sys.version_info[:2]
+    if sys.implementation.name != "cpython" or version not in SUPPORTED_INT_LAYOUTS:
+        pytest.skip(f"{sys.implementation.name} {version} is not a supported CPython (README)")
+    if sysconfig.get_config_var("Py_GIL_DISABLED"):
+        pytest.skip("free-threaded CPython is not supported yet (README)")
+    assert hk._core._int_layout() == SUPPORTED_INT_LAYOUTS[version]
 
 
 def test_chain_shares_prefix_hashes_and_diverges_after_a_change() -> None:

@@ -40,6 +40,7 @@ __all__ = [
     "__version__",
     "_available_memory",
     "_empty_block_ids_entry",
+    "_int_layout",
     "_running_steps_entry",
     "hash_token_blocks",
 ]
@@ -255,6 +256,11 @@ class BlockPool:
 def _available_memory() -> int | None:
     """Bytes this process can take without the kernel killing anyone (`MemAvailable` plus
     `SwapFree`, within its cgroups' memory limits; Linux); None where that is not known."""
+
+def _int_layout() -> str | None:
+    """How the extension reads one-digit `int`s straight from the objects: "size_then_digits"
+    (CPython 3.10, 3.11), "tag_then_digits" (3.12 and later), or None when the layout check
+    failed at first use and every `int` goes through the C API (slower)."""
 
 def hash_token_blocks(
     token_ids: _TokenIds,

@@ -430,6 +430,16 @@ fn first_int_layout(py: Python<'_>) -> Option<IntLayout> {
     layout
 }
 
+/// The layout [`int_layout`] found ("size_then_digits" or "tag_then_digits"), or None when
+/// every `int` goes through the C API: read-only, for a test to pin the direct reads on.
+#[pyfunction]
+pub(crate) fn _int_layout(py: Python<'_>) -> Option<&'static str> {
+    int_layout(py).map(|layout| match layout {
+        IntLayout::SizeThenDigits => "size_then_digits",
+        IntLayout::TagThenDigits => "tag_then_digits",
+    })
+}
+
 /// Offsets of the size word and of the first digit in an `int` object, after the object header.
 /// `ffi::PyObject` is the header of the interpreter PyO3 builds for (two words with the GIL,
 /// four on free-threaded builds).

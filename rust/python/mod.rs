@@ -14,6 +14,7 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(convert::_int_layout, m)?)?;
     errors::register(m)?;
     pool::register(m)?;
     hashing::register(m)?;

@@ -11,9 +11,11 @@ and a short `max_model_len`; then what else an operator sets (`draw_operator_opt
 parallelism, Model Runner V2, data-parallel ranks, the prefill cadence, the per-step token budget,
 the admission limit, the adaptive long-prefill cap, EAGLE without the trailing-block drop, a
 separate draft model, dynamic speculative decoding, an embedding model); then a chat workload with
-exact duplicates and block-aligned prompts; and, while it runs, client aborts, prefix-cache resets
-(with and without preempting the running requests) and scheduler pauses at seeded steps. Every
-step's `SchedulerOutput`, engine-core outputs and KV events must be equal on both sides.
+exact duplicates and block-aligned prompts, some of its requests asking for structured output
+(`draw_grammars`: grammars that compile late or fail to, reject drafts or a sampled token); and,
+while it runs, client aborts, prefix-cache resets (with and without preempting the running
+requests) and scheduler pauses at seeded steps. Every step's `SchedulerOutput`, engine-core
+outputs and KV events must be equal on both sides.
 
 Mamba layouts also draw hashes finer than their blocks (fine-grained partial hash hits, with
 copy-on-write block copies, which the outputs compare too). The fixed tests elsewhere name each
@@ -181,6 +183,32 @@ def as_embedding_requests(
     ]
 
 
+def draw_grammars(
+    rng: random.Random, workload: list[harness.RequestSpec]
+) -> list[harness.RequestSpec]:
+    """`workload` with a share of its requests asking for structured output (from a generator
+    of its own, so the draws before stay what they were for every seed): each grammar compiles
+    at arrival or a few steps later, or fails to (a validation error for that request alone);
+    it accepts a seeded prefix of each draft, or every draft, and rarely rejects a sampled
+    token (vLLM finishes the request with an error)."""
+    if rng.random() >= 0.35:
+        return workload
+    share = rng.choice([0.2, 0.5, 1.0])
+    grammars = []
+    for spec in workload:
+        if spec.pooling or rng.random() >= share:
+            grammars.append(spec)
+            continue
+        grammar = harness.GrammarSpec(
+            ready_at=spec.arrival_step + rng.choice([0, 0, 1, 3, 8]),
+            fails=rng.random() < 0.08,
+            all_drafts=rng.random() < 0.3,
+            reject_at=rng.randrange(spec.max_tokens) if rng.random() < 0.08 else None,
+        )
+        grammars.append(dataclasses.replace(spec, grammar=grammar))
+    return grammars
+
+
 def partial_hash_hits(options: harness.Options) -> bool:
     """Whether vLLM turns fine-grained partial hash hits on: a Mamba block above the hash block."""
     return options.prefix_caching and (
@@ -311,6 +339,7 @@ def test_random_configurations_and_workloads_match_vllm(seed: int) -> None:
         options = draw_operator_options(operator, options)
         if options.pooling_runner:
             workload = as_embedding_requests(operator, workload, options.max_model_len)
+        workload = draw_grammars(random.Random(f"{seed}-grammar"), workload)
     stock = harness.build_scheduler(options)
     ours = harness.build_scheduler(options, hkv.Scheduler)
     assert ours.uses_hybrid_kv, f"fell back to vLLM's manager for {options}"

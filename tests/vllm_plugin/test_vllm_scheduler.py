@@ -14,6 +14,7 @@ import pickle
 import random
 from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -850,6 +851,49 @@ def test_the_fallback_reason_is_one_line_in_vllms_log(vllm_log) -> None:
         "hybrid-kv: using vLLM's own KV cache manager: kv_cache_metrics"
     )
     assert line.name.startswith("vllm.")
+
+
+def _without_kv_cache_groups(options: harness.Options, scheduler_cls: Any = None) -> Any:
+    """The scheduler for `options` over no KV cache group (an attention-free model's)."""
+    with mock.patch.dict(harness.LAYOUTS, {options.layout: lambda block_size: []}):
+        return harness.build_scheduler(options, scheduler_cls)
+
+
+def test_no_kv_cache_group_with_prefix_caching_fails_as_vllm_does(vllm_log) -> None:
+    # vLLM 0.33's prefix-caching coordinator fails an assertion building its manager over no
+    # group; the scheduler falls back to that manager, so it fails the same way, after the
+    # one line saying why.
+    errors = []
+    for scheduler_cls in (None, hkv.Scheduler):
+        with pytest.raises(AssertionError) as error:
+            _without_kv_cache_groups(harness.Options(), scheduler_cls)
+        errors.append((str(error.value), error.traceback[-1].name))
+    assert errors[0] == (
+        "HybridKVCacheCoordinator requires at least one cacheable group.",
+        "verify_and_split_kv_cache_groups",
+    )
+    assert errors[1] == errors[0]
+    (line,) = _hybrid_kv_lines(vllm_log)
+    assert line.levelno == logging.WARNING
+    assert line.getMessage().startswith(
+        "hybrid-kv: using vLLM's own KV cache manager: no KV cache group, with prefix caching"
+    )
+
+
+@pytest.mark.parametrize("chunked_prefill", [True, False])
+def test_no_kv_cache_group_without_prefix_caching_is_served_as_vllm(chunked_prefill: bool) -> None:
+    options = harness.Options(prefix_caching=False, max_num_seqs=4, chunked_prefill=chunked_prefill)
+    stock = _without_kv_cache_groups(options)
+    ours = _without_kv_cache_groups(options, hkv.Scheduler)
+    assert ours.uses_hybrid_kv
+    steps = 0
+    for (stock_out, stock_results), (our_out, our_results) in zip(
+        harness.Driver(stock, WORKLOAD).run(), harness.Driver(ours, WORKLOAD).run(), strict=True
+    ):
+        assert harness.summarize(our_out) == harness.summarize(stock_out), f"step {steps}"
+        assert harness.summarize_results(our_results) == harness.summarize_results(stock_results)
+        steps += 1
+    assert steps > len(WORKLOAD)
 
 
 def test_prefix_cache_resets_are_logged_as_vllms(vllm_log) -> None:

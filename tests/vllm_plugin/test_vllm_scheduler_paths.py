@@ -1,8 +1,9 @@
 """Scheduler paths the other differential tests do not take, against stock vLLM step for step
 (scheduler outputs, engine-core outputs, KV events): requests that stop on a stop token inside a
 block (with draft tokens after it), requests aborted between `schedule()` and
-`update_from_output()` of the step that scheduled them, and structured-output requests waiting for
-their grammar (one that compiles late, one that fails, one that rejects half of every draft)."""
+`update_from_output()` of the step that scheduled them, structured-output requests waiting for
+their grammar (one that compiles late, one that fails, one that rejects half of every draft), and
+structured-output requests whose grammar rejects a sampled token."""
 
 from __future__ import annotations
 
@@ -54,48 +55,41 @@ class PathsDriver(harness.Driver):
     grammar_at: dict[str, int] = dataclasses.field(default_factory=dict)
     abort_every: int = 0
     log: list[Any] = dataclasses.field(default_factory=list)
-    _grammars: dict[str, tuple[int, Future]] = dataclasses.field(default_factory=dict)
+    _grammars_at: dict[str, tuple[int, Future]] = dataclasses.field(default_factory=dict)
 
-    def _admit(self) -> None:
-        while (
-            self._next < len(self.workload) and self.workload[self._next].arrival_step <= self.step
-        ):
-            spec = self.workload[self._next]
-            self._next += 1
-            rid = spec.request_id
+    def make_request(self, spec: harness.RequestSpec) -> Request:
+        rid = spec.request_id
+        if rid not in self.stop_at and rid not in self.grammar_at:
+            return super().make_request(spec)
+        params = SamplingParams(
+            max_tokens=spec.max_tokens,
+            ignore_eos=True,
+            stop_token_ids=[STOP_TOKEN] if rid in self.stop_at else None,
+            structured_outputs=StructuredOutputsParams(json={"type": "object"})
+            if rid in self.grammar_at
+            else None,
+        )
+        request = Request(
+            request_id=rid,
+            prompt_token_ids=list(spec.prompt),
+            sampling_params=params,
+            pooling_params=None,
+            cache_salt=spec.cache_salt,
             # Hashed as vLLM's engine core hashes requests for this configuration.
-            hashing = (
+            block_hasher=harness._block_hasher(
                 self.scheduler.hash_block_size,
                 self.scheduler.vllm_config.num_hash_lookahead_tokens,
-            )
-            if rid not in self.stop_at and rid not in self.grammar_at:
-                self.scheduler.add_request(harness.make_request(spec, *hashing))
-                continue
-            params = SamplingParams(
-                max_tokens=spec.max_tokens,
-                ignore_eos=True,
-                stop_token_ids=[STOP_TOKEN] if rid in self.stop_at else None,
-                structured_outputs=StructuredOutputsParams(json={"type": "object"})
-                if rid in self.grammar_at
-                else None,
-            )
-            request = Request(
-                request_id=rid,
-                prompt_token_ids=list(spec.prompt),
-                sampling_params=params,
-                pooling_params=None,
-                cache_salt=spec.cache_salt,
-                block_hasher=harness._block_hasher(*hashing),
-                arrival_time=0.0,
-            )
-            if rid in self.grammar_at:
-                future: Future = Future()
-                request.structured_output_request.grammar = future
-                self._grammars[rid] = (self.grammar_at[rid], future)
-            self.scheduler.add_request(request)
+            ),
+            arrival_time=0.0,
+        )
+        if rid in self.grammar_at:
+            future: Future = Future()
+            request.structured_output_request.grammar = future
+            self._grammars_at[rid] = (self.grammar_at[rid], future)
+        return request
 
     def schedule(self) -> Any:
-        for at, future in self._grammars.values():
+        for at, future in self._grammars_at.values():
             if not future.done() and self.step >= abs(at):
                 if at < 0:
                     future.set_exception(ValueError("the grammar does not compile"))
@@ -120,16 +114,19 @@ class PathsDriver(harness.Driver):
         return runner
 
 
-def run_both(options: harness.Options, **paths: Any) -> tuple[list[Any], list[Any]]:
-    """Drives stock vLLM and hybrid-kv through `WORKLOAD` with the same `PathsDriver` settings;
-    asserts every step equal. Returns the finish reasons of the outputs and the aborts made."""
+def run_both(
+    options: harness.Options, workload: list[harness.RequestSpec] = WORKLOAD, **paths: Any
+) -> tuple[list[Any], list[Any], int]:
+    """Drives stock vLLM and hybrid-kv through `workload` with the same `PathsDriver` settings;
+    asserts every step equal. Returns the finish reasons of the outputs, the aborts made and the
+    steps whose drafts a grammar rejected some of."""
     schedulers = [harness.build_scheduler(options), harness.build_scheduler(options, hkv.Scheduler)]
     assert schedulers[1].uses_hybrid_kv
     recorders = [harness.EventRecorder(), harness.EventRecorder()]
     for scheduler, recorder in zip(schedulers, recorders, strict=True):
         scheduler.kv_event_publisher = recorder
-    drivers = [PathsDriver(s, WORKLOAD, **paths) for s in schedulers]
-    steps, reasons = 0, []
+    drivers = [PathsDriver(s, workload, **paths) for s in schedulers]
+    steps, reasons, invalid = 0, [], 0
     for (stock_out, stock_results), (our_out, our_results) in zip(
         drivers[0].run(), drivers[1].run(), strict=True
     ):
@@ -140,9 +137,10 @@ def run_both(options: harness.Options, **paths: Any) -> tuple[list[Any], list[An
         assert recorders[1].events == recorders[0].events, f"step {steps}"
         assert drivers[1].log == drivers[0].log
         reasons += [o.finish_reason for r in stock_results for e in r.values() for o in e.outputs]
+        invalid += bool(stock_out.num_invalid_spec_tokens)
         steps += 1
     assert steps > 0
-    return reasons, drivers[0].log
+    return reasons, drivers[0].log, invalid
 
 
 LAYOUTS = [("gpt-oss", 260), ("jamba", 300)]
@@ -169,7 +167,7 @@ def test_requests_stopping_inside_a_block_match_vllm(
     # Stop tokens at output indices 0-39: inside blocks, and inside a step's accepted drafts.
     stop_at = {s.request_id: (i * 7) % 40 for i, s in enumerate(WORKLOAD) if i % 4}
     options = harness.Options(layout=layout, num_blocks=num_blocks, kv_events=True, **drafting)
-    reasons, _ = run_both(options, stop_at=stop_at)
+    reasons, _, _ = run_both(options, stop_at=stop_at)
     assert reasons.count(FinishReason.STOP) >= len(stop_at) // 2
 
 
@@ -179,7 +177,7 @@ def test_requests_aborted_in_the_step_that_scheduled_them_match_vllm(
     layout: str, num_blocks: int, drafting: dict[str, Any]
 ) -> None:
     options = harness.Options(layout=layout, num_blocks=num_blocks, kv_events=True, **drafting)
-    _, aborts = run_both(options, abort_every=3)
+    _, aborts, _ = run_both(options, abort_every=3)
     assert len(aborts) >= 3
 
 
@@ -196,5 +194,31 @@ def test_structured_output_requests_waiting_for_their_grammar_match_vllm(
         if i % 2 == 0
     }
     options = harness.Options(layout=layout, num_blocks=num_blocks, kv_events=True, **drafting)
-    reasons, _ = run_both(options, grammar_at=grammar_at)
+    reasons, _, _ = run_both(options, grammar_at=grammar_at)
     assert FinishReason.ERROR in reasons
+
+
+@pytest.mark.parametrize("drafting", DRAFTING, ids=IDS)
+@pytest.mark.parametrize("layout,num_blocks", LAYOUTS)
+def test_structured_output_requests_whose_grammar_rejects_a_sampled_token_match_vllm(
+    layout: str, num_blocks: int, drafting: dict[str, Any]
+) -> None:
+    # Every request asks for structured output. Every third one's grammar rejects the token
+    # sampled at some output index (vLLM finishes the request with an error mid-decode); the
+    # others' grammars keep a seeded prefix of every draft, which under async scheduling they
+    # check once the step before is in (the engine core defers that step's sampling).
+    rejecting = {s.request_id for i, s in enumerate(WORKLOAD) if i % 3 == 0}
+    workload = [
+        dataclasses.replace(
+            spec,
+            grammar=harness.GrammarSpec(
+                ready_at=spec.arrival_step + i % 3,
+                reject_at=(i * 5) % spec.max_tokens if spec.request_id in rejecting else None,
+            ),
+        )
+        for i, spec in enumerate(WORKLOAD)
+    ]
+    options = harness.Options(layout=layout, num_blocks=num_blocks, kv_events=True, **drafting)
+    reasons, _, invalid = run_both(options, workload)
+    assert reasons.count(FinishReason.ERROR) >= len(rejecting) // 2
+    assert (invalid > 0) == bool(drafting.get("async_scheduling"))

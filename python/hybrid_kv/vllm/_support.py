@@ -98,6 +98,12 @@ FALLBACKS: tuple[tuple[str, Check, str], ...] = (
         "connectors need external computed tokens, block_pool access and delayed caching",
     ),
     (
+        "no KV cache group, with prefix caching",
+        lambda ctx: ctx.caching and not ctx.kv_cache_config.kv_cache_groups,
+        "vLLM 0.33's prefix-caching coordinator needs a cacheable group and fails its "
+        "assertion building the manager (so does this scheduler, with vLLM's manager)",
+    ),
+    (
         "KV cache group kind",
         _unknown_group,
         "only full, MLA, sliding-window, chunked-local and Mamba groups are implemented",

@@ -26,6 +26,7 @@ import time
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -45,7 +46,7 @@ from vllm.config import (
 from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.pooling_params import PoolingParams
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_utils import (
@@ -540,6 +541,55 @@ def _build_scheduler(options: Options, scheduler_cls: type[Any] | None, config: 
 
 
 @dataclass(frozen=True)
+class GrammarSpec:
+    """A structured-output request's grammar, played offline (`FakeGrammar`): it compiles at
+    step `ready_at` (the request waits for it meanwhile), or fails to then (`fails`: the request
+    finishes with a validation error); once compiled it accepts a seeded prefix of every draft
+    (all of it with `all_drafts`) and rejects the sampled token at output index `reject_at`
+    (vLLM then finishes the request with an error)."""
+
+    ready_at: int
+    fails: bool = False
+    all_drafts: bool = False
+    reject_at: int | None = None
+
+
+class FakeGrammar:
+    """A compiled grammar (vLLM's `StructuredOutputGrammar`) as `GrammarSpec` says; its
+    decisions depend only on the request id and the tokens it accepted, so two schedulers that
+    agree so far get the same ones."""
+
+    def __init__(self, request_id: str, spec: GrammarSpec) -> None:
+        self.request_id = request_id
+        self.spec = spec
+        self.num_accepted = 0
+
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        reject_at = self.spec.reject_at
+        if reject_at is not None and self.num_accepted <= reject_at < self.num_accepted + len(
+            tokens
+        ):
+            return False
+        self.num_accepted += len(tokens)
+        return True
+
+    def validate_tokens(self, tokens: list[int]) -> list[int]:
+        if self.spec.all_drafts:
+            return tokens
+        keep = _stable_hash(self.request_id, self.num_accepted, "grammar") % (len(tokens) + 1)
+        return tokens[:keep]
+
+    def rollback(self, num_tokens: int) -> None:
+        self.num_accepted -= num_tokens
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def reset(self) -> None:
+        self.num_accepted = 0
+
+
+@dataclass(frozen=True)
 class RequestSpec:
     request_id: str
     prompt: tuple[int, ...]
@@ -566,6 +616,8 @@ class RequestSpec:
     # A pooling request (an embedding model's): no sampling parameters, one pooler output at
     # the end of its prompt, no token sampled.
     pooling: bool = False
+    # Structured output (a JSON schema): the grammar the engine compiles for the request.
+    grammar: GrammarSpec | None = None
 
 
 def prompt_embeddings(prompt: Sequence[int]) -> torch.Tensor:
@@ -645,6 +697,9 @@ def make_request(
             max_tokens=spec.max_tokens,
             ignore_eos=True,
             prompt_logprobs=spec.prompt_logprobs,
+            structured_outputs=None
+            if spec.grammar is None
+            else StructuredOutputsParams(json={"type": "object"}),
             extra_args=None
             if spec.kv_cache_report_mode is None
             else {"kv_cache_report_mode": spec.kv_cache_report_mode},
@@ -734,6 +789,8 @@ class Driver:
     _pause: tuple[int, bool] | None = None
     # What `pause` and the steps since did: pauses, aborted requests, cache resets, resumes.
     pause_log: list[Any] = field(default_factory=list)
+    # Grammars still compiling, by request id (see `GrammarSpec`).
+    _grammars: dict[str, tuple[GrammarSpec, Future[Any]]] = field(default_factory=dict)
 
     def _admit(self) -> int:
         """Adds the requests that arrived by this step; returns the ns spent in the scheduler's
@@ -742,19 +799,36 @@ class Driver:
         while (
             self._next < len(self.workload) and self.workload[self._next].arrival_step <= self.step
         ):
-            request = make_request(
-                self.workload[self._next],
-                # Requests are hashed every `hash_block_size` tokens (the gcd of the groups'
-                # block sizes), as vLLM's engine core hashes them.
-                self.scheduler.hash_block_size,
-                self.scheduler.vllm_config.num_hash_lookahead_tokens,
-                self.scheduler.vllm_config.cache_config.prefix_caching_hash_algo,
-            )
+            spec = self.workload[self._next]
+            request = self.make_request(spec)
+            if spec.grammar is not None:
+                # The engine core starts compiling the grammar before it adds the request.
+                future: Future[Any] = Future()
+                request.structured_output_request.grammar = future
+                self._grammars[spec.request_id] = (spec.grammar, future)
             t0 = time.perf_counter_ns()
             self.scheduler.add_request(request)
             elapsed += time.perf_counter_ns() - t0
             self._next += 1
+        for request_id, (grammar, future) in list(self._grammars.items()):
+            if grammar.ready_at <= self.step:
+                del self._grammars[request_id]
+                if grammar.fails:
+                    future.set_exception(ValueError("the grammar does not compile"))
+                else:
+                    future.set_result(FakeGrammar(request_id, grammar))
         return elapsed
+
+    def make_request(self, spec: RequestSpec) -> Request:
+        """The request for `spec`, hashed as vLLM's engine core hashes it for the scheduler."""
+        return make_request(
+            spec,
+            # Requests are hashed every `hash_block_size` tokens (the gcd of the groups' block
+            # sizes).
+            self.scheduler.hash_block_size,
+            self.scheduler.vllm_config.num_hash_lookahead_tokens,
+            self.scheduler.vllm_config.cache_config.prefix_caching_hash_algo,
+        )
 
     @property
     def done(self) -> bool:
@@ -895,6 +969,27 @@ class Driver:
         ]
         return DraftTokenIds(req_ids=req_ids, draft_token_ids=drafts)
 
+    def _validate_deferred_drafts(self, output: SchedulerOutput) -> None:
+        """The engine core's deferred sampling (async scheduling): a step whose structured-output
+        requests wait for the tokens of the step before samples once that step's output is in,
+        after the grammars have checked the drafts the worker made meanwhile
+        (`update_draft_token_ids_in_output`: rejected ones become -1)."""
+        if not (output.pending_structured_output_tokens and self.scheduler.num_spec_tokens):
+            return
+        req_ids = [
+            rid for rid in output.scheduled_spec_decode_tokens if rid in self.scheduler.requests
+        ]
+        drafts = [
+            [
+                next_token(rid, self.scheduler.requests[rid].num_tokens + j)
+                for j in range(len(output.scheduled_spec_decode_tokens[rid]))
+            ]
+            for rid in req_ids
+        ]
+        self.scheduler.update_draft_token_ids_in_output(
+            DraftTokenIds(req_ids=req_ids, draft_token_ids=drafts), output
+        )
+
     def timed_step(self) -> tuple[int, int, int]:
         """One synchronous step: (ns in the scheduler's `add_request` calls of the requests
         that arrived for it and in schedule(), ns in update_from_output(), requests running).
@@ -925,6 +1020,11 @@ class Driver:
                 raise RuntimeError(f"workload not finished after {max_steps} steps")
             output = self.schedule()
             results = []
+            if output.pending_structured_output_tokens and len(self._in_flight) > 1:
+                # The engine core defers this step's sampling and waits for the oldest batch
+                # in flight, however few there are (`step_with_batch_queue`).
+                results.append(self.finish_oldest())
+                self._validate_deferred_drafts(output)
             while self._in_flight and (
                 len(self._in_flight) >= depth or not self.scheduler.has_requests()
             ):
@@ -965,6 +1065,13 @@ def summarize(output: SchedulerOutput) -> dict[str, Any]:
         # scheduling), the drafts the step asks for and whether it skips them.
         "new_token_ids": [list(t) for t in cached.new_token_ids],
         "drafting": (output.num_spec_tokens_to_schedule, output.skip_drafts),
+        # Structured output: whether the step samples under a grammar, whether that waits for
+        # the step before (async scheduling), and the drafts the grammars rejected.
+        "structured": (
+            output.has_structured_output_requests,
+            output.pending_structured_output_tokens,
+            output.num_invalid_spec_tokens,
+        ),
     }
 
 
