@@ -84,6 +84,15 @@ class ModelSpec:
     config: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
     tensor_parallel_size: int = 1
 
+    @property
+    def num_hidden_layers(self) -> int | None:
+        """The config's decoder layer count (`num_hidden_layers`), which vLLM's pipeline
+        stages split; None when the config gives none."""
+        if not self.config:
+            return None
+        value = _text_config(self.config)[0].get("num_hidden_layers")
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
 
 def list_presets() -> list[str]:
     """Names of the shipped presets (`hybrid-kv plan NAME`)."""
