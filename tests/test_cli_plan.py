@@ -152,6 +152,25 @@ def test_a_layer_partition_splits_the_stages(capsys: pytest.CaptureFixture[str])
     assert len(json.loads(capsys.readouterr().out)["plan"]["stages"]) == 1
 
 
+def test_stages_split_the_configs_layers_including_those_without_a_cache(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Nemotron-H "M-M*-M-": 7 decoder layers, the MLP-only ones ("-") without a cache. vLLM
+    # splits all 7 (4 + 3), not the 6 the last cached layer's index would suggest.
+    from test_catalogue import NEMOTRON_H
+
+    for config, layers in ((NEMOTRON_H, 7), ({**NEMOTRON_H, "num_hidden_layers": 7}, 7)):
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps(config))
+        assert main(["plan", str(path), "--memory", "4GiB", "-pp", "2", "--json"]) == 0
+        stages = json.loads(capsys.readouterr().out)["plan"]["stages"]
+        assert [(s["start_layer"], s["end_layer"]) for s in stages] == [(0, 4), (4, layers)]
+        assert [s["layer_names"] for s in stages] == [
+            ["model.layers.0", "model.layers.2", "model.layers.3"],
+            ["model.layers.5"],
+        ]
+
+
 def _vllm_in_flight(asynchronous: bool | None, stages: int, runner: str) -> int | None:
     """The tokens in flight vLLM 0.33 counts for `--max-num-batched-tokens 2048` and these
     options (None where vLLM refuses them): from a `VllmConfig` vLLM builds where vLLM is
