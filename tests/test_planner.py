@@ -451,6 +451,12 @@ def test_min_waste_sizes_the_stages_as_vllm_and_keeps_its_capacity() -> None:
             assert mine.max_concurrency >= vllm.max_concurrency, (name, stages)  # type: ignore[operator]
 
 
+def test_an_attention_free_model_has_no_stage_to_size() -> None:
+    # vLLM plans one null block whatever the stages; no stage is refused for lacking a cache.
+    plan = plan_kv_cache({}, GIB, 128, pipeline_parallel_size=2)
+    assert (plan.num_blocks, plan.groups, plan.stages) == (1, (), ())
+
+
 def test_kv_sharing_across_pipeline_stages_is_refused() -> None:
     layers: dict[str, LayerSpec] = decoder(full(), full())
     layers["model.layers.2"] = KVSharingSpec("model.layers.1")

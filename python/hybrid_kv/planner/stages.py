@@ -137,6 +137,9 @@ class StageSplit:
         cannot size a pool without one) and a KV-sharing layer its target."""
         if pipeline_parallel_size == 1 and partition is None:
             return cls.whole(layers, num_hidden_layers)
+        if all(isinstance(spec, KVSharingSpec) for spec in layers.values()):
+            # Attention-free: no GPU has a KV cache to size (vLLM's one null block).
+            return cls.whole(layers, num_hidden_layers)
         indices = {name: layer_index(name) for name in layers}
         deepest = max(indices.values(), default=-1) + 1
         if num_hidden_layers is None:
