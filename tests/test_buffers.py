@@ -119,6 +119,25 @@ def test_meta_device_plans_a_27b_model_without_memory() -> None:
     assert buffers.layer_view("model.layers.5").shape == (plan.num_blocks, 16, 16, 256)
 
 
+def test_a_pipeline_plan_is_allocated_one_stage_at_a_time() -> None:
+    layers = load_model("gemma-3-27b").layers
+    plan = plan_kv_cache(layers, 2**34, 32768, strategy="vllm", pipeline_parallel_size=3)
+    with pytest.raises(ValueError, match="3 pipeline stages, each with its own pool: give stage="):
+        allocate_kv_cache(plan, "meta")
+    for bad in (3, -1, True, "0"):
+        with pytest.raises(ValueError, match=r"stage must be an int in 0\.\.2"):
+            allocate_kv_cache(plan, "meta", stage=bad)  # type: ignore[arg-type]
+    for stage in plan.stages:
+        buffers = allocate_kv_cache(plan, "meta", stage=stage.index)
+        assert buffers.pool.numel() == stage.pool_bytes == plan.num_blocks * stage.block_bytes
+        assert set(buffers.views) == set(stage.layer_names)
+        assert all(view.shape[0] == plan.num_blocks for view in buffers.views.values())
+    # One stage: as before, with or without stage=0.
+    single = plan_kv_cache(layers, 2**34, 32768, strategy="vllm")
+    assert allocate_kv_cache(single, "meta").pool.numel() == single.pool_bytes
+    assert allocate_kv_cache(single, "meta", stage=0).pool.numel() == single.pool_bytes
+
+
 def test_default_device_is_cpu_without_cuda() -> None:
     plan = _plan(MIXES["mla"])
     expected = "cuda" if torch.cuda.is_available() else "cpu"

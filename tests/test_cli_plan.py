@@ -106,9 +106,69 @@ def test_pipeline_stages_and_the_model_runner_set_the_tokens_in_flight(
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert assumed in out.splitlines()[1]
-    # The warning that one pool holds every layer (vLLM sizes each stage for its own).
+    # Each stage's GPU, sized for its own layers as vLLM sizes it.
     staged = "-pp" in options or "--pipeline-parallel-size" in options
     assert ("pipeline stages" in out) == staged
+
+
+@pytest.mark.parametrize(
+    ("options", "num_blocks"),
+    [([], 13_107), (["-pp", "2"], 26_214), (["-pp", "4"], 43_690), (["-pp", "3"], 32_768)],
+)
+def test_pipeline_stages_size_each_gpu_as_vllm_does(
+    options: list[str], num_blocks: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # vLLM 0.33's num_blocks for Gemma 3 27B at 16 GiB per GPU (tests/test_planner_vllm.py
+    # checks them against vLLM itself): each stage's GPU holds its own layers' pages.
+    argv = ["plan", "gemma-3-27b", "--memory", "16GiB", "--max-model-len", "32768", *options]
+    assert main([*argv, "--strategy", "vllm", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert plan["num_blocks"] == num_blocks
+    stages = plan["stages"]
+    assert len(stages) == (int(options[1]) if options else 1)
+    assert min(stage["budget_blocks"] for stage in stages) == num_blocks
+    assert sum(stage["end_layer"] - stage["start_layer"] for stage in stages) == 62
+    assert {p["stage"] for p in plan["placements"]} == set(range(len(stages)))
+    assert plan["pool_bytes"] == sum(stage["pool_bytes"] for stage in stages)
+    assert main([*argv, "--strategy", "vllm"]) == 0
+    out = capsys.readouterr().out
+    assert f"num_blocks              {num_blocks:,} (incl. null block)" in out
+    assert ("pipeline stages (vllm; each GPU allocates" in out) == bool(options)
+    assert "not modelled" not in out
+
+
+def test_a_layer_partition_splits_the_stages(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "gemma-3-27b", "--memory", "16GiB", "--max-model-len", "32768", "--json"]
+    assert main([*argv, "-pp", "3", "--pp-layer-partition", " 10, 20,32"]) == 0
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert [(s["start_layer"], s["end_layer"]) for s in plan["stages"]] == [
+        (0, 10),
+        (10, 30),
+        (30, 62),
+    ]
+    assert "[10, 20, 32] decoder layers (given)" in " ".join(plan["reasons"])
+    # One stage holding every layer is a partition too.
+    assert main([*argv, "--pp-layer-partition", "62"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["plan"]["stages"]) == 1
+
+
+def test_stages_split_the_configs_layers_including_those_without_a_cache(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Nemotron-H "M-M*-M-": 7 decoder layers, the MLP-only ones ("-") without a cache. vLLM
+    # splits all 7 (4 + 3), not the 6 the last cached layer's index would suggest.
+    from test_catalogue import NEMOTRON_H
+
+    for config, layers in ((NEMOTRON_H, 7), ({**NEMOTRON_H, "num_hidden_layers": 7}, 7)):
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps(config))
+        assert main(["plan", str(path), "--memory", "4GiB", "-pp", "2", "--json"]) == 0
+        stages = json.loads(capsys.readouterr().out)["plan"]["stages"]
+        assert [(s["start_layer"], s["end_layer"]) for s in stages] == [(0, 4), (4, layers)]
+        assert [s["layer_names"] for s in stages] == [
+            ["model.layers.0", "model.layers.2", "model.layers.3"],
+            ["model.layers.5"],
+        ]
 
 
 def _vllm_in_flight(asynchronous: bool | None, stages: int, runner: str) -> int | None:
@@ -325,6 +385,28 @@ def test_plan_figure_labels_axes_and_lists_only_present_kinds() -> None:
             ["plan", "gemma-3-27b", "--memory", "40GiB", "-pp", "2", "--async-scheduling"]
             + ["--model-runner", "v1"],
             "async scheduling is not supported by vLLM's V1 model runner with pipeline",
+        ),
+        *(
+            (
+                ["plan", "gemma-3-27b", "--memory", "40GiB", "-pp", "2"]
+                + ["--pp-layer-partition", text],
+                message,
+            )
+            for text, message in (
+                ("a,b", "--pp-layer-partition must be comma-separated layer counts"),
+                ("", "--pp-layer-partition must be comma-separated layer counts"),
+                ("30,,32", "--pp-layer-partition must be comma-separated layer counts"),
+                ("31.0,31", "--pp-layer-partition must be comma-separated layer counts"),
+                ("62", "gives 1 layer count, one per stage, but the pipeline parallel size is 2"),
+                ("30,31", "sums to 61 layers, but the model has 62"),
+                ("-1,63", "counts must be ints >= 0, got -1"),
+                ("62,0", "pipeline stage 1 (no decoder layer; split [62, 0]) holds no layer"),
+            )
+        ),
+        (
+            ["plan", "gemma-3n-e4b", "--memory", "40GiB", "-pp", "3"],
+            "pipeline stage 2 (decoder layers 24-34; split [12, 12, 11]) holds no layer with a "
+            "KV cache of its own",
         ),
     ],
 )

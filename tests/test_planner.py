@@ -23,6 +23,7 @@ from hybrid_kv.planner import (
     plan_kv_cache,
 )
 from hybrid_kv.planner.inflight import V1_PP_ASYNC_NOTE
+from hybrid_kv.planner.stages import pp_partition
 from hybrid_kv.specs import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -348,11 +349,134 @@ def test_the_default_is_vllms_default_async_scheduling_of_its_default_budget() -
     assert counted.to_dict()["in_flight"] is None
 
 
-def test_pipeline_stages_warn_that_the_pool_holds_every_layer() -> None:
-    layers = model(("full", full(), 4), ("sw", sw(1024), 4))
-    plan = plan_kv_cache(layers, HUGE, 4096, pipeline_parallel_size=2)
-    assert any("2 pipeline stages" in w and "not modelled" in w for w in plan.warnings)
-    assert not any("pipeline" in w for w in plan_kv_cache(layers, HUGE, 4096).warnings)
+def decoder(*kinds: LayerSpec) -> dict[str, LayerSpec]:
+    """One layer per decoder layer, named `model.layers.{i}` as the catalogue names them."""
+    return {f"model.layers.{i}": spec for i, spec in enumerate(kinds)}
+
+
+def test_pipeline_stages_size_each_gpu_for_its_own_layers() -> None:
+    # 5 full-attention layers over 2 stages: vLLM splits them 3 + 2 (the remainder goes to
+    # the stages before the last) and sizes each GPU's blocks for its own layers; every stage
+    # takes the smallest stage's block count.
+    page = 16 * full().bytes_per_token
+    layers = decoder(*[full()] * 5)
+    memory = 100 * 3 * page + 7
+    plan = plan_kv_cache(layers, memory, 128, strategy="vllm", pipeline_parallel_size=2)
+    assert [(s.start_layer, s.end_layer) for s in plan.stages] == [(0, 3), (3, 5)]
+    assert [s.block_bytes for s in plan.stages] == [3 * page, 2 * page]
+    assert [s.budget_blocks for s in plan.stages] == [100, memory // (2 * page)]
+    assert plan.num_blocks == 100
+    assert plan.block_bytes == 5 * page  # the whole model's block, in which waste is measured
+    assert [s.pool_bytes for s in plan.stages] == [100 * 3 * page, 100 * 2 * page]
+    assert plan.pool_bytes == 100 * 5 * page
+    assert {p.layer_name: p.stage for p in plan.placements} == {
+        "model.layers.0": 0,
+        "model.layers.1": 0,
+        "model.layers.2": 0,
+        "model.layers.3": 1,
+        "model.layers.4": 1,
+    }
+    # Offsets are in the stage's own pool: each stage starts at byte 0.
+    assert [p.offset_bytes for p in plan.placements] == [0, 100 * page, 200 * page, 0, 100 * page]
+    assert not any("pipeline" in w for w in plan.warnings)
+    one = plan_kv_cache(layers, memory, 128, strategy="vllm")
+    assert one.num_blocks == memory // (5 * page)
+    assert [(s.start_layer, s.end_layer, s.block_bytes) for s in one.stages] == [(0, 5, 5 * page)]
+
+
+def test_pipeline_stages_split_as_vllm_splits_them() -> None:
+    # vLLM's get_pp_indices: the remainder one apiece from the second-to-last stage backwards.
+    assert pp_partition(62, 4) == (15, 16, 16, 15)
+    assert pp_partition(62, 3) == (21, 21, 20)
+    assert pp_partition(7, 4) == (2, 2, 2, 1)
+    assert pp_partition(8, 1) == (8,)
+    assert pp_partition(10, 3, [2, 3, 5]) == (2, 3, 5)
+    for partition, message in (
+        ([2, 3], "gives 2 layer counts, one per stage, but the pipeline parallel size is 3"),
+        ([2, 3, 4], "sums to 9 layers, but the model has 10"),
+        ([2, -1, 9], "counts must be ints >= 0"),
+        ([2, True, 7], "counts must be ints >= 0"),
+    ):
+        with pytest.raises(PlanError, match=message):
+            pp_partition(10, 3, partition)
+
+
+def test_pipeline_stages_with_a_partition_and_hybrid_groups() -> None:
+    # 4 sliding-window + 2 full layers, grouped for the whole model (group size 2: sw, sw,
+    # full); stage 0 holds layers 0-3, so 2 of each sliding group and 1 full: its block is
+    # 2 pages wide as on one GPU.
+    layers = decoder(sw(512), sw(512), full(), sw(512), sw(512), full())
+    page = 16 * full().bytes_per_token
+    plan = plan_kv_cache(
+        layers, GIB, 4096, strategy="vllm", pipeline_parallel_size=2, pp_layer_partition=[5, 1]
+    )
+    assert [(s.start_layer, s.end_layer) for s in plan.stages] == [(0, 5), (5, 6)]
+    assert [s.block_bytes for s in plan.stages] == [2 * page, page]
+    assert plan.num_blocks == GIB // (2 * page)
+    assert "[5, 1] decoder layers (given)" in "\n".join(plan.reasons)
+
+
+def test_pipeline_stage_refusals_name_the_problem() -> None:
+    layers = decoder(*[full()] * 4)
+    with pytest.raises(PlanError, match="stage 1 .*holds no layer with a KV cache"):
+        plan_kv_cache(layers, GIB, 128, pipeline_parallel_size=2, pp_layer_partition=[4, 0])
+    with pytest.raises(PlanError, match="one layer index in each layer name"):
+        plan_kv_cache(gemma3_27b(), GIB, 128, pipeline_parallel_size=2)
+    with pytest.raises(PlanError, match="beyond the model's 3 decoder layers"):
+        plan_kv_cache(layers, GIB, 128, pipeline_parallel_size=2, num_hidden_layers=3)
+    with pytest.raises(PlanError, match="pp_layer_partition must be a sequence of ints"):
+        plan_kv_cache(layers, GIB, 128, pipeline_parallel_size=2, pp_layer_partition="2,2")  # type: ignore[arg-type]
+    # Trailing decoder layers without a KV cache count when the model says how many it has.
+    plan = plan_kv_cache(layers, GIB, 128, pipeline_parallel_size=2, num_hidden_layers=6)
+    assert [(s.start_layer, s.end_layer, len(s.layer_names)) for s in plan.stages] == [
+        (0, 3, 3),
+        (3, 6, 1),
+    ]
+    with pytest.raises(PlanError, match=r"stage 1 \(decoder layers 4-7; split \[4, 4\]\)"):
+        plan_kv_cache(layers, GIB, 128, pipeline_parallel_size=2, num_hidden_layers=8)
+
+
+def test_min_waste_sizes_the_stages_as_vllm_and_keeps_its_capacity() -> None:
+    # min-waste's grouping is projected onto the stages as vLLM's is; it still admits at
+    # least as many max_model_len requests as vLLM's plan over the same stages.
+    for name in ("gemma-3-27b", "bamba-9b", "jamba-mini-1.5", "gpt-oss-20b"):
+        layers = load_model(name).layers
+        for stages in (2, 3, 4):
+            options = {"pipeline_parallel_size": stages}
+            mine = plan_kv_cache(layers, 8 * GIB, 32768, **options)  # type: ignore[arg-type]
+            vllm = plan_kv_cache(layers, 8 * GIB, 32768, strategy="vllm", **options)  # type: ignore[arg-type]
+            assert len(mine.stages) == stages
+            assert mine.num_blocks == min(s.budget_blocks for s in mine.stages)
+            assert all(s.budget_blocks == 8 * GIB // s.block_bytes for s in mine.stages)
+            assert mine.max_concurrency >= vllm.max_concurrency, (name, stages)  # type: ignore[operator]
+
+
+def test_an_attention_free_model_has_no_stage_to_size() -> None:
+    # vLLM plans one null block whatever the stages; no stage is refused for lacking a cache.
+    plan = plan_kv_cache({}, GIB, 128, pipeline_parallel_size=2)
+    assert (plan.num_blocks, plan.groups, plan.stages) == (1, (), ())
+
+
+def test_kv_sharing_across_pipeline_stages_is_refused() -> None:
+    layers: dict[str, LayerSpec] = decoder(full(), full())
+    layers["model.layers.2"] = KVSharingSpec("model.layers.1")
+    layers["model.layers.3"] = KVSharingSpec("model.layers.0")
+    with pytest.raises(PlanError, match="reads layer 'model.layers.0' of stage 0"):
+        plan_kv_cache(layers, GIB, 128, pipeline_parallel_size=2, pp_layer_partition=[1, 3])
+
+
+def test_insufficient_memory_with_stages_names_the_first_stage_that_fails() -> None:
+    # Stage 1 (3 layers) has the wider block: the budget holds stage 0's reservation only.
+    layers = decoder(*[full()] * 5)
+    page = 16 * full().bytes_per_token
+    # 8 blocks per 128-token request plus the null block: 18 pages on stage 0, 27 on stage 1.
+    arguments = {"strategy": "vllm", "pipeline_parallel_size": 2, "pp_layer_partition": [2, 3]}
+    plan = plan_kv_cache(layers, 27 * page, 128, **arguments)  # type: ignore[arg-type]
+    assert plan.num_blocks == 9
+    with pytest.raises(InsufficientMemoryError, match="on pipeline stage 1's GPU") as error:
+        plan_kv_cache(layers, 26 * page, 128, **arguments)  # type: ignore[arg-type]
+    assert error.value.needed_bytes == 27 * page
+    assert error.value.fitting_max_model_len == 112  # 7 blocks of 16 tokens fit stage 1
 
 
 def test_low_concurrency_is_warned_about() -> None:

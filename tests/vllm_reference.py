@@ -318,6 +318,92 @@ def vllm_plan(
     return config, kv_cache_config
 
 
+def vllm_stage_specs(
+    layers: dict[str, LayerSpec], stages: int, partition: str | None = None
+) -> list[dict[str, Any]]:
+    """Each pipeline stage's `{layer: KVCacheSpec}`: the layers of the decoder layers vLLM's
+    `get_pp_indices` gives the stage (`partition` as `VLLM_PP_LAYER_PARTITION`), each layer's
+    index read by vLLM's `extract_layer_index`."""
+    from vllm.distributed.utils import get_pp_indices
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    specs = vllm_specs(layers)
+    num_layers = max(extract_layer_index(name) for name in layers) + 1
+    old = os.environ.get("VLLM_PP_LAYER_PARTITION")
+    if partition is None:
+        os.environ.pop("VLLM_PP_LAYER_PARTITION", None)
+    else:
+        os.environ["VLLM_PP_LAYER_PARTITION"] = partition
+    try:
+        ranges = [get_pp_indices(num_layers, rank, stages) for rank in range(stages)]
+    finally:
+        if old is None:
+            os.environ.pop("VLLM_PP_LAYER_PARTITION", None)
+        else:
+            os.environ["VLLM_PP_LAYER_PARTITION"] = old
+    return [
+        {n: s for n, s in specs.items() if start <= extract_layer_index(n) < end}
+        for start, end in ranges
+    ]
+
+
+def summarise_stages(
+    layers: dict[str, LayerSpec],
+    memory: int,
+    max_model_len: int,
+    stages: int,
+    partition: str | None = None,
+    in_flight: int = IN_FLIGHT,
+) -> dict[str, Any]:
+    """vLLM's plan over `stages` pipeline stages of `memory` bytes each: the global groups,
+    `num_blocks`, and each stage worker's bytes per block and tensors (or the refusal)."""
+    import re
+
+    from vllm.v1.core import kv_cache_planning as planning
+
+    config = vllm_config(max_model_len, in_flight=in_flight)
+    workers = vllm_stage_specs(layers, stages, partition)
+    groups = planning.get_global_kv_cache_groups(config, workers)
+    try:
+        configs = planning.get_kv_cache_configs(config, workers, [memory] * stages, groups)
+    except ValueError as error:
+        fit = re.search(r"estimated maximum model length is (\d+)", str(error))
+        needed = re.search(r"\(([\d.]+) GiB KV cache is needed", str(error))
+        return {
+            "refused": True,
+            "fitting_max_model_len": int(fit.group(1)) if fit else 0,
+            "needed_gib": needed.group(1) if needed else None,
+        }
+    (num_blocks,) = {c.num_blocks for c in configs}
+    per_request = sum(
+        _cdiv(g.kv_cache_spec.max_memory_usage_bytes(config), g.kv_cache_spec.page_size_bytes)
+        for g in groups
+    )
+    return {
+        "refused": False,
+        "num_blocks": num_blocks,
+        "blocks_per_request": per_request,
+        "groups": [list(g.layer_names) for g in groups],
+        "stages": [
+            {
+                "layers": list(worker),
+                "bytes_per_block": c.kv_cache_tensors[0].size // num_blocks,
+                "tensors": [
+                    {
+                        "layers": list(t.layers),
+                        "offset": t.offset,
+                        "layer_stride": t.layer_stride,
+                        "block_stride": t.block_stride,
+                        "size": t.size,
+                    }
+                    for t in c.kv_cache_tensors
+                ],
+            }
+            for worker, c in zip(workers, configs, strict=True)
+        ],
+    }
+
+
 def summarise(
     layers: dict[str, LayerSpec], memory: int, max_model_len: int, in_flight: int = IN_FLIGHT
 ) -> dict[str, Any]:

@@ -1,9 +1,10 @@
 """Torch buffers for a `KVCachePlan` and per-layer views. The only module that imports torch.
 
 One `int8` backing allocation of `plan.num_blocks * plan.block_bytes` bytes holds every
-layer; each layer's view is a strided view of it with exactly the shape, strides and storage
-offset vLLM 0.33 gives the same plan in the same layout (`plan.kv_cache_layout`), so the
-views can be handed to vLLM's attention backends:
+layer (with pipeline stages, one stage's pool holds that stage's layers); each layer's view
+is a strided view of it with exactly the shape, strides and storage offset vLLM 0.33 gives
+the same plan in the same layout (`plan.kv_cache_layout`), so the views can be handed to
+vLLM's attention backends:
 
 * attention: `[num_blocks, num_kv_heads, block_size, head_size + head_size_v]` in the KV
   dtype, K and V side by side in the last axis (strides from the layout);
@@ -75,10 +76,12 @@ def allocate_kv_cache(
     device: str | torch.device | None = None,
     *,
     zero: bool = True,
+    stage: int | None = None,
 ) -> KVCacheBuffers:
     """Allocate the plan's memory on `device` (default `default_device()`; `"meta"` allocates
     nothing) and build the per-layer views. `zero` fills the pool with zeros (Mamba states
-    must start from zero).
+    must start from zero). A plan with pipeline stages is allocated one stage at a time, as
+    each stage's GPU holds its own layers: `stage` picks it (with one stage, 0 or None).
 
     On the CPU, a pool larger than the memory the kernel can hand out (`MemAvailable` plus
     `SwapFree`, within the process's cgroup limits, where Linux tells) is a `MemoryError`
@@ -87,35 +90,46 @@ def allocate_kv_cache(
     GPU, torch's allocator refuses for itself."""
     if not isinstance(plan, KVCachePlan):
         raise TypeError(f"allocate_kv_cache needs a KVCachePlan, got {type(plan).__name__}")
+    stages = max(len(plan.stages), 1)
+    if stage is None:
+        if stages > 1:
+            raise ValueError(
+                f"the plan has {stages} pipeline stages, each with its own pool: give stage= "
+                f"(0 to {stages - 1})"
+            )
+        stage = 0
+    elif isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < stages:
+        raise ValueError(f"stage must be an int in 0..{stages - 1}, got {stage!r}")
+    pool_bytes = plan.stages[stage].pool_bytes if plan.stages else plan.pool_bytes
     device = default_device() if device is None else torch.device(device)
-    if plan.pool_bytes >= 2**63:
+    if pool_bytes >= 2**63:
         # torch sizes tensors with signed 64-bit counts (no device holds this much anyway).
         raise ValueError(
-            f"the KV cache pool of {format_bytes(plan.pool_bytes)} is beyond what a torch "
+            f"the KV cache pool of {format_bytes(pool_bytes)} is beyond what a torch "
             "tensor can size (2**63 bytes): plan a smaller budget"
         )
     if device.type == "cpu":
         available = _core._available_memory()
-        if available is not None and plan.pool_bytes > available:
+        if available is not None and pool_bytes > available:
             raise MemoryError(
-                f"the KV cache pool needs {format_bytes(plan.pool_bytes)} on the CPU, but only "
+                f"the KV cache pool needs {format_bytes(pool_bytes)} on the CPU, but only "
                 f"{format_bytes(available)} can be allocated (MemAvailable plus SwapFree, within "
                 "the cgroup's limit): plan a smaller budget or allocate it on a GPU"
             )
-    pool = torch.empty(plan.pool_bytes, dtype=torch.int8, device=device)
+    pool = torch.empty(pool_bytes, dtype=torch.int8, device=device)
     if zero and device.type != "meta":
         pool.zero_()
     views: dict[str, torch.Tensor] = {}
     states: dict[str, tuple[torch.Tensor, ...]] = {}
     for placement in plan.placements:
-        if placement.shared_from is not None:
+        if placement.shared_from is not None or placement.stage != stage:
             continue
         view = _layer_view(pool, placement)
         views[placement.layer_name] = view
         if isinstance(placement.spec, MambaSpec):
             states[placement.layer_name] = _mamba_states(view, placement.spec)
     for placement in plan.placements:
-        if placement.shared_from is not None:
+        if placement.shared_from is not None and placement.stage == stage:
             views[placement.layer_name] = views[placement.shared_from]
     return KVCacheBuffers(plan, pool, views, states)
 

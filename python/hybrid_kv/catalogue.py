@@ -84,6 +84,20 @@ class ModelSpec:
     config: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
     tensor_parallel_size: int = 1
 
+    @property
+    def num_hidden_layers(self) -> int | None:
+        """The config's decoder layer count (`num_hidden_layers`, else Nemotron-H's pattern
+        length), which vLLM's pipeline stages split; None when the config gives none."""
+        if not self.config:
+            return None
+        text = _text_config(self.config)[0]
+        value = text.get("num_hidden_layers")
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        # Nemotron-H's layers are its pattern's characters, MLP-only ones (no cache) included.
+        pattern = text.get("hybrid_override_pattern")
+        return len(pattern) if isinstance(pattern, str) else None
+
 
 def list_presets() -> list[str]:
     """Names of the shipped presets (`hybrid-kv plan NAME`)."""

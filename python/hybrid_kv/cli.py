@@ -40,6 +40,7 @@ from hybrid_kv.planner import (
     format_bytes,
     kv_cache_budget,
     parse_memory,
+    parse_partition,
     plan_kv_cache,
 )
 from hybrid_kv.planner.lengths import parse_token_count
@@ -54,7 +55,7 @@ JSON_SCHEMA_VERSION = 2
 """Version of the documents `plan --json` and `simulate --json` print."""
 
 Command = Callable[[argparse.Namespace], int]
-_VALUE_OPTIONS = {"--memory", "--gpu-memory", "--weights-memory"}
+_VALUE_OPTIONS = {"--memory", "--gpu-memory", "--weights-memory", "--pp-layer-partition"}
 
 
 class CommandError(Exception):
@@ -326,6 +327,11 @@ def _budget(args: argparse.Namespace, model: ModelSpec) -> tuple[int, str]:
         source = "estimated from the config"
         if note is not None:
             source += f" at 16 bits: {note}, pass --weights-memory for its size"
+    stages = _pipeline_parallel_size(getattr(args, "pipeline_parallel_size", "1"))
+    if stages > 1 and args.weights_memory is None:
+        # Each stage's GPU holds about 1/N of the layers' weights; the estimate is the whole
+        # model's, so the budget per GPU is a lower bound.
+        source += f"; the whole model's weights, though each of the {stages} stages holds a part"
     memory = kv_cache_budget(gpu, args.gpu_memory_utilization, weights)
     return memory, (
         f"KV cache budget {format_bytes(memory)} = {args.gpu_memory_utilization:g} x "
@@ -365,7 +371,17 @@ def _add_plan_parser(subparsers: Any) -> None:
         default="1",
         metavar="N",
         help="vLLM's pipeline stages: N batches in flight (N + 1 with async scheduling on "
-        "model runner v2); the plan still holds every layer in one pool (default 1)",
+        "model runner v2), the layers split over N GPUs as vLLM splits them, each GPU's pool "
+        "sized for its own layers within the budget (per GPU); num_blocks is the smallest "
+        "stage's (default 1)",
+    )
+    parser.add_argument(
+        "--pp-layer-partition",
+        default=None,
+        metavar="COUNTS",
+        help="decoder layers per pipeline stage, as vLLM's VLLM_PP_LAYER_PARTITION gives them "
+        "(e.g. 20,21,21: one count per stage, summing to the model's layers; default: "
+        "vLLM's split)",
     )
     parser.add_argument(
         "--model-runner",
@@ -447,6 +463,20 @@ def _pipeline_parallel_size(text: str) -> int:
     return size
 
 
+def _pp_layer_partition(text: str | None) -> tuple[int, ...] | None:
+    """`--pp-layer-partition`: comma-separated counts, read as vLLM reads
+    `VLLM_PP_LAYER_PARTITION` (the planner checks them against the stages and layers)."""
+    if text is None:
+        return None
+    try:
+        return parse_partition(text)
+    except PlanError:
+        raise CommandError(
+            f"--pp-layer-partition must be comma-separated layer counts, one per stage "
+            f"(e.g. 20,21,21), got {text!r}"
+        ) from None
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     if args.strategy == "vllm" and args.max_groups is not None:
         raise CommandError(
@@ -466,6 +496,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "async_scheduling": args.async_scheduling,
         "pipeline_parallel_size": _pipeline_parallel_size(args.pipeline_parallel_size),
+        "pp_layer_partition": _pp_layer_partition(args.pp_layer_partition),
+        "num_hidden_layers": model.num_hidden_layers,
         "model_runner": args.model_runner,
         "enable_prefix_caching": not args.no_prefix_caching,
         "kv_cache_layout": args.kv_cache_layout,
@@ -550,7 +582,7 @@ def format_plan_report(
             lambda p: ", ".join(str(s) for s in sorted({g.block_size for g in p.groups})) or "-",
         ),
         ("hash block size", lambda p: str(p.hash_block_size)),
-        ("page size (block)", lambda p: format_bytes(p.block_bytes)),
+        ("page size (block)", _block_bytes),
         ("padding", _padding),
         ("num_blocks", lambda p: f"{p.num_blocks:,} (incl. null block)"),
         ("blocks per request", lambda p: f"{p.blocks_per_request:,} (vLLM's reservation)"),
@@ -573,6 +605,9 @@ def format_plan_report(
         lines.append(f"vllm 0.33: {baseline_error}")
     lines.append("")
     lines.append(plan.summary_line())
+    if len(plan.stages) > 1:
+        lines.append("")
+        lines.extend(_stage_lines(plan))
     lines.append("")
     lines.append(f"groups ({plan.strategy}):")
     group_table = [["id", "kind", "block", "layers", "padding", "shared", "layer names"]]
@@ -596,6 +631,34 @@ def format_plan_report(
         lines.append("warnings:")
         lines.extend(f"  - {warning}" for warning in plan.warnings)
     return "\n".join(lines)
+
+
+def _block_bytes(plan: KVCachePlan) -> str:
+    if len(plan.stages) <= 1:
+        return format_bytes(plan.block_bytes)
+    widest = max(stage.block_bytes for stage in plan.stages)
+    return f"{format_bytes(plan.block_bytes)} (all stages; per GPU up to {format_bytes(widest)})"
+
+
+def _stage_lines(plan: KVCachePlan) -> list[str]:
+    """Each pipeline stage's GPU: its layers, block, the blocks its budget makes, its pool."""
+    table = [["stage", "decoder layers", "KV layers", "page size (block)", "budget blocks", "pool"]]
+    for stage in plan.stages:
+        table.append(
+            [
+                str(stage.index),
+                f"{stage.start_layer}-{stage.end_layer - 1}",
+                str(len(stage.layer_names)),
+                format_bytes(stage.block_bytes),
+                f"{stage.budget_blocks:,}",
+                format_bytes(stage.pool_bytes),
+            ]
+        )
+    return [
+        f"pipeline stages ({plan.strategy}; each GPU allocates num_blocks = {plan.num_blocks:,}, "
+        "the smallest stage's):",
+        *("  " + line for line in _format_table(table)),
+    ]
 
 
 def _padding(plan: KVCachePlan) -> str:

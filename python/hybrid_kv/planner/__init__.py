@@ -4,6 +4,7 @@
 * `search` the grouping search (vLLM 0.33's grouping and the min-waste search);
 * `entry` the entry point, `plan_kv_cache`;
 * `inflight` the tokens in flight vLLM counts from its scheduler options (`InFlight`);
+* `stages` the pipeline stages' layers, as vLLM splits them (`PipelineStage`);
 * `layout` vLLM's six physical layouts; `lengths` request-length distributions; `memory`
   memory sizes and GPU budgets.
 
@@ -33,6 +34,7 @@ from hybrid_kv.planner.plan import (
     admission_blocks,
     blocks_held,
 )
+from hybrid_kv.planner.stages import PipelineStage, parse_partition, pp_partition
 
 __all__ = [
     "DEFAULT_LAYOUT",
@@ -51,6 +53,7 @@ __all__ = [
     "KVCachePlan",
     "LayerPlacement",
     "LengthDistribution",
+    "PipelineStage",
     "PlanError",
     "WasteReport",
     "admission_blocks",
@@ -58,5 +61,7 @@ __all__ = [
     "format_bytes",
     "kv_cache_budget",
     "parse_memory",
+    "parse_partition",
     "plan_kv_cache",
+    "pp_partition",
 ]

@@ -45,6 +45,7 @@ from hybrid_kv.planner.search import (
     vllm_candidate,
     vllm_group_size,
 )
+from hybrid_kv.planner.stages import PipelineStage, StageSplit
 from hybrid_kv.specs import (
     ATTENTION_SPEC_TYPES,
     KVSharingSpec,
@@ -99,11 +100,14 @@ def plan_kv_cache(
     async_scheduling: bool | None = None,
     pipeline_parallel_size: int = 1,
     model_runner: str = DEFAULT_MODEL_RUNNER,
+    num_hidden_layers: int | None = None,
+    pp_layer_partition: Sequence[int] | None = None,
 ) -> KVCachePlan:
     """Plan the KV cache of a model: `{layer_name: spec}` in model order.
 
     Args:
-        memory_bytes: bytes for the whole pool (the null block included).
+        memory_bytes: bytes for the whole pool (the null block included); with pipeline
+            stages, for each stage's GPU (as vLLM's budget is per GPU).
         max_model_len: longest request; vLLM's reservation for one such request must fit.
         block_size: base attention block size (a multiple of `alignment`).
         alignment: kernel block-size alignment; grown block sizes stay multiples of it.
@@ -128,16 +132,21 @@ def plan_kv_cache(
             `--no-async-scheduling` (give False for what else vLLM turns it off for: pooling
             models, executors without support, ROCm DeepEP high-throughput DBO, some
             speculative methods on the V1 runner).
-        pipeline_parallel_size: vLLM's `--pipeline-parallel-size` (one batch in flight per
-            stage). Only the tokens in flight depend on it: the plan is one pool holding every
-            layer given, as on one GPU, where vLLM sizes each stage's GPU for that stage's
-            layers (the plan's `warnings` say so).
+        pipeline_parallel_size: vLLM's `--pipeline-parallel-size`: one batch in flight per
+            stage, and the layers split over the stages' GPUs as vLLM splits them. The groups
+            are the whole model's; each stage's pool holds its own layers' pages, and
+            `num_blocks` is the smallest stage's (`plan.stages` gives each stage's figures).
         model_runner: `"v2"` (default, vLLM 0.33's where Triton runs) or `"v1"`
             (`VLLM_USE_V2_MODEL_RUNNER=0`): with async scheduling and pipeline parallelism,
             V2 keeps `pipeline_parallel_size + 1` batches in flight; V1 refuses an explicit
             `async_scheduling=True` and resolves the default to off.
             `InFlight` counts them as vLLM's `max_in_flight_tokens`; the plan's `in_flight`
             says what was assumed.
+        num_hidden_layers: the model's decoder layers, which the stages split (default: one
+            more than the highest layer index in the names; give it when the last layers have
+            no KV cache).
+        pp_layer_partition: decoder layers per stage, as vLLM's `VLLM_PP_LAYER_PARTITION`
+            gives them (one count per stage, summing to `num_hidden_layers`).
 
     Raises:
         SpecError: invalid layers (names the layer).
@@ -161,6 +170,14 @@ def plan_kv_cache(
         in_flight.tokens
         if in_flight is not None
         else _check_int("max_in_flight_tokens", max_in_flight_tokens)
+    )
+    if num_hidden_layers is not None:
+        num_hidden_layers = _check_int("num_hidden_layers", num_hidden_layers)
+    split = StageSplit.of(
+        layers,
+        in_flight.pipeline_parallel_size if in_flight is not None else 1,
+        num_hidden_layers,
+        None if pp_layer_partition is None else _partition(pp_layer_partition),
     )
     if block_size % alignment:
         raise PlanError(
@@ -199,12 +216,13 @@ def plan_kv_cache(
         prefix_match_unit,
         enable_prefix_caching,
         in_flight,
+        split,
     )
     buckets = buckets_of(layers)
     if not buckets:
         return _attention_free_plan(settings, distribution)
     scorer = Scorer(buckets, distribution, max_model_len, max_in_flight_tokens, mamba_mode)
-    vllm = vllm_candidate(layers, buckets, block_size, alignment, scorer)
+    vllm = _staged(settings, vllm_candidate(layers, buckets, block_size, alignment, scorer))
     vllm_problem = _vllm_layout_problem(buckets, vllm, layout)
     reasons: list[str] = []
     alternatives: list[CandidateSummary] = []
@@ -298,6 +316,35 @@ class _Settings:
     prefix_match_unit: int | None
     prefix_caching: bool
     in_flight: InFlight | None
+    split: StageSplit
+
+
+def _partition(partition: object) -> tuple[int, ...]:
+    if isinstance(partition, (str, bytes)) or not isinstance(partition, Sequence):
+        raise PlanError(f"pp_layer_partition must be a sequence of ints, got {partition!r}")
+    return tuple(partition)
+
+
+def _stage_block_bytes(split: StageSplit, candidate: Candidate) -> tuple[int, ...]:
+    """Each stage's bytes per block under this grouping: vLLM keeps every group on every
+    stage with only the stage's layers, and a block holds the widest group's pages."""
+    pages = candidate.sizing.page_bytes
+    result = []
+    for names in split.names:
+        held = set(names)
+        widths = (
+            sum(pages[b] for b, name in members if name in held) for members in candidate.groups
+        )
+        result.append(max(widths, default=0))
+    return tuple(result)
+
+
+def _staged(settings: _Settings, candidate: Candidate) -> Candidate:
+    """The candidate as its largest stage sizes it (`block_bytes` per GPU: the budget makes
+    the smallest stage's `num_blocks`); unchanged on one stage."""
+    if settings.split.size == 1:
+        return candidate
+    return replace(candidate, block_bytes=max(_stage_block_bytes(settings.split, candidate)))
 
 
 # --------------------------------------------------------------------------- choosing
@@ -394,15 +441,18 @@ def _choose(
         candidates = [vllm]
     else:
         cap = None if max_groups is not None else vllm.num_attention_groups + EXTRA_ATTENTION_GROUPS
-        candidates = search(
-            buckets,
-            settings.block_size,
-            alignment,
-            scorer,
-            allow_spans=allow_spans,
-            max_attention_groups=cap,
-            max_groups=max_groups,
-        )
+        candidates = [
+            _staged(settings, c)
+            for c in search(
+                buckets,
+                settings.block_size,
+                alignment,
+                scorer,
+                allow_spans=allow_spans,
+                max_attention_groups=cap,
+                max_groups=max_groups,
+            )
+        ]
         if max_groups is None or vllm.num_groups <= max_groups:
             candidates.append(vllm)
     if not candidates:
@@ -507,15 +557,18 @@ def _mamba_options(
     option_b = [c for c in allowed if c.label == "B"]
     note = ""
     if not allow_spans:
-        wider = search(
-            buckets,
-            settings.block_size,
-            alignment,
-            scorer,
-            allow_spans=True,
-            max_attention_groups=attention_cap,
-            max_groups=max_groups,
-        )
+        wider = [
+            _staged(settings, c)
+            for c in search(
+                buckets,
+                settings.block_size,
+                alignment,
+                scorer,
+                allow_spans=True,
+                max_attention_groups=attention_cap,
+                max_groups=max_groups,
+            )
+        ]
         option_b = [
             c
             for c in wider
@@ -596,11 +649,20 @@ def fitting_max_model_len(
 def _insufficient(
     settings: _Settings, buckets: Sequence[Bucket], candidate: Candidate
 ) -> InsufficientMemoryError:
+    where = ""
+    if settings.split.size > 1:
+        # vLLM checks the stages in order and refuses at the first whose GPU cannot hold the
+        # reservation, with that stage's estimate of a fitting max_model_len.
+        for stage, block_bytes in enumerate(_stage_block_bytes(settings.split, candidate)):
+            staged = replace(candidate, block_bytes=block_bytes)
+            if not staged.fits(settings.memory_bytes):
+                candidate, where = staged, f" on pipeline stage {stage}'s GPU"
+                break
     needed = (candidate.admission + 1) * candidate.block_bytes
     fitting = fitting_max_model_len(candidate, buckets, settings)
     request = (
         f"one request of max_model_len={settings.max_model_len} tokens needs "
-        f"{candidate.admission} blocks"
+        f"{candidate.admission} blocks{where}"
     )
     if candidate.admission + 1 > MAX_BLOCKS:
         message = (
@@ -703,13 +765,18 @@ def _build_plan(
     alternatives: list[CandidateSummary],
 ) -> KVCachePlan:
     sizing = chosen.sizing
-    block_bytes = chosen.block_bytes
-    num_blocks = settings.memory_bytes // block_bytes
+    split = settings.split
+    # The whole model's bytes per block (one page of every layer in the widest group), and
+    # each stage GPU's: with one stage, the same.
+    block_bytes = max(sum(sizing.page_bytes[b] for b, _ in members) for members in chosen.groups)
+    stage_bytes = _stage_block_bytes(split, chosen)
+    budget_blocks = [settings.memory_bytes // b for b in stage_bytes]
+    num_blocks = min(budget_blocks)
     if num_blocks > MAX_BLOCKS:
         reasons.append(
             f"pool capped at {MAX_BLOCKS:,} blocks: block ids are 32-bit (vLLM's block tables "
             f"are int32, as are hybrid-kv's); {format_bytes(settings.memory_bytes)} would make "
-            f"{num_blocks:,} blocks of {format_bytes(block_bytes)}"
+            f"{num_blocks:,} blocks of {format_bytes(max(stage_bytes))}"
         )
         num_blocks = MAX_BLOCKS
 
@@ -745,37 +812,60 @@ def _build_plan(
                 for b, name in members
             ]
         )
-    runs = place_groups(shaped, num_blocks, settings.layout)
-    pool_bytes = num_blocks * block_bytes
     used = {name: sizing.used_bytes[b] for members in chosen.groups for b, name in members}
     placements: dict[str, LayerPlacement] = {}
     buffers: list[KVCacheBuffer] = []
-    for index, run in enumerate(runs):
-        buffers.append(
-            KVCacheBuffer(
-                index=index,
-                group_id=run.group_id,
-                layer_names=run.layer_names,
-                offset_bytes=run.offset,
-                layer_stride_bytes=run.layer_stride,
-                block_stride_bytes=run.block_stride,
-                page_bytes=run.shape.page_bytes,
-                size_bytes=pool_bytes,
+    stages: list[PipelineStage] = []
+    for stage, names in enumerate(split.names):
+        # Each stage's GPU lays out its own layers of every group (vLLM keeps every group on
+        # every stage) in a pool of `num_blocks` blocks of its own size.
+        held = set(names)
+        runs = place_groups(
+            [[entry for entry in members if entry[0] in held] for members in shaped],
+            num_blocks,
+            settings.layout,
+        )
+        pool_bytes = num_blocks * stage_bytes[stage]
+        start, end = split.ranges[stage]
+        stages.append(
+            PipelineStage(
+                stage, start, end, names, stage_bytes[stage], budget_blocks[stage], pool_bytes
             )
         )
-        for position, name in enumerate(run.layer_names):
-            placements[name] = LayerPlacement(
-                layer_name=name,
-                group_id=run.group_id,
-                offset_bytes=run.layer_offset(position),
-                block_stride_bytes=run.block_stride,
-                page_bytes=run.shape.page_bytes,
-                used_bytes=used[name],
-                spec=layers[name],
-                view_shape=(num_blocks, run.shape.heads, run.shape.tokens, run.shape.content_bytes),
-                view_strides=run.view_strides,
-                buffer_index=index,
+        for run in runs:
+            index = len(buffers)
+            buffers.append(
+                KVCacheBuffer(
+                    index=index,
+                    group_id=run.group_id,
+                    layer_names=run.layer_names,
+                    offset_bytes=run.offset,
+                    layer_stride_bytes=run.layer_stride,
+                    block_stride_bytes=run.block_stride,
+                    page_bytes=run.shape.page_bytes,
+                    size_bytes=pool_bytes,
+                    stage=stage,
+                )
             )
+            for position, name in enumerate(run.layer_names):
+                placements[name] = LayerPlacement(
+                    layer_name=name,
+                    group_id=run.group_id,
+                    offset_bytes=run.layer_offset(position),
+                    block_stride_bytes=run.block_stride,
+                    page_bytes=run.shape.page_bytes,
+                    used_bytes=used[name],
+                    spec=layers[name],
+                    view_shape=(
+                        num_blocks,
+                        run.shape.heads,
+                        run.shape.tokens,
+                        run.shape.content_bytes,
+                    ),
+                    view_strides=run.view_strides,
+                    buffer_index=index,
+                    stage=stage,
+                )
 
     shared: dict[int, list[str]] = {}
     for name, spec in layers.items():
@@ -806,8 +896,14 @@ def _build_plan(
         tuple(measure_waste(groups, ordered, block_bytes, n) for n in distribution.lengths),
     )
     concurrency = num_blocks / blocks_per_request
+    pool = (
+        f"{num_blocks} blocks of {block_bytes} B"
+        if split.size == 1
+        else f"{num_blocks} blocks on each of {split.size} stage GPUs (of "
+        f"{', '.join(str(b) for b in stage_bytes)} B; {block_bytes} B over all stages)"
+    )
     reasons.append(
-        f"pool: {num_blocks} blocks of {block_bytes} B in layout {settings.layout}, block 0 "
+        f"pool: {pool} in layout {settings.layout}, block 0 "
         f"reserved as the null block; vLLM reserves {blocks_per_request} blocks per "
         f"{settings.max_model_len}-token request ({settings.max_in_flight_tokens} tokens in "
         f"flight), so {concurrency:.2f} such requests fit at once"
@@ -828,14 +924,13 @@ def _build_plan(
         )
     if settings.in_flight is not None and settings.in_flight.note:
         warnings.append(settings.in_flight.note)
-    stages = settings.in_flight.pipeline_parallel_size if settings.in_flight else 1
-    if stages > 1:
-        warnings.append(
-            f"one pool holds all {len(layers)} layers, as on one GPU: vLLM with {stages} "
-            "pipeline stages groups the whole model's layers but sizes each stage's GPU for "
-            "that stage's layers only (num_blocks: the smallest stage's), so its pool per GPU "
-            f"has more blocks than this one (up to about {stages}x); per-stage sizing is not "
-            "modelled"
+    if split.size > 1:
+        smallest = budget_blocks.index(min(budget_blocks))
+        reasons.append(
+            f"{split.size} pipeline stages, {split.source}: the groups are the whole model's, "
+            "each stage's GPU holds its own layers' pages of every group; num_blocks is the "
+            f"smallest stage's (stage {smallest}, {format_bytes(stage_bytes[smallest])} blocks), "
+            "as vLLM takes it"
         )
     return KVCachePlan(
         strategy=settings.strategy,
@@ -857,4 +952,5 @@ def _build_plan(
         reasons=tuple(reasons),
         alternatives=tuple(alternatives),
         warnings=tuple(warnings),
+        stages=tuple(stages),
     )

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from hybrid_kv.planner.errors import PlanError
 from hybrid_kv.planner.inflight import InFlight
 from hybrid_kv.planner.lengths import LengthDistribution
+from hybrid_kv.planner.stages import PipelineStage
 from hybrid_kv.specs import LayerSpec, MambaSpec
 
 __all__ = [
@@ -33,7 +34,7 @@ __all__ = [
     "blocks_held",
 ]
 
-PLAN_SCHEMA_VERSION = 2
+PLAN_SCHEMA_VERSION = 3
 """Version of `KVCachePlan.to_dict()` (and `hybrid-kv plan --json`); bumped on any change a
 reader must know about."""
 
@@ -209,6 +210,7 @@ class LayerPlacement:
     view_strides: tuple[int, int, int, int]
     buffer_index: int
     shared_from: str | None = None
+    stage: int = 0
 
     @property
     def page_is_contiguous(self) -> bool:
@@ -239,6 +241,7 @@ class LayerPlacement:
             "view_strides": list(self.view_strides),
             "spec": _spec_to_dict(self.spec),
             "shared_from": self.shared_from,
+            "stage": self.stage,
         }
 
 
@@ -256,6 +259,7 @@ class KVCacheBuffer:
     block_stride_bytes: int
     page_bytes: int
     size_bytes: int
+    stage: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -267,6 +271,7 @@ class KVCacheBuffer:
             "block_stride_bytes": self.block_stride_bytes,
             "page_bytes": self.page_bytes,
             "size_bytes": self.size_bytes,
+            "stage": self.stage,
         }
 
 
@@ -397,6 +402,13 @@ class KVCachePlan:
     concurrency for L tokens per request: X"). An attention-free model has no groups and one
     block, as in vLLM. `in_flight` holds the scheduler options `max_in_flight_tokens` was
     counted from (None when it was given as a count).
+
+    With pipeline stages, `stages` gives each stage GPU's layers, bytes per block and pool
+    (vLLM sizes each stage's pool for its own layers); `num_blocks` is the smallest stage's,
+    which every stage allocates; `block_bytes` is the whole model's (a page of every layer of
+    the widest group, all stages together), in which waste is measured; each buffer and
+    placement names its stage, its offsets in that stage's pool. With one stage, `stages`
+    holds it alone and its pool is `num_blocks * block_bytes` bytes.
     """
 
     strategy: str
@@ -418,6 +430,7 @@ class KVCachePlan:
     alternatives: tuple[CandidateSummary, ...] = ()
     warnings: tuple[str, ...] = ()
     in_flight: InFlight | None = None
+    stages: tuple[PipelineStage, ...] = ()
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -435,7 +448,15 @@ class KVCachePlan:
 
     @property
     def pool_bytes(self) -> int:
-        return self.num_blocks * self.block_bytes
+        """Bytes every stage's pool takes together (one pool of `num_blocks * block_bytes`
+        bytes with one stage)."""
+        if not self.stages:
+            return self.num_blocks * self.block_bytes
+        return sum(stage.pool_bytes for stage in self.stages)
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return max(len(self.stages), 1)
 
     @property
     def num_padding_slots(self) -> int:
@@ -510,6 +531,7 @@ class KVCachePlan:
             "kv_cache_layout": self.kv_cache_layout,
             "memory_bytes": self.memory_bytes,
             "pool_bytes": self.pool_bytes,
+            "stages": [stage.to_dict() for stage in self.stages],
             "max_model_len": self.max_model_len,
             "max_in_flight_tokens": self.max_in_flight_tokens,
             "in_flight": None if self.in_flight is None else self.in_flight.to_dict(),
