@@ -403,6 +403,13 @@ def test_plan_figure_labels_axes_and_lists_only_present_kinds() -> None:
                 ("62,0", "pipeline stage 1 (no decoder layer; split [62, 0]) holds no layer"),
             )
         ),
+        *(
+            (
+                ["plan", "gemma-3-27b", "--memory", "40GiB", "-pp", text],
+                f"pipeline parallel size {text} is more stages than the model's 62 decoder layers",
+            )
+            for text in ("63", "100000", "99999999999999999999")
+        ),
         (
             ["plan", "gemma-3n-e4b", "--memory", "40GiB", "-pp", "3"],
             "pipeline stage 2 (decoder layers 24-34; split [12, 12, 11]) holds no layer with a "

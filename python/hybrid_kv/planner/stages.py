@@ -29,6 +29,13 @@ def pp_partition(
 ) -> tuple[int, ...]:
     """Decoder layers per stage as vLLM 0.33's `get_pp_indices` splits them, or `partition`
     (`VLLM_PP_LAYER_PARTITION`'s counts) checked as vLLM checks it."""
+    if pipeline_parallel_size > num_hidden_layers:
+        # vLLM would leave a stage without a decoder layer; refused before a count per stage
+        # is made (the size may be anything a user typed).
+        raise PlanError(
+            f"pipeline parallel size {pipeline_parallel_size} is more stages than the model's "
+            f"{num_hidden_layers} decoder layers: each stage needs at least one"
+        )
     if partition is not None:
         counts = tuple(partition)
         for count in counts:
