@@ -479,6 +479,64 @@ def test_insufficient_memory_with_stages_names_the_first_stage_that_fails() -> N
     assert error.value.fitting_max_model_len == 112  # 7 blocks of 16 tokens fit stage 1
 
 
+def test_each_stage_gpu_has_its_own_budget() -> None:
+    # One budget per stage (each GPU's after its own weights): each stage's budget makes its
+    # own block count; every stage takes the smallest, as vLLM does over its workers.
+    page = 16 * full().bytes_per_token
+    layers = decoder(*[full()] * 5)  # split 3 + 2
+    budgets = [100 * 3 * page, 120 * 2 * page + 5]
+    plan = plan_kv_cache(layers, budgets, 128, strategy="vllm", pipeline_parallel_size=2)
+    assert [s.memory_bytes for s in plan.stages] == budgets
+    assert [s.budget_blocks for s in plan.stages] == [100, 120]
+    assert plan.num_blocks == 100
+    assert plan.memory_bytes == min(budgets)
+    assert plan.to_dict()["stages"][1]["memory_bytes"] == budgets[1]
+    # Stage 1's smaller budget binds when it makes fewer blocks than stage 0's.
+    tight = [100 * 3 * page, 90 * 2 * page]
+    plan = plan_kv_cache(layers, tight, 128, strategy="vllm", pipeline_parallel_size=2)
+    assert [s.budget_blocks for s in plan.stages] == [100, 90]
+    assert plan.num_blocks == 90
+    # The same budget given once or per stage makes the same plan.
+    same = plan_kv_cache(layers, [budgets[0]] * 2, 128, pipeline_parallel_size=2)
+    assert same == plan_kv_cache(layers, budgets[0], 128, pipeline_parallel_size=2)
+
+
+def test_a_stage_whose_own_budget_is_short_is_named() -> None:
+    # Stage 0's budget holds its reservation (8 blocks + null of 2 pages), stage 1's does not.
+    page = 16 * full().bytes_per_token
+    layers = decoder(*[full()] * 5)
+    arguments = {"strategy": "vllm", "pipeline_parallel_size": 2, "pp_layer_partition": [2, 3]}
+    with pytest.raises(InsufficientMemoryError, match="on pipeline stage 1's GPU") as error:
+        plan_kv_cache(layers, [18 * page, 26 * page], 128, **arguments)  # type: ignore[arg-type]
+    assert error.value.needed_bytes == 27 * page
+    assert f"the budget is {26 * page} bytes" in str(error.value)
+    plan = plan_kv_cache(layers, [18 * page, 27 * page], 128, **arguments)  # type: ignore[arg-type]
+    assert plan.num_blocks == 9
+    # min-waste's choice is held to every stage's own budget too.
+    assert (
+        plan_kv_cache(
+            layers, [18 * page, 27 * page], 128, pipeline_parallel_size=2, pp_layer_partition=[2, 3]
+        ).num_blocks
+        == 9
+    )
+
+
+@pytest.mark.parametrize(
+    ("budgets", "message"),
+    [
+        ([GIB], "gives 1 budget, one per stage, but the pipeline parallel size is 2"),
+        ([GIB] * 3, "gives 3 budgets"),
+        ([], "one budget per pipeline stage, got none"),
+        ([GIB, 0], r"memory_bytes\[1\] must be >= 1"),
+        ([GIB, "1GiB"], r"memory_bytes\[1\] must be an int"),
+    ],
+)
+def test_per_stage_budgets_are_checked(budgets: list[object], message: str) -> None:
+    layers = decoder(*[full()] * 4)
+    with pytest.raises(PlanError, match=message):
+        plan_kv_cache(layers, budgets, 128, pipeline_parallel_size=2)  # type: ignore[arg-type]
+
+
 def test_low_concurrency_is_warned_about() -> None:
     layers = {"l0": full()}
     page = 16 * full().bytes_per_token

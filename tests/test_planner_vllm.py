@@ -47,7 +47,7 @@ def ours(model: str, memory: int, max_model_len: int, **scheduler: Any) -> dict[
             "refused": True,
             "fitting_max_model_len": error.fitting_max_model_len,
             "needed_gib": None
-            if memory <= null_block
+            if (min(memory) if isinstance(memory, list) else memory) <= null_block
             else f"{round(error.reserved_bytes / 2**30, 2)}",
         }
     return {
@@ -182,7 +182,7 @@ def test_vllm_strategy_matches_live_vllm_with_every_batch_in_flight(
 
 
 def ours_stages(
-    layers: dict[str, Any], memory: int, max_model_len: int, **options: Any
+    layers: dict[str, Any], memory: int | list[int], max_model_len: int, **options: Any
 ) -> dict[str, Any]:
     """Our `--strategy vllm` plan in `ref.summarise_stages`' terms: the global groups,
     `num_blocks`, and each stage's bytes per block and tensors (or the refusal)."""
@@ -194,7 +194,7 @@ def ours_stages(
             "refused": True,
             "fitting_max_model_len": error.fitting_max_model_len,
             "needed_gib": None
-            if memory <= null_block
+            if (min(memory) if isinstance(memory, list) else memory) <= null_block
             else f"{round(error.reserved_bytes / 2**30, 2)}",
         }
     return {
@@ -253,6 +253,24 @@ def test_pipeline_stages_match_live_vllm(model: str) -> None:
                     layers, memory, length, stages, in_flight=2048 * stages
                 )
                 assert ours_stages(layers, memory, length, **options) == theirs, where
+
+
+@live
+@pytest.mark.parametrize("model", STAGED_MODELS)
+def test_stage_budgets_of_their_own_match_live_vllm(model: str) -> None:
+    # Each stage's GPU has its own budget (its own weights off the same GPU): vLLM sizes each
+    # worker from its own available memory and keeps the smallest num_blocks.
+    layers = ref.model_layers(model)
+    for stages in (2, 3, 4):
+        options = {"async_scheduling": False, "pipeline_parallel_size": stages}
+        rising = [ref.MEMORIES["1GiB"] * (4 + s) // 4 for s in range(stages)]
+        for budgets in (rising, rising[::-1]):
+            for length in (4096, 131072):
+                where = f"{model}-pp{stages}-{budgets}-{length}"
+                theirs = ref.summarise_stages(
+                    layers, budgets, length, stages, in_flight=2048 * stages
+                )
+                assert ours_stages(layers, budgets, length, **options) == theirs, where
 
 
 def test_gemma_3_27b_blocks_per_gpu_are_vllms() -> None:

@@ -349,14 +349,15 @@ def vllm_stage_specs(
 
 def summarise_stages(
     layers: dict[str, LayerSpec],
-    memory: int,
+    memory: int | list[int],
     max_model_len: int,
     stages: int,
     partition: str | None = None,
     in_flight: int = IN_FLIGHT,
 ) -> dict[str, Any]:
-    """vLLM's plan over `stages` pipeline stages of `memory` bytes each: the global groups,
-    `num_blocks`, and each stage worker's bytes per block and tensors (or the refusal)."""
+    """vLLM's plan over `stages` pipeline stages of `memory` bytes each (or `memory[s]` on
+    stage `s`): the global groups, `num_blocks`, and each stage worker's bytes per block and
+    tensors (or the refusal)."""
     import re
 
     from vllm.v1.core import kv_cache_planning as planning
@@ -365,7 +366,9 @@ def summarise_stages(
     workers = vllm_stage_specs(layers, stages, partition)
     groups = planning.get_global_kv_cache_groups(config, workers)
     try:
-        configs = planning.get_kv_cache_configs(config, workers, [memory] * stages, groups)
+        configs = planning.get_kv_cache_configs(
+            config, workers, memory if isinstance(memory, list) else [memory] * stages, groups
+        )
     except ValueError as error:
         fit = re.search(r"estimated maximum model length is (\d+)", str(error))
         needed = re.search(r"\(([\d.]+) GiB KV cache is needed", str(error))

@@ -25,11 +25,14 @@ heads, and KV heads neither divisible by the ranks nor dividing them.
 from __future__ import annotations
 
 import difflib
+import itertools
 import json
+import math
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +55,7 @@ __all__ = [
     "CatalogueError",
     "ModelSpec",
     "estimate_parameters",
+    "estimate_stage_weight_bytes",
     "estimate_weight_bytes",
     "hub_cache_dir",
     "layer_specs_from_config",
@@ -1208,13 +1212,37 @@ def _weights_context(config: Config) -> _Context:
     )
 
 
-def _embedding_parameters(ctx: _Context, config: Config) -> int:
+def _embedding_parts(ctx: _Context, config: Config) -> tuple[int, int]:
+    """`(input embedding parameters, LM head parameters)`: the head is 0 when tied."""
     hidden = _get_int(ctx, "hidden_size")
     vocab = _int(ctx.text, "vocab_size", ctx.model_type, ctx.lookup("vocab_size"))
     tied = ctx.text.get("tie_word_embeddings", config.get("tie_word_embeddings"))
     if tied is None:
         tied = ctx.model_type in _TIED_BY_DEFAULT
-    return vocab * hidden * (1 if tied else 2)
+    return vocab * hidden, 0 if tied else vocab * hidden
+
+
+def _embedding_parameters(ctx: _Context, config: Config) -> int:
+    return sum(_embedding_parts(ctx, config))
+
+
+def _layer_parameters(ctx: _Context, config: Config) -> list[tuple[int, int]]:
+    """Per decoder layer: `(parameters outside the routed experts, routed-expert parameters)`
+    of its mixers and MLP."""
+    hidden = _get_int(ctx, "hidden_size")
+    result = []
+    mixers, mlps = _layer_plan(ctx, config)
+    for index, (mixer, mlp) in enumerate(zip(mixers, mlps, strict=True)):
+        dense = sum(_mixer_parameters(ctx, kind, hidden) for kind in mixer)
+        experts = 0
+        if mlp == "dense":
+            dense += _dense_mlp(ctx, hidden, index)
+        elif mlp == "moe":
+            routed, other = _moe_parameters(ctx, hidden)
+            experts += routed
+            dense += other
+        result.append((dense, experts))
+    return result
 
 
 def estimate_parameters(config: Config) -> tuple[int, int]:
@@ -1229,19 +1257,11 @@ def estimate_parameters(config: Config) -> tuple[int, int]:
     if not isinstance(config, Mapping):
         raise CatalogueError(f"a config must be a JSON object, got {type(config).__name__}")
     ctx = _weights_context(config)
-    hidden = _get_int(ctx, "hidden_size")
     dense = _embedding_parameters(ctx, config)
     experts = 0
-    mixers, mlps = _layer_plan(ctx, config)
-    for index, (mixer, mlp) in enumerate(zip(mixers, mlps, strict=True)):
-        for kind in mixer:
-            dense += _mixer_parameters(ctx, kind, hidden)
-        if mlp == "dense":
-            dense += _dense_mlp(ctx, hidden, index)
-        elif mlp == "moe":
-            routed, other = _moe_parameters(ctx, hidden)
-            experts += routed
-            dense += other
+    for layer_dense, layer_experts in _layer_parameters(ctx, config):
+        dense += layer_dense
+        experts += layer_experts
     return dense, experts
 
 
@@ -1299,6 +1319,91 @@ def estimate_weight_bytes(config: Config, tensor_parallel_size: int = 1) -> int:
     embeddings = _embedding_parameters(ctx, config)
     total = embeddings * 2 + (dense - embeddings) * layer_bits / 8 + experts * expert_bits / 8
     return -(-int(total) // tensor_parallel_size)
+
+
+# vLLM 0.33's models that build the input embeddings on the first pipeline stage only and the
+# LM head on the last only (`PPMissingLayer` elsewhere), by `model_type` as the config writes
+# it; with tied embeddings the last stage builds the embeddings too, which its LM head shares
+# (`is_first_rank or (tie_word_embeddings and is_last_rank)`). The others (gemma2, gemma3,
+# gemma3n, cohere2, gpt_oss, mixtral, qwen2_moe, qwen3_moe, jamba, granitemoehybrid,
+# nemotron_h, qwen3_next; bamba as its successor) build both on every stage.
+_FIRST_AND_LAST_STAGE_EMBEDDINGS = frozenset(
+    {
+        "llama",
+        "llama4",
+        "llama4_text",
+        "granite",
+        "mistral",
+        "ministral",
+        "phi3",
+        "phi4",
+        "qwen2",
+        "qwen3",
+        "deepseek_v2",
+        "deepseek_v3",
+        "kimi_k2",
+        "falcon_h1",
+    }
+)
+
+
+def estimate_stage_weight_bytes(
+    config: Config, layer_counts: Sequence[int], tensor_parallel_size: int = 1
+) -> tuple[int, ...]:
+    """Bytes of weights one GPU of each pipeline stage holds (one of `tensor_parallel_size`),
+    the stages holding `layer_counts` consecutive decoder layers each, as vLLM 0.33 places
+    them: every stage its decoder layers; the input embeddings on the first stage and the LM
+    head on the last, or both on every stage for the models that build them there (see
+    `_FIRST_AND_LAST_STAGE_EMBEDDINGS`); tied embeddings again on the last stage. Counted as
+    `estimate_weight_bytes` counts them: the stages' bytes add up to its estimate plus the
+    embeddings and heads built on more than one stage (one stage: the same figure).
+
+    Raises `CatalogueError` as `estimate_weight_bytes`, or when `layer_counts` are not ints
+    >= 0, one per stage, summing to the model's decoder layers.
+    """
+    estimate_weight_bytes(config, tensor_parallel_size)  # checks the config and the ranks
+    ctx = _weights_context(config)
+    if isinstance(layer_counts, (str, bytes)) or not isinstance(layer_counts, Sequence):
+        raise CatalogueError(f"layer_counts must be a sequence of ints, got {layer_counts!r}")
+    for count in layer_counts:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise CatalogueError(f"layer counts must be ints >= 0, got {count!r}")
+    layers = _layer_parameters(ctx, config)
+    if not layer_counts or sum(layer_counts) != len(layers):
+        raise CatalogueError(
+            f"layer counts {list(layer_counts)} must be one per stage and sum to the model's "
+            f"{len(layers)} decoder layers"
+        )
+    layer_bits, expert_bits, _ = _quantized_bits(ctx, config)
+    embedding, head = _embedding_parts(ctx, config)
+    # Exact byte positions along the model (embeddings, then each layer, the head at the end)
+    # as `estimate_weight_bytes` counts them; each stage takes the span between its ends, so
+    # the spans add up to the whole model's estimate.
+    ends = [Fraction(embedding * 2)]
+    for dense, experts in layers:
+        ends.append(ends[-1] + (dense * Fraction(layer_bits) + experts * Fraction(expert_bits)) / 8)
+    ends[-1] += head * 2
+    positions = [Fraction(0)]
+    cut = 0
+    for count in layer_counts:
+        cut += count
+        positions.append(ends[cut])
+
+    def per_rank(position: Fraction) -> int:
+        return -(-math.floor(position) // tensor_parallel_size)
+
+    stages = [per_rank(b) - per_rank(a) for a, b in itertools.pairwise(positions)]
+    embedding_bytes = -(-embedding * 2 // tensor_parallel_size)
+    head_bytes = -(-head * 2 // tensor_parallel_size)
+    every_stage = _config_types(config)[2] not in _FIRST_AND_LAST_STAGE_EMBEDDINGS
+    last = len(stages) - 1
+    for index in range(1, len(stages)):
+        if every_stage or (index == last and not head):
+            stages[index] += embedding_bytes
+    if every_stage:
+        for index in range(last):
+            stages[index] += head_bytes
+    return tuple(stages)
 
 
 def _count(ctx: _Context, key: str) -> int:

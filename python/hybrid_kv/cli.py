@@ -22,6 +22,7 @@ from hybrid_kv import __version__
 from hybrid_kv.catalogue import (
     CatalogueError,
     ModelSpec,
+    estimate_stage_weight_bytes,
     estimate_weight_bytes,
     list_presets,
     load_model,
@@ -42,6 +43,7 @@ from hybrid_kv.planner import (
     parse_memory,
     parse_partition,
     plan_kv_cache,
+    pp_partition,
 )
 from hybrid_kv.planner.lengths import parse_token_count
 from hybrid_kv.planner.search import MAX_BLOCKS
@@ -301,8 +303,12 @@ def _model(args: argparse.Namespace) -> ModelSpec:
     return load_model(args.model, dtype=dtype, tensor_parallel_size=args.tensor_parallel_size)
 
 
-def _budget(args: argparse.Namespace, model: ModelSpec) -> tuple[int, str]:
-    """The KV cache budget in bytes and a line saying where it came from."""
+def _budget(
+    args: argparse.Namespace, model: ModelSpec
+) -> tuple[int | tuple[int, ...], str, tuple[int, ...] | None]:
+    """The KV cache budget in bytes (with pipeline stages and estimated weights, one per stage
+    GPU), a line saying where it came from, and each stage GPU's weights (None without
+    --gpu-memory)."""
     if args.memory is not None and args.gpu_memory is not None:
         raise CommandError("give --memory (the KV cache budget) or --gpu-memory, not both")
     if args.gpu_memory is None:
@@ -312,13 +318,32 @@ def _budget(args: argparse.Namespace, model: ModelSpec) -> tuple[int, str]:
         if text is None:
             raise CommandError("give --memory (the KV cache budget) or --gpu-memory")
         memory = parse_memory(text)
-        return memory, f"KV cache budget {format_bytes(memory)}"
+        return memory, f"KV cache budget {format_bytes(memory)}", None
     gpu = parse_memory(args.gpu_memory)
+    utilization = args.gpu_memory_utilization
+    stages = _pipeline_parallel_size(getattr(args, "pipeline_parallel_size", "1"))
     if args.weights_memory is not None:
-        weights, source = parse_memory(args.weights_memory), "given"
+        # Given per GPU, as vLLM reports the weights each worker loaded: the same on every
+        # stage's GPU.
+        weights, source = (parse_memory(args.weights_memory),) * stages, "given"
     else:
+        counts: tuple[int, ...] | None = None
+        if stages > 1:
+            if model.num_hidden_layers is None:
+                raise CommandError(
+                    "cannot split the weights over the pipeline stages (the config gives no "
+                    "num_hidden_layers); pass --weights-memory"
+                )
+            # The stages vLLM (and the planner) split the decoder layers into.
+            partition = _pp_layer_partition(getattr(args, "pp_layer_partition", None))
+            counts = pp_partition(model.num_hidden_layers, stages, partition)
         try:
-            weights = estimate_weight_bytes(model.config, model.tensor_parallel_size)
+            if counts is None:
+                weights = (estimate_weight_bytes(model.config, model.tensor_parallel_size),)
+            else:
+                weights = estimate_stage_weight_bytes(
+                    model.config, counts, model.tensor_parallel_size
+                )
             note = weight_estimate_note(model.config)
         except CatalogueError as error:
             raise CommandError(
@@ -327,16 +352,28 @@ def _budget(args: argparse.Namespace, model: ModelSpec) -> tuple[int, str]:
         source = "estimated from the config"
         if note is not None:
             source += f" at 16 bits: {note}, pass --weights-memory for its size"
-    stages = _pipeline_parallel_size(getattr(args, "pipeline_parallel_size", "1"))
-    if stages > 1 and args.weights_memory is None:
-        # Each stage's GPU holds about 1/N of the layers' weights; the estimate is the whole
-        # model's, so the budget per GPU is a lower bound.
-        source += f"; the whole model's weights, though each of the {stages} stages holds a part"
-    memory = kv_cache_budget(gpu, args.gpu_memory_utilization, weights)
-    return memory, (
-        f"KV cache budget {format_bytes(memory)} = {args.gpu_memory_utilization:g} x "
-        f"{format_bytes(gpu)} - {format_bytes(weights)} of weights per GPU ({source}; "
-        "activations and CUDA graphs not counted)"
+    if stages == 1 or args.weights_memory is not None:
+        memory = kv_cache_budget(gpu, utilization, weights[0])
+        return (
+            memory,
+            f"KV cache budget {format_bytes(memory)} = {utilization:g} x "
+            f"{format_bytes(gpu)} - {format_bytes(weights[0])} of weights per GPU ({source}; "
+            "activations and CUDA graphs not counted)",
+            weights,
+        )
+    budgets = []
+    for stage, stage_weights in enumerate(weights):
+        try:
+            budgets.append(kv_cache_budget(gpu, utilization, stage_weights))
+        except PlanError as error:
+            raise PlanError(f"pipeline stage {stage}'s GPU: {error}") from None
+    return (
+        tuple(budgets),
+        f"KV cache budget per stage GPU {', '.join(format_bytes(m) for m in budgets)} = "
+        f"{utilization:g} x {format_bytes(gpu)} - each stage's weights "
+        f"{', '.join(format_bytes(w) for w in weights)} ({source}; activations and CUDA "
+        "graphs not counted)",
+        weights,
     )
 
 
@@ -484,7 +521,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         )
     plot = _plot_target(args)
     model = _model(args)
-    memory, budget_line = _budget(args, model)
+    memory, budget_line, weights = _budget(args, model)
     _note_long_max_model_len(model, args.max_model_len)
     max_model_len = model.max_model_len if args.max_model_len is None else args.max_model_len
     lengths = LengthDistribution.parse(args.lengths) if args.lengths is not None else None
@@ -527,14 +564,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             "model_type": model.model_type,
             "tensor_parallel_size": model.tensor_parallel_size,
             "budget": budget_line,
-            "plan": plan.to_dict(),
-            "vllm": baseline.to_dict() if baseline else None,
+            "plan": _plan_document(plan, weights),
+            "vllm": _plan_document(baseline, weights) if baseline else None,
         }
         if baseline_error:
             document["vllm_error"] = baseline_error
         print(json.dumps(document, indent=2))
     else:
-        print(format_plan_report(model, plan, baseline, baseline_error, budget_line))
+        print(format_plan_report(model, plan, baseline, baseline_error, budget_line, weights))
     if plot is not None:
         from hybrid_kv.plot import plot_plan
 
@@ -542,6 +579,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"\nmemory layout written to {plot}")
     return 0
+
+
+def _plan_document(plan: KVCachePlan, weights: Sequence[int] | None) -> dict[str, Any]:
+    """The plan's JSON, each pipeline stage with its GPU's weights (`weights_bytes`, null
+    without --gpu-memory) beside its budget."""
+    document = plan.to_dict()
+    for stage in document["stages"]:
+        stage["weights_bytes"] = None if weights is None else weights[stage["index"]]
+    return document
 
 
 def _in_flight_line(plan: KVCachePlan) -> str:
@@ -557,6 +603,7 @@ def format_plan_report(
     baseline: KVCachePlan | None = None,
     baseline_error: str | None = None,
     budget_line: str | None = None,
+    stage_weights: Sequence[int] | None = None,
 ) -> str:
     """The readable `hybrid-kv plan` report: a side-by-side table, the groups, the reasons."""
     kinds = Counter(spec.kind for spec in model.layers.values())
@@ -607,7 +654,7 @@ def format_plan_report(
     lines.append(plan.summary_line())
     if len(plan.stages) > 1:
         lines.append("")
-        lines.extend(_stage_lines(plan))
+        lines.extend(_stage_lines(plan, stage_weights))
     lines.append("")
     lines.append(f"groups ({plan.strategy}):")
     group_table = [["id", "kind", "block", "layers", "padding", "shared", "layer names"]]
@@ -640,15 +687,29 @@ def _block_bytes(plan: KVCachePlan) -> str:
     return f"{format_bytes(plan.block_bytes)} (all stages; per GPU up to {format_bytes(widest)})"
 
 
-def _stage_lines(plan: KVCachePlan) -> list[str]:
-    """Each pipeline stage's GPU: its layers, block, the blocks its budget makes, its pool."""
-    table = [["stage", "decoder layers", "KV layers", "page size (block)", "budget blocks", "pool"]]
+def _stage_lines(plan: KVCachePlan, weights: Sequence[int] | None = None) -> list[str]:
+    """Each pipeline stage's GPU: its layers, weights, KV cache budget, block, the blocks its
+    budget makes, its pool."""
+    table = [
+        [
+            "stage",
+            "decoder layers",
+            "KV layers",
+            "weights",
+            "budget",
+            "page size (block)",
+            "budget blocks",
+            "pool",
+        ]
+    ]
     for stage in plan.stages:
         table.append(
             [
                 str(stage.index),
                 f"{stage.start_layer}-{stage.end_layer - 1}",
                 str(len(stage.layer_names)),
+                "-" if weights is None else format_bytes(weights[stage.index]),
+                format_bytes(stage.memory_bytes),
                 format_bytes(stage.block_bytes),
                 f"{stage.budget_blocks:,}",
                 format_bytes(stage.pool_bytes),
@@ -802,7 +863,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             f"before the replay starts), got {args.requests:,}"
         )
     model = _model(args)
-    memory, _ = _budget(args, model)
+    memory, _, _ = _budget(args, model)
+    assert isinstance(memory, int)  # simulate has no pipeline stages
     _note_long_max_model_len(model, args.max_model_len)
     progress = None if args.no_progress else ProgressBar(args.requests)
     try:

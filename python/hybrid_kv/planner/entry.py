@@ -83,7 +83,7 @@ def _check_int(name: str, value: object, *, minimum: int = 1) -> int:
 
 def plan_kv_cache(
     layers: Mapping[str, LayerSpec],
-    memory_bytes: int,
+    memory_bytes: int | Sequence[int],
     max_model_len: int,
     *,
     block_size: int = 16,
@@ -107,7 +107,8 @@ def plan_kv_cache(
 
     Args:
         memory_bytes: bytes for the whole pool (the null block included); with pipeline
-            stages, for each stage's GPU (as vLLM's budget is per GPU).
+            stages, for each stage's GPU (as vLLM's budget is per GPU): one int for every
+            stage, or one per stage (each GPU's budget after its own weights).
         max_model_len: longest request; vLLM's reservation for one such request must fit.
         block_size: base attention block size (a multiple of `alignment`).
         alignment: kernel block-size alignment; grown block sizes stay multiples of it.
@@ -155,7 +156,7 @@ def plan_kv_cache(
             fit; the message names the `max_model_len` that would.
     """
     validate_layers(layers)
-    memory_bytes = _check_int("memory_bytes", memory_bytes)
+    budgets = _budgets(memory_bytes)
     max_model_len = _check_int("max_model_len", max_model_len)
     block_size = _check_int("block_size", block_size)
     alignment = _check_int("alignment", alignment)
@@ -178,6 +179,9 @@ def plan_kv_cache(
         in_flight.pipeline_parallel_size if in_flight is not None else 1,
         num_hidden_layers,
         None if pp_layer_partition is None else _partition(pp_layer_partition),
+    )
+    stage_memory = _stage_memory(
+        budgets, in_flight.pipeline_parallel_size if in_flight is not None else 1, split
     )
     if block_size % alignment:
         raise PlanError(
@@ -207,7 +211,7 @@ def plan_kv_cache(
 
     settings = _Settings(
         strategy,
-        memory_bytes,
+        min(stage_memory),
         max_model_len,
         block_size,
         max_in_flight_tokens,
@@ -217,6 +221,7 @@ def plan_kv_cache(
         enable_prefix_caching,
         in_flight,
         split,
+        stage_memory,
     )
     buckets = buckets_of(layers)
     if not buckets:
@@ -240,7 +245,7 @@ def plan_kv_cache(
                 f"(layer counts per spec {counts}; the largest count is used when it is below "
                 "1.5x the smallest, else the smallest), layers assigned strided"
             )
-        if not vllm.fits(memory_bytes):
+        if not _fits_budget(settings, vllm):
             raise _insufficient(settings, buckets, vllm)
     else:
         chosen = _choose(
@@ -317,6 +322,58 @@ class _Settings:
     prefix_caching: bool
     in_flight: InFlight | None
     split: StageSplit
+    stage_memory: tuple[int, ...]
+    """Each stage GPU's budget (`memory_bytes` is the smallest)."""
+
+
+def _budgets(memory_bytes: object) -> int | tuple[int, ...]:
+    """`memory_bytes` as given: one budget for every stage, or one per stage."""
+    if isinstance(memory_bytes, Sequence) and not isinstance(memory_bytes, (str, bytes)):
+        if not memory_bytes:
+            raise PlanError("memory_bytes must give one budget per pipeline stage, got none")
+        return tuple(
+            _check_int(f"memory_bytes[{i}]", value) for i, value in enumerate(memory_bytes)
+        )
+    return _check_int("memory_bytes", memory_bytes)
+
+
+def _stage_memory(
+    budgets: int | tuple[int, ...], pipeline_parallel_size: int, split: StageSplit
+) -> tuple[int, ...]:
+    """Each of the split's stages' budget."""
+    if isinstance(budgets, int):
+        return (budgets,) * split.size
+    if len(budgets) != pipeline_parallel_size:
+        noun = "budget" if len(budgets) == 1 else "budgets"
+        raise PlanError(
+            f"memory_bytes gives {len(budgets)} {noun}, one per stage, but the pipeline "
+            f"parallel size is {pipeline_parallel_size}"
+        )
+    if split.size == 1:
+        # An attention-free model: one null block, whatever each GPU holds.
+        return (min(budgets),)
+    return budgets
+
+
+def _num_blocks(settings: _Settings, candidate: Candidate) -> int:
+    """Blocks every stage allocates: the smallest of each stage GPU's budget over its own
+    bytes per block (at most `MAX_BLOCKS`), as vLLM takes it."""
+    memory = settings.stage_memory
+    if len(set(memory)) == 1:
+        # `_staged` made `block_bytes` the widest stage's, whose budget makes the fewest.
+        return candidate.num_blocks(memory[0])
+    return min(
+        replace(candidate, block_bytes=block_bytes).num_blocks(budget)
+        for block_bytes, budget in zip(
+            _stage_block_bytes(settings.split, candidate), memory, strict=True
+        )
+    )
+
+
+def _fits_budget(settings: _Settings, candidate: Candidate) -> bool:
+    """vLLM's admission check on every stage's GPU: its pool minus the null block holds one
+    request."""
+    return candidate.admission + 1 <= _num_blocks(settings, candidate)
 
 
 def _partition(partition: object) -> tuple[int, ...]:
@@ -433,10 +490,9 @@ def _choose(
     reasons: list[str],
     alternatives: list[CandidateSummary],
 ) -> Candidate:
-    memory = settings.memory_bytes
     layout = settings.layout
     allow_spans = is_block_outermost(layout) and is_block_compact(layout)
-    baseline = vllm if vllm_problem is None and vllm.fits(memory) else None
+    baseline = vllm if vllm_problem is None and _fits_budget(settings, vllm) else None
     if vllm.sizing.uniform_type:
         candidates = [vllm]
     else:
@@ -465,11 +521,11 @@ def _choose(
     expressible = [
         c for c in expressible if _caching_problem(settings, buckets, c) is None
     ] or expressible
-    fitting = [c for c in expressible if c.fits(memory)]
+    fitting = [c for c in expressible if _fits_budget(settings, c)]
     if not fitting:
         smallest = min(expressible, key=lambda c: (c.admission + 1) * c.block_bytes)
         error = _insufficient(settings, buckets, smallest)
-        if max_groups is not None and vllm_problem is None and vllm.fits(memory):
+        if max_groups is not None and vllm_problem is None and _fits_budget(settings, vllm):
             # The cap left out vLLM's grouping, whose smaller blocks fit: say so.
             error = InsufficientMemoryError(
                 f"{error} (with at most {max_groups} groups; vLLM's grouping of "
@@ -483,7 +539,7 @@ def _choose(
     def keeps_capacity(c: Candidate) -> bool:
         if baseline is None:
             return True
-        mine, theirs = c.num_blocks(memory), baseline.num_blocks(memory)
+        mine, theirs = _num_blocks(settings, c), _num_blocks(settings, baseline)
         return mine * baseline.admission >= theirs * c.admission
 
     allowed = [c for c in fitting if keeps_capacity(c)]
@@ -544,7 +600,6 @@ def _mamba_options(
 ) -> None:
     """Report the best plan of each Mamba option; option B (a state over several pages)
     needs a block-outermost layout, so in the others it is only described."""
-    memory = settings.memory_bytes
     option_a = [c for c in allowed if c.label in ("A", "vllm")]
     if option_a:
         best = min(option_a, key=Candidate.sort_key)
@@ -573,11 +628,11 @@ def _mamba_options(
             c
             for c in wider
             if c.label == "B"
-            and c.fits(memory)
+            and _fits_budget(settings, c)
             and (
                 baseline is None
-                or c.num_blocks(memory) * baseline.admission
-                >= baseline.num_blocks(memory) * c.admission
+                or _num_blocks(settings, c) * baseline.admission
+                >= _num_blocks(settings, baseline) * c.admission
             )
         ]
         note = "needs --kv-cache-layout BLNHC or BLHNC"
@@ -655,8 +710,10 @@ def _insufficient(
         # reservation, with that stage's estimate of a fitting max_model_len.
         for stage, block_bytes in enumerate(_stage_block_bytes(settings.split, candidate)):
             staged = replace(candidate, block_bytes=block_bytes)
-            if not staged.fits(settings.memory_bytes):
+            budget = settings.stage_memory[stage]
+            if not staged.fits(budget):
                 candidate, where = staged, f" on pipeline stage {stage}'s GPU"
+                settings = replace(settings, memory_bytes=budget)
                 break
     needed = (candidate.admission + 1) * candidate.block_bytes
     fitting = fitting_max_model_len(candidate, buckets, settings)
@@ -770,7 +827,7 @@ def _build_plan(
     # each stage GPU's: with one stage, the same.
     block_bytes = max(sum(sizing.page_bytes[b] for b, _ in members) for members in chosen.groups)
     stage_bytes = _stage_block_bytes(split, chosen)
-    budget_blocks = [settings.memory_bytes // b for b in stage_bytes]
+    budget_blocks = [m // b for m, b in zip(settings.stage_memory, stage_bytes, strict=True)]
     num_blocks = min(budget_blocks)
     if num_blocks > MAX_BLOCKS:
         reasons.append(
@@ -829,7 +886,14 @@ def _build_plan(
         start, end = split.ranges[stage]
         stages.append(
             PipelineStage(
-                stage, start, end, names, stage_bytes[stage], budget_blocks[stage], pool_bytes
+                stage,
+                start,
+                end,
+                names,
+                settings.stage_memory[stage],
+                stage_bytes[stage],
+                budget_blocks[stage],
+                pool_bytes,
             )
         )
         for run in runs:

@@ -403,8 +403,9 @@ class KVCachePlan:
     block, as in vLLM. `in_flight` holds the scheduler options `max_in_flight_tokens` was
     counted from (None when it was given as a count).
 
-    With pipeline stages, `stages` gives each stage GPU's layers, bytes per block and pool
-    (vLLM sizes each stage's pool for its own layers); `num_blocks` is the smallest stage's,
+    With pipeline stages, `stages` gives each stage GPU's layers, budget, bytes per block and
+    pool (vLLM sizes each stage's pool for its own layers, within its own budget; the plan's
+    `memory_bytes` is the smallest stage's budget); `num_blocks` is the smallest stage's,
     which every stage allocates; `block_bytes` is the whole model's (a page of every layer of
     the widest group, all stages together), in which waste is measured; each buffer and
     placement names its stage, its offsets in that stage's pool. With one stage, `stages`

@@ -90,14 +90,16 @@ def layer_index(name: str) -> int:
 @dataclass(frozen=True)
 class PipelineStage:
     """One pipeline stage's GPU: decoder layers `[start_layer, end_layer)`, the KV-cache
-    layers among them (`layer_names`, in model order, KV-sharing ones included), the bytes a
-    block of its pool holds (its layers' pages in the widest group), the blocks its budget
-    alone would make, and the bytes its pool takes at the plan's `num_blocks`."""
+    layers among them (`layer_names`, in model order, KV-sharing ones included), its GPU's KV
+    cache budget (`memory_bytes`), the bytes a block of its pool holds (its layers' pages in
+    the widest group), the blocks its budget alone would make, and the bytes its pool takes at
+    the plan's `num_blocks`."""
 
     index: int
     start_layer: int
     end_layer: int
     layer_names: tuple[str, ...]
+    memory_bytes: int
     block_bytes: int
     budget_blocks: int
     pool_bytes: int
@@ -108,6 +110,7 @@ class PipelineStage:
             "start_layer": self.start_layer,
             "end_layer": self.end_layer,
             "layer_names": list(self.layer_names),
+            "memory_bytes": self.memory_bytes,
             "block_bytes": self.block_bytes,
             "budget_blocks": self.budget_blocks,
             "pool_bytes": self.pool_bytes,
