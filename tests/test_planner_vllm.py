@@ -32,6 +32,21 @@ def _case_id(case: dict[str, Any]) -> str:
     return f"{case['model']}-{case['memory']}-{case['max_model_len']}"
 
 
+def refusal(error: InsufficientMemoryError, memory: int | list[int]) -> dict[str, Any]:
+    """A refused plan in the recorded summary's terms. A budget that does not hold the null
+    block (the smallest stage's, with a budget per stage) gets vLLM's refusal without a figure
+    ("No available memory for the cache blocks")."""
+    null_block = error.needed_bytes - error.reserved_bytes
+    smallest = min(memory) if isinstance(memory, list) else memory
+    return {
+        "refused": True,
+        "fitting_max_model_len": error.fitting_max_model_len,
+        "needed_gib": None
+        if smallest <= null_block
+        else f"{round(error.reserved_bytes / 2**30, 2)}",
+    }
+
+
 def ours(model: str, memory: int, max_model_len: int, **scheduler: Any) -> dict[str, Any]:
     """Our `--strategy vllm` plan in the recorded summary's terms, with `ref.IN_FLIGHT` tokens
     in flight or those `scheduler` (`plan_kv_cache`'s scheduler options) counts."""
@@ -40,16 +55,7 @@ def ours(model: str, memory: int, max_model_len: int, **scheduler: Any) -> dict[
     try:
         plan = plan_kv_cache(layers, memory, max_model_len, strategy="vllm", **in_flight)
     except InsufficientMemoryError as error:
-        # A budget that does not hold the null block: vLLM's refusal names no figure ("No
-        # available memory for the cache blocks").
-        null_block = error.needed_bytes - error.reserved_bytes
-        return {
-            "refused": True,
-            "fitting_max_model_len": error.fitting_max_model_len,
-            "needed_gib": None
-            if (min(memory) if isinstance(memory, list) else memory) <= null_block
-            else f"{round(error.reserved_bytes / 2**30, 2)}",
-        }
+        return refusal(error, memory)
     return {
         "refused": False,
         "num_blocks": plan.num_blocks,
@@ -189,14 +195,7 @@ def ours_stages(
     try:
         plan = plan_kv_cache(layers, memory, max_model_len, strategy="vllm", **options)
     except InsufficientMemoryError as error:
-        null_block = error.needed_bytes - error.reserved_bytes
-        return {
-            "refused": True,
-            "fitting_max_model_len": error.fitting_max_model_len,
-            "needed_gib": None
-            if (min(memory) if isinstance(memory, list) else memory) <= null_block
-            else f"{round(error.reserved_bytes / 2**30, 2)}",
-        }
+        return refusal(error, memory)
     return {
         "refused": False,
         "num_blocks": plan.num_blocks,

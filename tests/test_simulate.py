@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hybrid_kv import cli as cli_module
@@ -68,28 +69,24 @@ def test_scheduler_limits_are_options_and_change_the_run() -> None:
 
 
 def test_the_plan_reserves_for_the_tokens_the_scheduler_puts_in_flight() -> None:
-    report = simulate(
-        "gemma-3-27b",
-        "chat",
-        8 * GIB,
-        num_requests=2,
-        max_model_len=8192,
-        max_num_batched_tokens=4096,
-    )
+    def run(**options: Any) -> Any:
+        return simulate(
+            "gemma-3-27b",
+            "chat",
+            8 * GIB,
+            num_requests=2,
+            max_model_len=8192,
+            max_num_batched_tokens=4096,
+            **options,
+        )
+
+    report = run()
     # The replay runs one batch at a time: sync scheduling, not vLLM's default async (two).
     assert report.plan.max_in_flight_tokens == 4096
     assert "4,096 tokens in flight (sync scheduling)" in report.lines()[2]
     assert report.to_dict()["in_flight"]["async_scheduling"] is False
     # Asked for, async scheduling reserves for two batches.
-    asynchronous = simulate(
-        "gemma-3-27b",
-        "chat",
-        8 * GIB,
-        num_requests=2,
-        max_model_len=8192,
-        max_num_batched_tokens=4096,
-        async_scheduling=True,
-    )
+    asynchronous = run(async_scheduling=True)
     assert asynchronous.plan.max_in_flight_tokens == 8192
 
 
