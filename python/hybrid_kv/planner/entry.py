@@ -404,6 +404,28 @@ def _staged(settings: _Settings, candidate: Candidate) -> Candidate:
     return replace(candidate, block_bytes=max(_stage_block_bytes(settings.split, candidate)))
 
 
+def _search_staged(
+    settings: _Settings,
+    buckets: Sequence[Bucket],
+    alignment: int,
+    scorer: Scorer,
+    allow_spans: bool,
+    max_attention_groups: int | None,
+    max_groups: int | None,
+) -> list[Candidate]:
+    """The search's candidates, each as its largest stage sizes it (`_staged`)."""
+    found = search(
+        buckets,
+        settings.block_size,
+        alignment,
+        scorer,
+        allow_spans=allow_spans,
+        max_attention_groups=max_attention_groups,
+        max_groups=max_groups,
+    )
+    return [_staged(settings, c) for c in found]
+
+
 # --------------------------------------------------------------------------- choosing
 
 
@@ -497,18 +519,9 @@ def _choose(
         candidates = [vllm]
     else:
         cap = None if max_groups is not None else vllm.num_attention_groups + EXTRA_ATTENTION_GROUPS
-        candidates = [
-            _staged(settings, c)
-            for c in search(
-                buckets,
-                settings.block_size,
-                alignment,
-                scorer,
-                allow_spans=allow_spans,
-                max_attention_groups=cap,
-                max_groups=max_groups,
-            )
-        ]
+        candidates = _search_staged(
+            settings, buckets, alignment, scorer, allow_spans, cap, max_groups
+        )
         if max_groups is None or vllm.num_groups <= max_groups:
             candidates.append(vllm)
     if not candidates:
@@ -612,18 +625,9 @@ def _mamba_options(
     option_b = [c for c in allowed if c.label == "B"]
     note = ""
     if not allow_spans:
-        wider = [
-            _staged(settings, c)
-            for c in search(
-                buckets,
-                settings.block_size,
-                alignment,
-                scorer,
-                allow_spans=True,
-                max_attention_groups=attention_cap,
-                max_groups=max_groups,
-            )
-        ]
+        wider = _search_staged(
+            settings, buckets, alignment, scorer, True, attention_cap, max_groups
+        )
         option_b = [
             c
             for c in wider
