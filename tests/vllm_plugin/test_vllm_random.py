@@ -183,32 +183,6 @@ def as_embedding_requests(
     ]
 
 
-def draw_grammars(
-    rng: random.Random, workload: list[harness.RequestSpec]
-) -> list[harness.RequestSpec]:
-    """`workload` with a share of its requests asking for structured output (from a generator
-    of its own, so the draws before stay what they were for every seed): each grammar compiles
-    at arrival or a few steps later, or fails to (a validation error for that request alone);
-    it accepts a seeded prefix of each draft, or every draft, and rarely rejects a sampled
-    token (vLLM finishes the request with an error)."""
-    if rng.random() >= 0.35:
-        return workload
-    share = rng.choice([0.2, 0.5, 1.0])
-    grammars = []
-    for spec in workload:
-        if spec.pooling or rng.random() >= share:
-            grammars.append(spec)
-            continue
-        grammar = harness.GrammarSpec(
-            ready_at=spec.arrival_step + rng.choice([0, 0, 1, 3, 8]),
-            fails=rng.random() < 0.08,
-            all_drafts=rng.random() < 0.3,
-            reject_at=rng.randrange(spec.max_tokens) if rng.random() < 0.08 else None,
-        )
-        grammars.append(dataclasses.replace(spec, grammar=grammar))
-    return grammars
-
-
 def partial_hash_hits(options: harness.Options) -> bool:
     """Whether vLLM turns fine-grained partial hash hits on: a Mamba block above the hash block."""
     return options.prefix_caching and (
@@ -339,7 +313,7 @@ def test_random_configurations_and_workloads_match_vllm(seed: int) -> None:
         options = draw_operator_options(operator, options)
         if options.pooling_runner:
             workload = as_embedding_requests(operator, workload, options.max_model_len)
-        workload = draw_grammars(random.Random(f"{seed}-grammar"), workload)
+        workload = harness.draw_grammars(random.Random(f"{seed}-grammar"), workload)
     stock = harness.build_scheduler(options)
     ours = harness.build_scheduler(options, hkv.Scheduler)
     assert ours.uses_hybrid_kv, f"fell back to vLLM's manager for {options}"
