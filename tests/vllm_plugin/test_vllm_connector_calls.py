@@ -9,7 +9,12 @@ hit without external tokens, `truncate_computed_blocks`), admissions adopting ex
 then `cache_blocks` once the load lands, with fewer tokens after a failed load or a free when none
 is valid), running steps, `remove_skipped_blocks` with the processed count, `evict_blocks` of
 arbitrary ids and prefix-cache resets; with Mamba layouts hashed finer than their blocks, the
-copy-on-write copies of fine-grained partial hash hits and the release of their blocks. After
+copy-on-write copies of fine-grained partial hash hits and the release of their blocks. Some
+requests ask for structured output (`harness.draw_grammars`, from a generator of their own): vLLM's
+scheduler passes over a request whose grammar still compiles (later ones are looked up first),
+frees one whose grammar fails to compile before any lookup, and frees one whose grammar rejects a
+sampled token mid-decode, both finished with an error. (vLLM 0.33 refuses none of this with a KV
+connector: structured outputs are checked against the model and the tokenizer only.) After
 every step the two managers must agree on every result, the free-block count, the usage, every
 live request's block table and the KV events.
 """
@@ -27,6 +32,7 @@ pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (see .ci/run)")
 import hybrid_kv.vllm as hkv  # noqa: E402
 from hybrid_kv.vllm import testing as harness  # noqa: E402
 from hybrid_kv.vllm.testing import block_ids as ids  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
 
 # Pool blocks at which each layout runs short on the workloads below.
 SHORT_BLOCKS = {
@@ -227,6 +233,28 @@ def land_load(pair: Pair, req: Live, rng: random.Random) -> None:
     req.scheduled = 0
 
 
+def grammar_rejects(spec: harness.RequestSpec, output_index: int) -> bool:
+    return spec.grammar is not None and spec.grammar.reject_at == output_index
+
+
+def finish_with_error(pair: Pair, req: Live) -> None:
+    """vLLM's scheduler finishing a request with an error (`finish_requests`) and freeing it,
+    whether it holds blocks or was never looked up."""
+    for r in req.sides:
+        r.status = RequestStatus.FINISHED_ERROR
+    pair.both("finish with an error", "free", req.sides)
+
+
+def next_admission(waiting: list[Live], step_index: int) -> int | None:
+    """The first waiting request vLLM's scheduler would look up: those whose grammar still
+    compiles are passed over (`WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR`)."""
+    for i, req in enumerate(waiting):
+        grammar = req.spec.grammar
+        if grammar is None or grammar.ready_at <= step_index:
+            return i
+    return None
+
+
 def step(pair: Pair, req: Live, rng: random.Random) -> str:
     """One scheduler step of a running or resuming request: 'ok', 'finished' or 'preempted'."""
     rid = req.spec.request_id
@@ -237,8 +265,14 @@ def step(pair: Pair, req: Live, rng: random.Random) -> str:
                 pair.both("finish", "free", req.sides)
                 return "finished"
             token = rng.randrange(30_000)
+            rejects = grammar_rejects(req.spec, req.sides[0].num_output_tokens)
             for r in req.sides:
                 r.append_output_token_ids(token)
+            if rejects:
+                # The grammar rejects the sampled token: vLLM's scheduler finishes the request
+                # with an error and frees it.
+                finish_with_error(pair, req)
+                return "finished"
         num_new = min(rng.choice([1, 1, 16, 64]), req.num_tokens - req.computed)
     else:
         num_new = req.num_tokens - req.computed
@@ -287,21 +321,38 @@ def test_connector_calls_match_vllms_manager(seed: int) -> None:
         user_len=(1, 120),
         max_tokens=(1, 40),
     )
+    if seed not in REGRESSION_SEEDS:
+        # Structured output, from a generator of its own (the draws above stay the same; the
+        # regression seeds keep the workloads they diverged on).
+        specs = harness.draw_grammars(random.Random(f"{seed}-grammar"), specs)
     # Waiting requests: new ones, and preempted ones or failed loads back for a new lookup
     # (the same request objects, as vLLM's scheduler keeps them).
     waiting = [Live(pair, spec) for spec in specs]
     live: dict[str, Live] = {}
     finished = 0
-    for _ in range(3000):
+    for step_index in range(3000):
         if not waiting and not live:
             break
         pair.both("new step", "new_step_starts", None)
+        for req in list(waiting):
+            grammar = req.spec.grammar
+            if grammar and grammar.fails and grammar.ready_at <= step_index:
+                # The grammar does not compile: the request finishes before any lookup (it was
+                # passed over until then, so it never held blocks).
+                waiting.remove(req)
+                finish_with_error(pair, req)
+                finished += 1
+        head = next_admission(waiting, step_index)
+        if head is not None:
+            for r in waiting[head].sides:
+                if r.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
+                    r.status = RequestStatus.WAITING  # its grammar compiled
         try:
-            admitted = waiting and rng.random() < 0.6 and admit(pair, waiting[0], rng)
+            admitted = head is not None and rng.random() < 0.6 and admit(pair, waiting[head], rng)
         except StockFailed:
             return
         if admitted:
-            req = waiting.pop(0)
+            req = waiting.pop(head)
             live[req.spec.request_id] = req
         for rid, req in list(live.items()):
             if req.state == "loading" and rng.random() < 0.5:

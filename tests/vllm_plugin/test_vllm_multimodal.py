@@ -7,14 +7,21 @@ same image at another position, miss the cache from the first block it touches, 
 publish those keys. A seeded driver admits requests with shared system prompts (an image in some
 of them), user images from a small set (so some repeat, at the same offset or not), with LoRA
 adapters and cache salts, prefills them in chunks, decodes a few tokens and frees them, on every
-layout. After every call the two managers must agree on the hit, the new blocks, the free-block
-count, every live request's block table and the KV events. (The scheduler differential tests
-cannot carry images: vLLM's scheduler would need an encoder budget, which the offline model has
-not.)
+layout. Some requests ask for structured output (`harness.draw_grammars`, from a generator of
+their own): one whose grammar still compiles is looked up after the requests behind it, one whose
+grammar fails is freed before any lookup and one whose grammar rejects a sampled token is freed
+mid-decode, both finished with an error; with drafting, a structured-output request's decode steps
+schedule the drafts its grammar accepts and roll back those the model rejects. (vLLM 0.33 refuses
+none of this: structured outputs are checked against the model and the tokenizer, not against
+multimodal inputs or speculative decoding.) After every call the two managers must agree on the
+hit, the new blocks, the free-block count, every live request's block table and the KV events.
+(The scheduler differential tests cannot carry images: vLLM's scheduler would need an encoder
+budget, which the offline model has not.)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 from typing import Any
@@ -26,6 +33,7 @@ pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (see .ci/run)")
 import hybrid_kv.vllm as hkv  # noqa: E402
 from hybrid_kv.vllm import testing as harness  # noqa: E402
 from hybrid_kv.vllm.testing import block_ids as ids  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
 
 NUM_CASES = int(os.environ.get("HYBRID_KV_RANDOM_CASES", "12"))
 FIRST_SEED = int(os.environ.get("HYBRID_KV_RANDOM_SEED", "0"))
@@ -117,12 +125,92 @@ def test_multimodal_requests_match_vllms_manager(seed: int) -> None:
             # The same system text with another image at the same place.
             systems.append((prompt, (("sys-img-2", at, 16),)))
     live: dict[str, tuple[Any, Any]] = {}
-    for i in range(24):
-        spec = draw_spec(rng, i, systems, snippet)
+    # Structured output, from generators of their own: each request's grammar (drawn for a
+    # template of the 24 requests, arriving one per admission), the drafts the model accepts.
+    grammars = [
+        t.grammar
+        for t in harness.draw_grammars(
+            random.Random(f"{seed}-grammar"),
+            [harness.RequestSpec(f"req-{i}", (), 6, i) for i in range(24)],
+        )
+    ]
+    acceptance = random.Random(f"{seed}-drafts")
+
+    def finish_with_error(spec: Any, pair: tuple[Any, Any]) -> None:
+        """vLLM's scheduler finishing a request with an error (`finish_requests`) and freeing
+        it, whether it holds blocks or was never looked up."""
+        log.append(("finish with an error", spec.request_id))
+        for m, r in zip((sm, om), pair, strict=True):
+            r.status = RequestStatus.FINISHED_ERROR
+            m.free(r)
+        live.pop(spec.request_id, None)
+        check(live)
+
+    def decode_under_grammar(spec: Any, pair: tuple[Any, Any], length: int) -> bool:
+        """Decodes a structured-output request as vLLM's scheduler does: with drafting, each
+        step schedules the drafts its grammar accepts (the rest are dropped) and the model
+        accepts a prefix of them; a sampled token the grammar rejects finishes the request with
+        an error. Whether the request is still there."""
+        rid = spec.request_id
+        grammar = harness.FakeGrammar(rid, spec.grammar)
+        sampled = [harness.next_token(rid, length)]
+        while True:
+            for r in pair:
+                r.append_output_token_ids(sampled)
+            if not grammar.accept_tokens(rid, sampled):
+                finish_with_error(spec, pair)
+                return False
+            produced = pair[0].num_output_tokens
+            if produced >= spec.max_tokens:
+                return True
+            position = length + produced
+            drafts = grammar.validate_tokens(
+                [
+                    harness.next_token(rid, position + j)
+                    for j in range(min(stock.num_spec_tokens, spec.max_tokens - produced - 1))
+                ]
+            )
+            for r in pair:
+                r.spec_token_ids = list(drafts)
+            log.append(("decode", rid, len(drafts)))
+            news = [
+                m.allocate_slots(
+                    r, 1 + len(drafts), num_lookahead_tokens=stock.num_lookahead_tokens
+                )
+                for m, r in zip((sm, om), pair, strict=True)
+            ]
+            same("decode blocks", ids(news[0]), ids(news[1]))
+            if news[0] is None:
+                return True
+            accepted = acceptance.randint(0, len(drafts))
+            for r in pair:
+                r.num_computed_tokens += 1 + accepted
+                r.spec_token_ids = []
+            sm.new_step_starts()
+            om.new_step_starts()
+            check(live)
+            sampled = [*drafts[:accepted], harness.next_token(rid, position + accepted)]
+
+    def run(spec: Any) -> None:
+        """Admits `spec`, prefills it in chunks, decodes it and maybe frees a live request."""
+        grammar = spec.grammar
+        if grammar is not None and grammar.fails:
+            # Its grammar does not compile: the request finishes before any lookup.
+            finish_with_error(
+                spec,
+                (
+                    harness.make_request(spec, hash_bs, stock.num_hash_lookahead_tokens),
+                    harness.make_request(spec, hash_bs, stock.num_hash_lookahead_tokens),
+                ),
+            )
+            return
         pair = (
             harness.make_request(spec, hash_bs, stock.num_hash_lookahead_tokens),
             harness.make_request(spec, hash_bs, stock.num_hash_lookahead_tokens),
         )
+        if grammar is not None:
+            for r in pair:
+                r.status = RequestStatus.WAITING  # its grammar compiled
         log.append(("admit", spec.request_id, spec.mm))
         sm.new_step_starts()
         om.new_step_starts()
@@ -168,19 +256,23 @@ def test_multimodal_requests_match_vllms_manager(seed: int) -> None:
                 m.free(r)
             live.pop(spec.request_id, None)
             check(live)
-            continue
-        for step in range(spec.max_tokens):
-            token = harness.next_token(spec.request_id, length + step)
-            for r in pair:
-                r.append_output_token_ids(token)
-            news = [m.allocate_slots(r, 1) for m, r in zip((sm, om), pair, strict=True)]
-            same("decode blocks", ids(news[0]), ids(news[1]))
-            if news[0] is None:
-                break
-            for r in pair:
-                r.num_computed_tokens += 1
-            sm.new_step_starts()
-            om.new_step_starts()
+            return
+        if spec.grammar is not None:
+            if not decode_under_grammar(spec, pair, length):
+                return
+        else:
+            for step in range(spec.max_tokens):
+                token = harness.next_token(spec.request_id, length + step)
+                for r in pair:
+                    r.append_output_token_ids(token)
+                news = [m.allocate_slots(r, 1) for m, r in zip((sm, om), pair, strict=True)]
+                same("decode blocks", ids(news[0]), ids(news[1]))
+                if news[0] is None:
+                    break
+                for r in pair:
+                    r.num_computed_tokens += 1
+                sm.new_step_starts()
+                om.new_step_starts()
         check(live)
         # Some requests stay (their blocks shared with later ones), the others finish.
         if rng.random() < 0.6 or len(live) > 6:
@@ -190,6 +282,23 @@ def test_multimodal_requests_match_vllms_manager(seed: int) -> None:
                 r.status = r.status.FINISHED_STOPPED
                 m.free(r)
             check(live)
+
+    # A request whose grammar still compiles is passed over (vLLM's scheduler looks up the
+    # requests behind it first) until the admission its grammar is ready at.
+    deferred: list[Any] = []
+    for i in range(24):
+        spec = draw_spec(rng, i, systems, snippet)
+        if grammars[i] is not None:
+            spec = dataclasses.replace(spec, grammar=grammars[i])
+        if spec.grammar is not None and spec.grammar.ready_at > i:
+            deferred.append(spec)
+        else:
+            run(spec)
+        for ready in [d for d in deferred if d.grammar.ready_at <= i]:
+            deferred.remove(ready)
+            run(ready)
+    for spec in deferred:
+        run(spec)
 
 
 @pytest.mark.parametrize("drafting", ["none", "eagle", "mtp"])

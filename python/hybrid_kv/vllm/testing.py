@@ -658,6 +658,30 @@ def chat_workload(
     return specs
 
 
+def draw_grammars(rng: random.Random, workload: Sequence[RequestSpec]) -> list[RequestSpec]:
+    """`workload` with a share of its requests asking for structured output (from a generator
+    of its own, so the draws before stay what they were for every seed): each grammar compiles
+    at arrival or a few steps later, or fails to (a validation error for that request alone);
+    it accepts a seeded prefix of each draft, or every draft, and rarely rejects a sampled
+    token (vLLM finishes the request with an error)."""
+    if rng.random() >= 0.35:
+        return list(workload)
+    share = rng.choice([0.2, 0.5, 1.0])
+    grammars = []
+    for spec in workload:
+        if spec.pooling or rng.random() >= share:
+            grammars.append(spec)
+            continue
+        grammar = GrammarSpec(
+            ready_at=spec.arrival_step + rng.choice([0, 0, 1, 3, 8]),
+            fails=rng.random() < 0.08,
+            all_drafts=rng.random() < 0.3,
+            reject_at=rng.randrange(spec.max_tokens) if rng.random() < 0.08 else None,
+        )
+        grammars.append(dataclasses.replace(spec, grammar=grammar))
+    return grammars
+
+
 @cache
 def _none_hash(hash_algo: str) -> Any:
     """vLLM's NONE_HASH (the parent of every prompt's first block) for `hash_algo`, drawn once
