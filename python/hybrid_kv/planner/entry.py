@@ -174,15 +174,15 @@ def plan_kv_cache(
     )
     if num_hidden_layers is not None:
         num_hidden_layers = _check_int("num_hidden_layers", num_hidden_layers)
+    # A count of tokens in flight comes without scheduler options: one stage.
+    stages = in_flight.pipeline_parallel_size if in_flight is not None else 1
     split = StageSplit.of(
         layers,
-        in_flight.pipeline_parallel_size if in_flight is not None else 1,
+        stages,
         num_hidden_layers,
         None if pp_layer_partition is None else _partition(pp_layer_partition),
     )
-    stage_memory = _stage_memory(
-        budgets, in_flight.pipeline_parallel_size if in_flight is not None else 1, split
-    )
+    stage_memory = _stage_memory(budgets, stages, split)
     if block_size % alignment:
         raise PlanError(
             f"block_size {block_size} must be a multiple of the kernel alignment {alignment}"
