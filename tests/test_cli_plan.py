@@ -11,11 +11,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hybrid_kv import __version__
 from hybrid_kv import cli as cli_module
 from hybrid_kv.cli import main
+from hybrid_kv.planner import KVCachePlan, PipelineStage
 
 
 def test_plan_prints_our_plan_beside_vllms(capsys: pytest.CaptureFixture[str]) -> None:
@@ -349,6 +351,195 @@ def test_plan_figure_labels_axes_and_lists_only_present_kinds() -> None:
             assert all(float(t).is_integer() for t in axis.get_xticks())
     finally:
         plt.close(figure)
+
+
+def _drawn_rows(axis: Any) -> dict[int, list[tuple[str, float]]]:
+    """A layout panel's rectangles by row (group): (colour, width) from left to right."""
+    from matplotlib.colors import to_hex
+
+    rows: dict[int, list[tuple[float, str, float]]] = {}
+    for patch in axis.patches:
+        row = rows.setdefault(round(patch.get_y()), [])
+        row.append((patch.get_x(), to_hex(patch.get_facecolor()), patch.get_width()))
+    return {r: [(colour, width) for _, colour, width in sorted(row)] for r, row in rows.items()}
+
+
+def _assert_stage_panel(axis: Any, plan: KVCachePlan, stage: PipelineStage) -> None:
+    """The panel draws one block of `stage`'s GPU: each group's pages of the stage's own layers
+    (one rectangle a layer), the rest of the stage's block hatched, and its pool against its
+    own budget."""
+    from hybrid_kv.planner import format_bytes
+
+    pages = {p.page_bytes for p in plan.placements}
+    (unit,) = pages
+    held = set(stage.layer_names)
+    rows = _drawn_rows(axis)
+    for group in plan.groups:
+        mine = [n for n in group.layer_names if n in held]
+        drawn = rows.get(group.group_id, [])
+        layers = [width for colour, width in drawn if colour != "#dddddd"]
+        padding = [width for colour, width in drawn if colour == "#dddddd"]
+        assert len(layers) == len(mine), (stage.index, group.group_id)
+        assert sum(layers) * unit == sum(plan.placement(n).page_bytes for n in mine)
+        assert (sum(layers) + sum(padding)) * unit == stage.block_bytes
+    assert axis.get_xlim() == (0, stage.block_bytes / unit)
+    title = axis.get_title()
+    assert f"{plan.strategy} stage {stage.index}'s GPU" in title
+    assert f"decoder layers {stage.start_layer}-{stage.end_layer - 1}" in title
+    assert (
+        f"pool {format_bytes(stage.pool_bytes)} of its {format_bytes(stage.memory_bytes)} budget"
+        in title
+    )
+    assert f"{plan.num_blocks:,} blocks incl. the null block" in title
+
+
+def test_plan_figure_draws_each_pipeline_stages_gpu_for_both_plans() -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from hybrid_kv import load_model, plan_kv_cache
+    from hybrid_kv.plot import plan_figure
+
+    model = load_model("gemma-3-27b")
+    options = {"pipeline_parallel_size": 2, "num_hidden_layers": model.num_hidden_layers}
+    plan = plan_kv_cache(model.layers, 16 * 2**30, 131072, **options)
+    vllm = plan_kv_cache(model.layers, 16 * 2**30, 131072, strategy="vllm", **options)
+    assert plan.stages[0].block_bytes < plan.block_bytes  # not the whole model's block
+    figure = plan_figure(plan, baseline=vllm, title="gemma-3-27b")
+    try:
+        panels = [(plan, plan.stages[0]), (plan, plan.stages[1])]
+        panels += [(vllm, vllm.stages[0]), (vllm, vllm.stages[1])]
+        assert len(figure.axes) == len(panels)
+        for axis, (current, stage) in zip(figure.axes, panels, strict=True):
+            _assert_stage_panel(axis, current, stage)
+        # 31 layers a stage, not 62: each GPU holds half the pages.
+        assert sum(len(_drawn_rows(a)) for a in figure.axes) == 4 * plan.num_groups
+        assert figure.axes[0].get_title().startswith("min-waste: 7 groups, 1.25 MiB blocks")
+        assert figure.axes[2].get_title().startswith("vllm: 7 groups")
+        assert "2 pipeline stages, 16.00 GiB budget per GPU" in figure._suptitle.get_text()
+    finally:
+        plt.close(figure)
+
+
+def test_plan_figure_draws_each_stage_against_its_own_budget() -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from hybrid_kv import load_model, plan_kv_cache
+    from hybrid_kv.plot import plan_figure
+
+    model = load_model("gemma-3-27b")
+    # Stage 0 holds layers 0-4: one sliding-window layer in each of five groups, none of the
+    # sixth's nor of the full-attention group's, so its block is one page.
+    plan = plan_kv_cache(
+        model.layers,
+        [16 * 2**30, 12 * 2**30],
+        32768,
+        pipeline_parallel_size=2,
+        num_hidden_layers=model.num_hidden_layers,
+        pp_layer_partition=[5, 57],
+    )
+    first, second = plan.stages
+    assert first.budget_blocks > second.budget_blocks == plan.num_blocks
+    figure = plan_figure(plan)
+    try:
+        top, bottom = figure.axes
+        _assert_stage_panel(top, plan, first)
+        _assert_stage_panel(bottom, plan, second)
+        assert "pool 1.20 GiB of its 16.00 GiB budget, 14.80 GiB unused" in top.get_title()
+        assert f"({first.budget_blocks:,} fit its budget)" in top.get_title()
+        assert "pool 12.00 GiB of its 12.00 GiB budget" in bottom.get_title()
+        assert "fit its budget" not in bottom.get_title()
+        # The groups without a layer on stage 0 are a block of nothing but padding there.
+        rows = _drawn_rows(top)
+        assert rows[5] == rows[6] == [("#dddddd", 1.0)]
+        assert "16.00 GiB / 12.00 GiB budget per GPU" in figure._suptitle.get_text()
+    finally:
+        plt.close(figure)
+
+
+def test_plan_figure_of_a_stage_draws_no_page_for_its_kv_sharing_layers() -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from hybrid_kv import load_model, plan_kv_cache
+    from hybrid_kv.plot import plan_figure
+
+    model = load_model("gemma-3n-e4b")
+    plan = plan_kv_cache(
+        model.layers, 16 * 2**30, 32768, pipeline_parallel_size=2, num_hidden_layers=35
+    )
+    figure = plan_figure(plan)
+    try:
+        top, bottom = figure.axes
+        _assert_stage_panel(top, plan, plan.stages[0])
+        _assert_stage_panel(bottom, plan, plan.stages[1])
+        # Stage 1 holds layers 18-34: two with a KV cache, fifteen reading theirs.
+        assert "18 KV-cache layers, 128.00 KiB blocks" in top.get_title()
+        assert "2 KV-cache layers, 15 sharing theirs, 32.00 KiB blocks" in bottom.get_title()
+        assert len([p for p in bottom.patches if p.get_hatch() is None]) == 2
+    finally:
+        plt.close(figure)
+
+
+def test_plan_figure_of_one_stage_draws_the_whole_block() -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from hybrid_kv import load_model, plan_kv_cache
+    from hybrid_kv.planner import format_bytes
+    from hybrid_kv.plot import plan_figure
+
+    model = load_model("gemma-3-27b")
+    plan = plan_kv_cache(model.layers, 16 * 2**30, 32768, pipeline_parallel_size=1)
+    vllm = plan_kv_cache(model.layers, 16 * 2**30, 32768, strategy="vllm")
+    assert len(plan.stages) == 1
+    figure = plan_figure(plan, baseline=vllm, title="gemma-3-27b")
+    try:
+        assert len(figure.axes) == 2
+        for axis, current in zip(figure.axes, (plan, vllm), strict=True):
+            (unit,) = {p.page_bytes for p in current.placements}
+            rows = _drawn_rows(axis)
+            for group in current.groups:
+                drawn = rows[group.group_id]
+                assert len(drawn) == len(group.layer_names) + bool(group.padding_bytes)
+                assert sum(width for _, width in drawn) * unit == current.block_bytes
+            assert axis.get_title() == (
+                f"{current.strategy}: {current.num_groups} groups, "
+                f"{format_bytes(current.block_bytes)} blocks, "
+                f"{current.waste.waste_percent:.2f}% expected waste, "
+                f"max concurrency {current.max_concurrency:.2f}x"
+            )
+        assert figure._suptitle.get_text() == (
+            "gemma-3-27b: 16.00 GiB budget, max_model_len 32,768, layout LBNHC"
+        )
+    finally:
+        plt.close(figure)
+
+
+def test_plan_plot_with_pipeline_stages_draws_each_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    from hybrid_kv import plot
+
+    figures: list[Any] = []
+    original = plot.plan_figure
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        figures.append(original(*args, **kwargs))
+        return figures[-1]
+
+    monkeypatch.setattr(plot, "plan_figure", recorded)
+    path = tmp_path / "x.png"
+    argv = ["plan", "gemma-3-27b", "--memory", "16GiB", "-pp", "2", "--plot", str(path)]
+    assert main(argv) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert str(path) in capsys.readouterr().out
+    (figure,) = figures
+    titles = [axis.get_title() for axis in figure.axes]
+    assert len(titles) == 4
+    for title, strategy, stage in zip(
+        titles, ["min-waste", "min-waste", "vllm", "vllm"], [0, 1, 0, 1], strict=True
+    ):
+        assert f"{strategy} stage {stage}'s GPU: decoder layers" in title
+        assert "pool 16.00 GiB of its 16.00 GiB budget" in title
 
 
 @pytest.mark.parametrize(

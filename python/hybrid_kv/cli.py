@@ -462,7 +462,14 @@ def _add_plan_parser(subparsers: Any) -> None:
     )
     parser.add_argument("--max-groups", type=int, default=None, help="cap on the group count")
     parser.add_argument("--json", action="store_true", help="print the plans as JSON")
-    parser.add_argument("--plot", metavar="FILE.png", default=None, help="draw the memory layout")
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        default=None,
+        help="draw the memory layout: a block of the pool, one row per group (with "
+        "--pipeline-parallel-size N, a block of each stage's GPU, its pool against its budget), "
+        "vLLM's plan below ours",
+    )
     parser.set_defaults(handler=_cmd_plan)
 
 

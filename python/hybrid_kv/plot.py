@@ -1,5 +1,6 @@
 """Draw a plan's memory layout: one row per group, one block wide, each layer's page coloured
-by attention type and padding hatched. Imports matplotlib lazily."""
+by attention type and padding hatched; with pipeline stages, one block of each stage's GPU.
+Imports matplotlib lazily."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hybrid_kv.planner import KVCachePlan, PlanError, format_bytes
+from hybrid_kv.planner import KVCachePlan, PipelineStage, PlanError, format_bytes
 
 __all__ = ["plan_figure", "plot_plan", "plot_target", "require_matplotlib"]
 
@@ -86,9 +87,11 @@ def plot_plan(
 
 
 def plan_figure(plan: KVCachePlan, *, baseline: KVCachePlan | None = None, title: str = "") -> Any:
-    """A figure of the plan's blocks (and `baseline`'s, in a second panel): one row per
-    group; along the row the pages of its layers, padding hatched grey. When every page has
-    one size the axis counts pages (integer ticks), else bytes. The legend (below the panels)
+    """A figure of the plan's blocks (and `baseline`'s, below): one row per group; along the
+    row the pages of its layers, padding hatched grey. A plan with pipeline stages gets a
+    panel per stage, one block of that stage's GPU: its layers' pages, the rest of its block
+    hatched, its pool against its own budget in the panel's title. When every page has one
+    size the axis counts pages (integer ticks), else bytes. The legend (below the panels)
     lists only the kinds present."""
     require_matplotlib()
     import matplotlib
@@ -98,17 +101,20 @@ def plan_figure(plan: KVCachePlan, *, baseline: KVCachePlan | None = None, title
     from matplotlib.patches import Patch, Rectangle
 
     plans = [plan] if baseline is None else [plan, baseline]
-    height = sum(max(p.num_groups, 1) for p in plans)
+    panels = [(current, stage) for current in plans for stage in _panel_stages(current)]
+    height = sum(max(current.num_groups, 1) for current, _ in panels)
+    # A stage's panel has two or three title lines where a plan's one has one.
+    titles = sum(_title_lines(current, stage) - 1 for current, stage in panels)
     figure, axes = plt.subplots(
-        len(plans),
+        len(panels),
         1,
-        figsize=(10, 1.6 + 0.38 * height + 1.0 * len(plans)),
+        figsize=(10, 1.6 + 0.38 * height + 1.0 * len(panels) + 0.2 * titles),
         squeeze=False,
     )
     kinds: set[str] = set()
     padded = False
-    for axis, current in zip(axes[:, 0], plans, strict=True):
-        used_kinds, has_padding = _draw(axis, current, Rectangle)
+    for axis, (current, stage) in zip(axes[:, 0], panels, strict=True):
+        used_kinds, has_padding = _draw(axis, current, Rectangle, stage)
         kinds |= used_kinds
         padded |= has_padding
     handles = [Patch(facecolor=_COLOURS[k], label=_LABELS[k]) for k in _COLOURS if k in kinds]
@@ -117,7 +123,7 @@ def plan_figure(plan: KVCachePlan, *, baseline: KVCachePlan | None = None, title
     figure.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     heading = f"{title}: " if title else ""
     figure.suptitle(
-        f"{heading}{format_bytes(plan.memory_bytes)} budget, max_model_len "
+        f"{heading}{_budget_text(plan)}, max_model_len "
         f"{plan.max_model_len:,}, layout {plan.kv_cache_layout}",
         fontsize=10,
     )
@@ -125,28 +131,99 @@ def plan_figure(plan: KVCachePlan, *, baseline: KVCachePlan | None = None, title
     return figure
 
 
-def _draw(axis: Any, plan: KVCachePlan, rectangle: Any) -> tuple[set[str], bool]:
+def _panel_stages(plan: KVCachePlan) -> tuple[PipelineStage | None, ...]:
+    """The panels a plan gets: one per pipeline stage, or one (None) for the whole block."""
+    return plan.stages if len(plan.stages) > 1 else (None,)
+
+
+def _title_lines(plan: KVCachePlan, stage: PipelineStage | None) -> int:
+    if stage is None:
+        return 1
+    return 3 if stage.index == 0 else 2
+
+
+def _budget_text(plan: KVCachePlan) -> str:
+    """The suptitle's budget: the plan's, or with stages each stage GPU's."""
+    if len(plan.stages) <= 1:
+        return f"{format_bytes(plan.memory_bytes)} budget"
+    budgets = [format_bytes(stage.memory_bytes) for stage in plan.stages]
+    each = budgets[0] if len(set(budgets)) == 1 else " / ".join(budgets)
+    return f"{len(plan.stages)} pipeline stages, {each} budget per GPU"
+
+
+def _summary(plan: KVCachePlan, block: str) -> str:
+    return (
+        f"{plan.strategy}: {plan.num_groups} groups, {block}, "
+        f"{plan.waste.waste_percent:.2f}% expected waste, "
+        f"max concurrency {plan.max_concurrency or 0:.2f}x"
+    )
+
+
+def _stage_title(plan: KVCachePlan, stage: PipelineStage) -> str:
+    """A stage panel's title: the plan's line over its first stage, then the stage's layers and
+    block, then its pool against its own budget."""
+    lines = []
+    if stage.index == 0:
+        whole = f"{format_bytes(plan.block_bytes)} blocks over all stages"
+        lines.append(_summary(plan, whole))
+    sharing = plan.kv_sharing
+    shared = sum(name in sharing for name in stage.layer_names)
+    layers = f"{len(stage.layer_names) - shared} KV-cache layers"
+    if shared:
+        # They have no page: they read their targets', on the same stage.
+        layers += f", {shared} sharing theirs"
+    # Every stage holds a decoder layer (the planner refuses a split leaving one without).
+    lines.append(
+        f"{plan.strategy} stage {stage.index}'s GPU: decoder layers "
+        f"{stage.start_layer}-{stage.end_layer - 1}, {layers}, "
+        f"{format_bytes(stage.block_bytes)} blocks"
+    )
+    blocks = f"{plan.num_blocks:,} blocks incl. the null block"
+    if stage.budget_blocks != plan.num_blocks:
+        blocks += f" ({stage.budget_blocks:,} fit its budget)"
+    unused = stage.memory_bytes - stage.pool_bytes
+    lines.append(
+        f"pool {format_bytes(stage.pool_bytes)} of its {format_bytes(stage.memory_bytes)} "
+        f"budget, {format_bytes(unused)} unused: {blocks}"
+    )
+    return "\n".join(lines)
+
+
+def _draw(
+    axis: Any, plan: KVCachePlan, rectangle: Any, stage: PipelineStage | None = None
+) -> tuple[set[str], bool]:
+    """One block of the plan's pool (`stage`: of that stage's GPU, holding its layers only)."""
     pages = {p.page_bytes for p in plan.placements}
     unit = pages.pop() if len(pages) == 1 else 1
-    width = plan.block_bytes / unit
+    block_bytes = plan.block_bytes if stage is None else stage.block_bytes
+    width = block_bytes / unit
+    held = None if stage is None else set(stage.layer_names)
     kinds: set[str] = set()
     padded = False
     by_name = {p.layer_name: p for p in plan.placements}
     for row, group in enumerate(plan.groups):
+        names = [n for n in group.layer_names if held is None or n in held]
         x = 0.0
-        for name in group.layer_names:
+        for name in names:
             page = by_name[name].page_bytes / unit
             axis.add_patch(
                 rectangle((x, row), page, 1, facecolor=_COLOURS[group.kind], edgecolor="white")
             )
             x += page
-        kinds.add(group.kind)
-        if group.padding_bytes:
+        if names:
+            kinds.add(group.kind)
+        # A stage's block holds the group's pages of its own layers; the rest is unused there.
+        padding = (
+            group.padding_bytes
+            if stage is None
+            else block_bytes - sum(by_name[n].page_bytes for n in names)
+        )
+        if padding:
             padded = True
             axis.add_patch(
                 rectangle(
                     (x, row),
-                    group.padding_bytes / unit,
+                    padding / unit,
                     1,
                     facecolor="#dddddd",
                     hatch="///",
@@ -164,10 +241,9 @@ def _draw(axis: Any, plan: KVCachePlan, rectangle: Any) -> tuple[set[str], bool]
     axis.set_ylabel("KV cache group")
     axis.set_yticks([g.group_id + 0.5 for g in plan.groups])
     axis.set_yticklabels([f"{g.group_id}: {g.kind} bs={g.block_size}" for g in plan.groups])
-    axis.set_title(
-        f"{plan.strategy}: {plan.num_groups} groups, {format_bytes(plan.block_bytes)} blocks, "
-        f"{plan.waste.waste_percent:.2f}% expected waste, "
-        f"max concurrency {plan.max_concurrency or 0:.2f}x",
-        fontsize=9,
-    )
+    if stage is None:
+        title = _summary(plan, f"{format_bytes(plan.block_bytes)} blocks")
+    else:
+        title = _stage_title(plan, stage)
+    axis.set_title(title, fontsize=9)
     return kinds, padded
