@@ -513,6 +513,21 @@ def test_plan_figure_of_one_stage_draws_the_whole_block() -> None:
         plt.close(figure)
 
 
+def test_plan_figure_title_counts_one_group_in_the_singular() -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from hybrid_kv import load_model, plan_kv_cache
+    from hybrid_kv.plot import plan_figure
+
+    plan = plan_kv_cache(load_model("llama-3.1-8b").layers, 16 * 2**30, 32768)
+    assert plan.num_groups == 1
+    figure = plan_figure(plan, title="llama-3.1-8b")
+    try:
+        assert figure.axes[0].get_title().startswith("min-waste: 1 group, ")
+    finally:
+        plt.close(figure)
+
+
 def test_plan_plot_with_pipeline_stages_draws_each_gpu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

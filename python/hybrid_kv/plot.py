@@ -153,7 +153,7 @@ def _budget_text(plan: KVCachePlan) -> str:
 
 def _summary(plan: KVCachePlan, block: str) -> str:
     return (
-        f"{plan.strategy}: {plan.num_groups} groups, {block}, "
+        f"{plan.strategy}: {plan.num_groups} group{'' if plan.num_groups == 1 else 's'}, {block}, "
         f"{plan.waste.waste_percent:.2f}% expected waste, "
         f"max concurrency {plan.max_concurrency or 0:.2f}x"
     )
