@@ -1000,3 +1000,10 @@ def test_importing_the_planner_does_not_import_torch_or_matplotlib() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.split() == ["False", "False"]
+
+
+def test_min_waste_reason_counts_one_grouping_and_one_group_in_the_singular() -> None:
+    one = plan_kv_cache({"l0": full(), "l1": full()}, HUGE, 128)
+    (reason,) = [r for r in one.reasons if r.startswith("min-waste:")]
+    assert reason.startswith("min-waste: tried 1 grouping (")
+    assert "; chose 1 group, " in reason and "(vLLM's grouping: 1 group, " in reason

@@ -307,6 +307,11 @@ def _in_flight(
     )
 
 
+def _count(n: int, noun: str) -> str:
+    """`n noun`, plural unless one."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 @dataclass(frozen=True)
 class _Settings:
     """The validated arguments every step of planning reads."""
@@ -564,12 +569,13 @@ def _choose(
         else f"at most {vllm.num_attention_groups + EXTRA_ATTENTION_GROUPS} attention groups"
     )
     reasons.append(
-        f"min-waste: tried {len(candidates)} groupings ({cap_text}); chose {chosen.num_groups} "
-        f"groups, {format_bytes(chosen.block_bytes)} blocks, "
+        f"min-waste: tried {_count(len(candidates), 'grouping')} ({cap_text}); chose "
+        f"{_count(chosen.num_groups, 'group')}, {format_bytes(chosen.block_bytes)} blocks, "
         f"{float(chosen.waste_fraction * 100):.2f}% expected waste over "
         f"{scorer.lengths.source}"
         + (
-            f" (vLLM's grouping: {vllm.num_groups} groups, {float(vllm.waste_fraction * 100):.2f}%)"
+            f" (vLLM's grouping: {_count(vllm.num_groups, 'group')}, "
+            f"{float(vllm.waste_fraction * 100):.2f}%)"
             if vllm_problem is None
             else ""
         )
