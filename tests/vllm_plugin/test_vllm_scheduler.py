@@ -1203,6 +1203,21 @@ def _append(tokens: list[Any]) -> Callable[[Any], None]:
         ({}, {}, _append([7, 2**32]), "output_token_ids[1] is 4294967296, not a token id"),
         # Tokens counted computed in blocks it does not hold (a KV connector's requests only).
         ({}, {}, _set("num_computed_tokens", 5), "num_computed_tokens is 5 on arrival, not 0"),
+        # Longer than max_model_len (16384 here), which vLLM's scheduler schedules (with slots
+        # for max_model_len tokens only) and the core refuses to allocate: a prompt, and a
+        # prompt whose outputs on arrival pass it.
+        (
+            {"prompt": tuple(range(16385))},
+            {},
+            None,
+            "length (16385 tokens) is above max_model_len 16384",
+        ),
+        (
+            {"prompt": tuple(range(16380))},
+            {},
+            _append(list(range(10))),
+            "length (16390 tokens) is above max_model_len 16384",
+        ),
     ],
     ids=[
         "token-2**32-tail",
@@ -1222,6 +1237,8 @@ def _append(tokens: list[Any]) -> Callable[[Any], None]:
         "mm-identifier-int",
         "outputs-on-arrival",
         "computed-on-arrival",
+        "prompt-above-max-model-len",
+        "outputs-past-max-model-len",
     ],
 )
 def test_requests_the_core_cannot_hold_are_refused_and_the_engine_serves_the_rest(

@@ -638,6 +638,12 @@ class HybridKVCacheManager(_RunningSteps):
             # vLLM's scheduler counts them computed in blocks the request does not hold (only a
             # KV connector's requests, served by vLLM's manager, arrive so).
             return f"num_computed_tokens is {request.num_computed_tokens} on arrival, not 0"
+        if request.num_tokens > self.max_model_len:
+            # vLLM's frontend refuses such a prompt; its scheduler would schedule it with slots
+            # for max_model_len tokens, which the core refuses to allocate.
+            return (
+                f"length ({request.num_tokens} tokens) is above max_model_len {self.max_model_len}"
+            )
         problem = _mm_problem(request) if request.mm_features else None
         if problem is not None:
             return problem
