@@ -549,6 +549,40 @@ def test_construction_restores_vllms_manager_class() -> None:
     assert type(stock.kv_cache_manager) is VllmKVCacheManager
 
 
+def test_a_stock_scheduler_built_by_another_thread_meanwhile_keeps_vllms_manager() -> None:
+    # While hybrid-kv's scheduler is built, the name vLLM's scheduler module builds its manager
+    # by is rebound; a stock vLLM scheduler another thread builds meanwhile (two in-process
+    # engines started together) still gets vLLM's own manager, for its own arguments.
+    import threading
+
+    from hybrid_kv.vllm import scheduler as plugin
+
+    options = harness.Options(layout="gpt-oss", num_blocks=300)
+    built: list[Any] = []
+    build = plugin.build_kv_cache_manager
+    calls = []
+
+    def build_while_another_thread_builds_stock(*args: Any) -> Any:
+        calls.append(threading.current_thread())
+        if len(calls) == 1:
+            other = threading.Thread(
+                target=lambda: built.append(harness.build_scheduler(options, VllmScheduler))
+            )
+            other.start()
+            other.join()
+        return build(*args)
+
+    with mock.patch.object(
+        plugin, "build_kv_cache_manager", build_while_another_thread_builds_stock
+    ):
+        ours = harness.build_scheduler(harness.Options(), hkv.Scheduler)
+    assert ours.uses_hybrid_kv
+    assert calls == [threading.current_thread()]
+    (stock,) = built
+    assert type(stock.kv_cache_manager) is VllmKVCacheManager
+    assert stock.kv_cache_manager.block_pool.num_gpu_blocks == 300
+
+
 def _context(options: harness.Options, **config_changes: Any) -> hkv.BuildContext:
     config = harness.vllm_config(options)
     for name, value in config_changes.items():
