@@ -290,6 +290,20 @@ def test_same_outputs_as_vllm_with_lora_requests(layout: str, num_blocks: int) -
     assert run.hits > 0 and run.preempted > 0
 
 
+@pytest.mark.parametrize("hash_algo", ["xxhash", "xxhash_cbor"])
+def test_adapters_whose_name_and_path_join_alike_share_no_blocks_as_in_vllm(hash_algo: str) -> None:
+    # vLLM keys a LoRA request's blocks by the (name, path) pair; with its xxHash options the
+    # core hashes the pair itself, and two adapters whose name and path hold the same characters
+    # split elsewhere (a NUL in one, say) must not read each other's blocks.
+    prompt = WORKLOAD[0].prompt
+    workload = [
+        harness.RequestSpec("first", prompt, 4, 0, lora=("x\0y", 1, "z")),
+        harness.RequestSpec("second", prompt, 4, 8, lora=("x", 2, "y\0z")),
+    ]
+    options = harness.Options(num_blocks=260, lora=True, hash_algo=hash_algo)
+    assert run_both(options, workload).hits == 0
+
+
 @pytest.mark.parametrize(
     "layout,num_blocks,dense,every",
     [

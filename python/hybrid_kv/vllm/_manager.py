@@ -610,8 +610,9 @@ class HybridKVCacheManager(_RunningSteps):
                 request.request_id,
                 tokens,
                 request.cache_salt,
-                # vLLM keys LoRA blocks by name and path.
-                f"{lora.lora_name}\0{lora.lora_path}" if lora is not None else None,
+                # vLLM keys LoRA blocks by the (name, path) pair; its repr holds the two apart
+                # (adapters whose name and path join to the same text share no blocks).
+                repr((lora.lora_name, lora.lora_path)) if lora is not None else None,
                 inputs or None,
                 block_size=self.hash_block_size,
                 hash_algo=self._core_hash,

@@ -58,7 +58,7 @@ def _text_problem(request: Request) -> str | None:
     fields = [
         ("request id", request.request_id),
         ("cache_salt", request.cache_salt),
-        # Joined as the manager keys the adapter (by name and path, whatever their types).
+        # The adapter's name and path, which key its blocks (whatever their types).
         ("LoRA adapter", None if lora is None else f"{lora.lora_name}{lora.lora_path}"),
     ]
     fields += [("multimodal identifier", f.identifier) for f in request.mm_features]
