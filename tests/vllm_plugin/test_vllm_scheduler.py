@@ -1217,6 +1217,12 @@ def _set(attribute: str, value: Any) -> Callable[[Any], None]:
     return change
 
 
+def _without_block_hasher(request: Any) -> None:
+    # As `Request(..., block_hasher=None)` makes it.
+    request._block_hasher = None
+    request.block_hashes = []
+
+
 def _append(tokens: list[Any]) -> Callable[[Any], None]:
     def change(request: Any) -> None:
         request.append_output_token_ids(tokens)
@@ -1251,6 +1257,10 @@ def _append(tokens: list[Any]) -> Callable[[Any], None]:
         ({}, {}, _append([7, 2**32]), "output_token_ids[1] is 4294967296, not a token id"),
         # Tokens counted computed in blocks it does not hold (a KV connector's requests only).
         ({}, {}, _set("num_computed_tokens", 5), "num_computed_tokens is 5 on arrival, not 0"),
+        # No block hasher with prefix caching on (vLLM's engine core gives every request one):
+        # vLLM's manager finds and caches no block of it; KV events would read its hashes.
+        ({}, {"hash_algo": "xxhash"}, _without_block_hasher, "whose block hasher is missing"),
+        ({}, {"kv_events": True}, _without_block_hasher, "whose block hasher is missing"),
         # Longer than max_model_len (16384 here), which vLLM's scheduler schedules (with slots
         # for max_model_len tokens only) and the core refuses to allocate: a prompt, and a
         # prompt whose outputs on arrival pass it.
@@ -1285,6 +1295,8 @@ def _append(tokens: list[Any]) -> Callable[[Any], None]:
         "mm-identifier-int",
         "outputs-on-arrival",
         "computed-on-arrival",
+        "no-block-hasher-xxhash",
+        "no-block-hasher-kv-events",
         "prompt-above-max-model-len",
         "outputs-past-max-model-len",
     ],

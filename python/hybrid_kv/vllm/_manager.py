@@ -639,6 +639,11 @@ class HybridKVCacheManager(_RunningSteps):
             # vLLM's scheduler counts them computed in blocks the request does not hold (only a
             # KV connector's requests, served by vLLM's manager, arrive so).
             return f"num_computed_tokens is {request.num_computed_tokens} on arrival, not 0"
+        if self.enable_caching and getattr(request, "_block_hasher", None) is None:
+            # vLLM's engine core gives every request one when prefix caching is on; vLLM's
+            # manager finds and caches no block of a request without (the core would key its
+            # blocks, and KV events read vLLM's hashes).
+            return "block hasher is missing (prefix caching is on)"
         if request.num_tokens > self.max_model_len:
             # vLLM's frontend refuses such a prompt; its scheduler would schedule it with slots
             # for max_model_len tokens, which the core refuses to allocate.
