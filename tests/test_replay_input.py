@@ -285,6 +285,23 @@ def test_the_replay_command_names_a_file_it_cannot_read(
         assert "Traceback" not in err
 
 
+def test_the_replay_command_refuses_an_input_that_is_not_a_regular_file(
+    conformance_dir: Path, tmp_path: Path, capsys
+) -> None:
+    # A device or a pipe is read to its end before parsing: /dev/zero or /dev/urandom would
+    # fill memory, a FIFO nobody writes blocks forever. Named as `--lengths` names them.
+    trace = conformance_dir / "full-attn.eviction.vllm.jsonl.gz"
+    real = conformance_dir / "full-attn.eviction.workload.json.gz"
+    for workload_path, trace_path, expected in (
+        (Path(os.devnull), trace, f"workload {os.devnull} is not a regular file"),
+        (real, Path(os.devnull), f"trace {os.devnull} is not a regular file"),
+    ):
+        assert _run(tmp_path, workload_path, trace_path) == 2
+        err = capsys.readouterr().err
+        assert err == f"replay: error: {expected}\n", err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [

@@ -759,8 +759,11 @@ def _positive_int(text: str) -> int:
 
 
 def _load(path: str, what: str, read: Callable[[str], Any]) -> Any:
-    """`read(path)`, its failures (missing, unreadable, not gzip, not JSON) a `ValueError`
-    naming the file."""
+    """`read(path)`, its failures (missing, unreadable, not gzip, not JSON, not a regular
+    file) a `ValueError` naming the file. A device or a pipe is refused before it is opened:
+    it would be read to its end (/dev/zero never ends) or block (a FIFO nobody writes)."""
+    if os.path.exists(path) and not (os.path.isfile(path) or os.path.isdir(path)):
+        raise ValueError(f"{what} {path} is not a regular file")
     try:
         return read(path)
     except (OSError, EOFError, ValueError, zlib.error) as error:

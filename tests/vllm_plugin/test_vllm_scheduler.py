@@ -290,6 +290,20 @@ def test_same_outputs_as_vllm_with_lora_requests(layout: str, num_blocks: int) -
     assert run.hits > 0 and run.preempted > 0
 
 
+@pytest.mark.parametrize("hash_algo", ["xxhash", "xxhash_cbor"])
+def test_adapters_whose_name_and_path_join_alike_share_no_blocks_as_in_vllm(hash_algo: str) -> None:
+    # vLLM keys a LoRA request's blocks by the (name, path) pair; with its xxHash options the
+    # core hashes the pair itself, and two adapters whose name and path hold the same characters
+    # split elsewhere (a NUL in one, say) must not read each other's blocks.
+    prompt = WORKLOAD[0].prompt
+    workload = [
+        harness.RequestSpec("first", prompt, 4, 0, lora=("x\0y", 1, "z")),
+        harness.RequestSpec("second", prompt, 4, 8, lora=("x", 2, "y\0z")),
+    ]
+    options = harness.Options(num_blocks=260, lora=True, hash_algo=hash_algo)
+    assert run_both(options, workload).hits == 0
+
+
 @pytest.mark.parametrize(
     "layout,num_blocks,dense,every",
     [
@@ -547,6 +561,40 @@ def test_construction_restores_vllms_manager_class() -> None:
     assert vllm_scheduler_module.KVCacheManager is VllmKVCacheManager
     stock = harness.build_scheduler(harness.Options())
     assert type(stock.kv_cache_manager) is VllmKVCacheManager
+
+
+def test_a_stock_scheduler_built_by_another_thread_meanwhile_keeps_vllms_manager() -> None:
+    # While hybrid-kv's scheduler is built, the name vLLM's scheduler module builds its manager
+    # by is rebound; a stock vLLM scheduler another thread builds meanwhile (two in-process
+    # engines started together) still gets vLLM's own manager, for its own arguments.
+    import threading
+
+    from hybrid_kv.vllm import scheduler as plugin
+
+    options = harness.Options(layout="gpt-oss", num_blocks=300)
+    built: list[Any] = []
+    build = plugin.build_kv_cache_manager
+    calls = []
+
+    def build_while_another_thread_builds_stock(*args: Any) -> Any:
+        calls.append(threading.current_thread())
+        if len(calls) == 1:
+            other = threading.Thread(
+                target=lambda: built.append(harness.build_scheduler(options, VllmScheduler))
+            )
+            other.start()
+            other.join()
+        return build(*args)
+
+    with mock.patch.object(
+        plugin, "build_kv_cache_manager", build_while_another_thread_builds_stock
+    ):
+        ours = harness.build_scheduler(harness.Options(), hkv.Scheduler)
+    assert ours.uses_hybrid_kv
+    assert calls == [threading.current_thread()]
+    (stock,) = built
+    assert type(stock.kv_cache_manager) is VllmKVCacheManager
+    assert stock.kv_cache_manager.block_pool.num_gpu_blocks == 300
 
 
 def _context(options: harness.Options, **config_changes: Any) -> hkv.BuildContext:
@@ -1169,6 +1217,12 @@ def _set(attribute: str, value: Any) -> Callable[[Any], None]:
     return change
 
 
+def _without_block_hasher(request: Any) -> None:
+    # As `Request(..., block_hasher=None)` makes it.
+    request._block_hasher = None
+    request.block_hashes = []
+
+
 def _append(tokens: list[Any]) -> Callable[[Any], None]:
     def change(request: Any) -> None:
         request.append_output_token_ids(tokens)
@@ -1203,6 +1257,25 @@ def _append(tokens: list[Any]) -> Callable[[Any], None]:
         ({}, {}, _append([7, 2**32]), "output_token_ids[1] is 4294967296, not a token id"),
         # Tokens counted computed in blocks it does not hold (a KV connector's requests only).
         ({}, {}, _set("num_computed_tokens", 5), "num_computed_tokens is 5 on arrival, not 0"),
+        # No block hasher with prefix caching on (vLLM's engine core gives every request one):
+        # vLLM's manager finds and caches no block of it; KV events would read its hashes.
+        ({}, {"hash_algo": "xxhash"}, _without_block_hasher, "whose block hasher is missing"),
+        ({}, {"kv_events": True}, _without_block_hasher, "whose block hasher is missing"),
+        # Longer than max_model_len (16384 here), which vLLM's scheduler schedules (with slots
+        # for max_model_len tokens only) and the core refuses to allocate: a prompt, and a
+        # prompt whose outputs on arrival pass it.
+        (
+            {"prompt": tuple(range(16385))},
+            {},
+            None,
+            "length (16385 tokens) is above max_model_len 16384",
+        ),
+        (
+            {"prompt": tuple(range(16380))},
+            {},
+            _append(list(range(10))),
+            "length (16390 tokens) is above max_model_len 16384",
+        ),
     ],
     ids=[
         "token-2**32-tail",
@@ -1222,6 +1295,10 @@ def _append(tokens: list[Any]) -> Callable[[Any], None]:
         "mm-identifier-int",
         "outputs-on-arrival",
         "computed-on-arrival",
+        "no-block-hasher-xxhash",
+        "no-block-hasher-kv-events",
+        "prompt-above-max-model-len",
+        "outputs-past-max-model-len",
     ],
 )
 def test_requests_the_core_cannot_hold_are_refused_and_the_engine_serves_the_rest(

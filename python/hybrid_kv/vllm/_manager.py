@@ -610,8 +610,9 @@ class HybridKVCacheManager(_RunningSteps):
                 request.request_id,
                 tokens,
                 request.cache_salt,
-                # vLLM keys LoRA blocks by name and path.
-                f"{lora.lora_name}\0{lora.lora_path}" if lora is not None else None,
+                # vLLM keys LoRA blocks by the (name, path) pair; its repr holds the two apart
+                # (adapters whose name and path join to the same text share no blocks).
+                repr((lora.lora_name, lora.lora_path)) if lora is not None else None,
                 inputs or None,
                 block_size=self.hash_block_size,
                 hash_algo=self._core_hash,
@@ -638,6 +639,17 @@ class HybridKVCacheManager(_RunningSteps):
             # vLLM's scheduler counts them computed in blocks the request does not hold (only a
             # KV connector's requests, served by vLLM's manager, arrive so).
             return f"num_computed_tokens is {request.num_computed_tokens} on arrival, not 0"
+        if self.enable_caching and getattr(request, "_block_hasher", None) is None:
+            # vLLM's engine core gives every request one when prefix caching is on; vLLM's
+            # manager finds and caches no block of a request without (the core would key its
+            # blocks, and KV events read vLLM's hashes).
+            return "block hasher is missing (prefix caching is on)"
+        if request.num_tokens > self.max_model_len:
+            # vLLM's frontend refuses such a prompt; its scheduler would schedule it with slots
+            # for max_model_len tokens, which the core refuses to allocate.
+            return (
+                f"length ({request.num_tokens} tokens) is above max_model_len {self.max_model_len}"
+            )
         problem = _mm_problem(request) if request.mm_features else None
         if problem is not None:
             return problem

@@ -1,10 +1,11 @@
 """vLLM's own `Scheduler` and `AsyncScheduler`, with hybrid-kv's KV cache manager.
 
 The subclasses own nothing vLLM already does: vLLM's `Scheduler.__init__` builds its
-`KVCacheManager` with keyword arguments; while it runs, the name it calls is bound to
-`build_kv_cache_manager`, which receives exactly those arguments and returns hybrid-kv's manager,
-or vLLM's own (with one log line naming the reason) for a configuration in
-`hybrid_kv.vllm._support.FALLBACKS`.
+`KVCacheManager` with keyword arguments; while it runs, the name it calls is bound, for the thread
+building it, to `build_kv_cache_manager`, which receives exactly those arguments and returns
+hybrid-kv's manager, or vLLM's own (with one log line naming the reason) for a configuration in
+`hybrid_kv.vllm._support.FALLBACKS`. Other threads building a stock scheduler meanwhile get
+vLLM's own manager.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def _text_problem(request: Request) -> str | None:
     fields = [
         ("request id", request.request_id),
         ("cache_salt", request.cache_salt),
-        # Joined as the manager keys the adapter (by name and path, whatever their types).
+        # The adapter's name and path, which key its blocks (whatever their types).
         ("LoRA adapter", None if lora is None else f"{lora.lora_name}{lora.lora_path}"),
     ]
     fields += [("multimodal identifier", f.identifier) for f in request.mm_features]
@@ -109,7 +110,13 @@ class _HybridKvMixin:
         # Requests refused since the last output (see `add_request`).
         self._refused: list[tuple[Request, str]] = []
 
+        builder = threading.get_ident()
+
         def factory(**manager_kwargs: Any) -> HybridKVCacheManager | VllmKVCacheManager:
+            if threading.get_ident() != builder:
+                # A stock vLLM scheduler another thread builds meanwhile reads the rebound name
+                # too: it gets vLLM's own manager, for its own arguments.
+                return VllmKVCacheManager(**manager_kwargs)
             return build_kv_cache_manager(vllm_config, manager_kwargs)
 
         with _BUILD_LOCK:
