@@ -304,6 +304,53 @@ def test_adapters_whose_name_and_path_join_alike_share_no_blocks_as_in_vllm(hash
     assert run_both(options, workload).hits == 0
 
 
+@pytest.mark.parametrize("hash_algo", ["xxhash", "xxhash_cbor"])
+def test_multimodal_identifiers_spelling_an_embeddings_key_share_no_blocks_as_in_vllm(
+    hash_algo: str,
+) -> None:
+    # With vLLM's xxHash options the core keys a prompt's embeddings and its multimodal items
+    # itself, both as keyed inputs. vLLM keeps the two kinds of extra key apart: a multimodal
+    # item whose identifier (a client's `multi_modal_uuids`) spells an embeddings block's key,
+    # at that key's position, must read none of the embedding prompt's blocks.
+    from vllm.v1.core.kv_cache_utils import _gen_prompt_embeds_extra_hash_keys
+
+    prompt = WORKLOAD[0].prompt
+    embedded = harness.RequestSpec("embedded", prompt, 4, 0, embeds=True)
+    made = harness.make_request(embedded, hash_algo=hash_algo)
+    size = harness.BLOCK_SIZE
+    digests = [
+        digest.hex()
+        for start in range(0, len(prompt), size)
+        for ((_, digest),) in [_gen_prompt_embeds_extra_hash_keys(made, start, start + size)]
+    ]
+    # Each imitation spells the keys one way (the bare digest, or behind a tag an
+    # implementation might give the embeddings' keys); vLLM holds token id 0 where an
+    # embedding stands, so the items stand on the same ids.
+    imitations = [
+        harness.RequestSpec(
+            f"imitation-{i}",
+            (0,) * len(prompt),
+            4,
+            0,
+            mm=tuple((f"{tag}{d}", n * size, 1) for n, d in enumerate(digests)),
+        )
+        for i, tag in enumerate(["", "prompt_embeds:", "embeds:", "mm:embeds:"])
+    ]
+    options = harness.Options(layout="full", prompt_embeds=True, hash_algo=hash_algo)
+    hits = []
+    for cls in (None, hkv.Scheduler):
+        scheduler = harness.build_scheduler(options, cls)
+        manager = scheduler.kv_cache_manager
+        got = []
+        for spec in (embedded, *imitations):
+            request = harness.make_request(spec, hash_algo=hash_algo)
+            blocks, num_hit, _ = manager.get_computed_blocks(request)
+            got.append(num_hit)
+            manager.allocate_slots(request, len(prompt) - num_hit, num_hit, blocks)
+        hits.append(got)
+    assert hits[1] == hits[0] == [0] * (1 + len(imitations))
+
+
 @pytest.mark.parametrize(
     "layout,num_blocks,dense,every",
     [

@@ -107,7 +107,7 @@ def _prompt_embeds_inputs(
         ((_, digest),) = _gen_prompt_embeds_extra_hash_keys(
             request, start, start + hash_block_size + lookahead
         )
-        inputs.append((f"prompt_embeds:{digest.hex()}", start + lookahead, 1))
+        inputs.append((f"embeds:{digest.hex()}", start + lookahead, 1))
     return inputs
 
 
@@ -591,8 +591,10 @@ class HybridKVCacheManager(_RunningSteps):
             if companion is not None:
                 return companion
             lora = request.lora_request
+            # Tagged by kind, as vLLM keeps its multimodal and embeddings extra keys apart: no
+            # item's identifier (a client's `multi_modal_uuids`) spells an embeddings key.
             inputs = [
-                (f.identifier, f.mm_position.offset, f.mm_position.length)
+                (f"mm:{f.identifier}", f.mm_position.offset, f.mm_position.length)
                 for f in request.mm_features
             ]
             tokens = request.prompt_token_ids
