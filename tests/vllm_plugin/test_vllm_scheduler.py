@@ -975,6 +975,23 @@ def test_no_kv_cache_group_with_prefix_caching_fails_as_vllm_does(vllm_log) -> N
     )
 
 
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_a_pool_of_the_null_block_alone_is_vllms_managers(vllm_log, prefix_caching: bool) -> None:
+    # vLLM builds its manager over one block (the null block: nothing can be allocated); the
+    # core refuses such a pool, so vLLM's manager serves it, after the one line saying why
+    # (the scheduler's build raised the core's error).
+    options = harness.Options(num_blocks=1, prefix_caching=prefix_caching)
+    stock = harness.build_scheduler(options)
+    ours = harness.build_scheduler(options, hkv.Scheduler)
+    assert not ours.uses_hybrid_kv
+    assert type(ours.kv_cache_manager) is type(stock.kv_cache_manager)
+    (line,) = _hybrid_kv_lines(vllm_log)
+    assert line.levelno == logging.WARNING
+    assert line.getMessage().startswith(
+        "hybrid-kv: using vLLM's own KV cache manager: num_blocks must be at least 2"
+    )
+
+
 @pytest.mark.parametrize("chunked_prefill", [True, False])
 def test_no_kv_cache_group_without_prefix_caching_is_served_as_vllm(chunked_prefill: bool) -> None:
     options = harness.Options(prefix_caching=False, max_num_seqs=4, chunked_prefill=chunked_prefill)

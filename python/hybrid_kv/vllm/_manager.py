@@ -496,8 +496,9 @@ class HybridKVCacheManager(_RunningSteps):
                 hash_block_size=hash_block_size,
                 enable_mamba_shared_prefix_checkpoint=enable_mamba_shared_prefix_checkpoint,
             )
-        except hk.InvalidConfigError as error:
-            # A combination vLLM accepts and the core refuses: vLLM's manager serves it.
+        except (hk.InvalidConfigError, hk.OutOfRangeError) as error:
+            # A combination vLLM accepts and the core refuses (a pool of the null block alone,
+            # say): vLLM's manager serves it.
             raise Unsupported(str(error)) from error
         self.hash_block_size = hash_block_size
         self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
