@@ -659,13 +659,16 @@ def chat_workload(
     return specs
 
 
-def draw_grammars(rng: random.Random, workload: Sequence[RequestSpec]) -> list[RequestSpec]:
+def draw_grammars(
+    rng: random.Random, workload: Sequence[RequestSpec], always: bool = False
+) -> list[RequestSpec]:
     """`workload` with a share of its requests asking for structured output (from a generator
-    of its own, so the draws before stay what they were for every seed): each grammar compiles
-    at arrival or a few steps later, or fails to (a validation error for that request alone);
-    it accepts a seeded prefix of each draft, or every draft, and rarely rejects a sampled
-    token (vLLM finishes the request with an error)."""
-    if rng.random() >= 0.35:
+    of its own, so the draws before stay what they were for every seed), for about a third of
+    the workloads (every one with `always`): each grammar compiles at arrival or a few steps
+    later, or fails to (a validation error for that request alone); it accepts a seeded prefix
+    of each draft, or every draft, and rarely rejects a sampled token (vLLM finishes the
+    request with an error)."""
+    if rng.random() >= 0.35 and not always:
         return list(workload)
     share = rng.choice([0.2, 0.5, 1.0])
     grammars = []
