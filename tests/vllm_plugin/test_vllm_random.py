@@ -17,8 +17,8 @@ some cases with what makes vLLM preempt those requests mid-decode and resume the
 (`draw_grammar_preemption`: long decodes arriving in bursts into a pool under pressure, the
 priority policy, async scheduling with their tokens in flight); and, while it runs, client
 aborts, prefix-cache resets (with and without preempting the running requests) and scheduler
-pauses at seeded steps. Every step's `SchedulerOutput`, engine-core
-outputs and KV events must be equal on both sides.
+pauses at seeded steps. Every step's `SchedulerOutput`, engine-core outputs and KV events must be
+equal on both sides.
 
 Mamba layouts also draw hashes finer than their blocks (fine-grained partial hash hits, with
 copy-on-write block copies, which the outputs compare too). The fixed tests elsewhere name each
@@ -193,11 +193,11 @@ def draw_grammar_preemption(
     what they were for every seed), what makes vLLM's scheduler preempt structured-output
     requests mid-decode, after their grammars accepted tokens, and resume them: structured
     output in the workload (`draw_grammars`) with long decodes, many requests running at once
-    in a pool under pressure, the
-    priority policy preempting those requests first (the lowest priority running), or async
-    scheduling (their deferred tokens in flight when they are preempted). Not for an embedding
-    model (no sampling, no grammar); async scheduling only where vLLM 0.33 takes it (with
-    pipeline parallelism or n-gram drafting it needs Model Runner V2)."""
+    in a pool under pressure, the priority policy preempting those requests first (the lowest
+    priority running), or async scheduling (their deferred tokens in flight when they are
+    preempted). Not for an embedding model (no sampling, no grammar); async scheduling only
+    where vLLM 0.33 takes it (with pipeline parallelism or n-gram drafting it needs Model
+    Runner V2)."""
     if options.pooling_runner or rng.random() >= 0.25:
         return options, workload
     if not any(spec.grammar for spec in workload):
@@ -301,8 +301,8 @@ class ChaosDriver(harness.Driver):
     log: list[Any] = dataclasses.field(default_factory=list)
     # Structured-output requests the scheduler preempted (not a prefix-cache reset) after their
     # grammar had accepted tokens, by id: whether their tokens were in flight then (async
-    # scheduling), until a step schedules them again; and each such preemption, with that flag,
-    # once it is resumed (`GrammarPreemption`).
+    # scheduling), until a step schedules them again; and each such request, with that flag,
+    # once it is resumed.
     _grammar_preempted: dict[str, bool] = dataclasses.field(default_factory=dict)
     grammar_resumed: list[tuple[str, bool]] = dataclasses.field(default_factory=list)
 
@@ -352,8 +352,8 @@ REGRESSION_SEEDS = (200072, 81001222)
 # no block is cached and no KV event is published.
 KEPT_SEEDS = (10300167,)
 # Cases whose draws preempt structured-output requests after their grammars accepted tokens and
-# resume them (`draw_grammar_preemption`): 62 by pool pressure under the priority policy, 97 with
-# async scheduling (their tokens in flight), 136 both.
+# resume them (`draw_grammar_preemption`): 62 under the priority policy, 97 first come first
+# served with async scheduling (their tokens in flight), 136 both.
 GRAMMAR_PREEMPTION_SEEDS = (62, 97, 136)
 
 
