@@ -11,9 +11,11 @@ layout. Some requests ask for structured output (`harness.draw_grammars`, from a
 their own): one whose grammar still compiles is looked up after the requests behind it, one whose
 grammar fails is freed before any lookup and one whose grammar rejects a sampled token is freed
 mid-decode, both finished with an error; with drafting, a structured-output request's decode steps
-schedule the drafts its grammar accepts and roll back those the model rejects. (vLLM 0.33 refuses
-none of this: structured outputs are checked against the model and the tokenizer, not against
-multimodal inputs or speculative decoding.) After every call the two managers must agree on the
+schedule the drafts its grammar accepts and roll back those the model rejects; in some cases (from
+a generator of their own) such a request is preempted mid-decode and resumed: freed, then looked
+up and computed again with its output tokens. (vLLM 0.33 refuses none of this: structured outputs
+are checked against the model and the tokenizer, not against multimodal inputs or speculative
+decoding.) After every call the two managers must agree on the
 hit, the new blocks, the free-block count, every live request's block table and the KV events.
 (The scheduler differential tests cannot carry images: vLLM's scheduler would need an encoder
 budget, which the offline model has not.)
@@ -135,6 +137,10 @@ def test_multimodal_requests_match_vllms_manager(seed: int) -> None:
         )
     ]
     acceptance = random.Random(f"{seed}-drafts")
+    # For some cases (from a generator of its own), vLLM's scheduler preempts structured-output
+    # requests mid-decode, after their grammars accepted tokens, and resumes them.
+    preemptions = random.Random(f"{seed}-grammar-preemption")
+    preemption_rate = preemptions.choice([0.0, 0.0, 0.1, 0.3])
 
     def finish_with_error(spec: Any, pair: tuple[Any, Any]) -> None:
         """vLLM's scheduler finishing a request with an error (`finish_requests`) and freeing
@@ -145,6 +151,56 @@ def test_multimodal_requests_match_vllms_manager(seed: int) -> None:
             m.free(r)
         live.pop(spec.request_id, None)
         check(live)
+
+    def prefill(spec: Any, pair: tuple[Any, Any], chunks: random.Random) -> bool:
+        """Looks `pair` up and computes its tokens (its prompt, and on resumption its output
+        tokens too) in chunks drawn from `chunks`. Out of blocks, the request goes (vLLM's
+        scheduler would preempt it); whether it is still there."""
+        sm.new_step_starts()
+        om.new_step_starts()
+        # (blocks, hit tokens, shared-prefix boundary)
+        s_got, o_got = (m.get_computed_blocks(r) for m, r in zip((sm, om), pair, strict=True))
+        same("hit", (ids(s_got[0]), *s_got[1:]), (ids(o_got[0]), *o_got[1:]))
+        (s_hit, s_n), (o_hit, o_n) = s_got[:2], o_got[:2]
+        for r, got in zip(pair, (s_got, o_got), strict=True):
+            r.shared_prefix_boundary = got[2]
+        length = pair[0].num_tokens
+        done = s_n
+        first = True
+        while done < length:
+            chunk = min(length - done, chunks.choice([16, 37, 512]))
+            if layout in harness.MAMBA_LAYOUTS:
+                # vLLM's scheduler ends a Mamba `align` prefill chunk where a state must be
+                # cached (block boundaries, the prompt's checkpoint, a shared-prefix junction).
+                chunk = stock._mamba_block_aligned_split(pair[0], chunk, s_n if first else 0)
+                assert chunk > 0, "the split left nothing to schedule"
+            news = [
+                m.allocate_slots(
+                    r,
+                    chunk,
+                    num_new_computed_tokens=hit_n if first else 0,
+                    new_computed_blocks=hit if first else None,
+                )
+                for m, r, hit, hit_n in zip((sm, om), pair, (s_hit, o_hit), (s_n, o_n), strict=True)
+            ]
+            same("new blocks", ids(news[0]), ids(news[1]))
+            if news[0] is None:
+                break
+            first = False
+            done += chunk
+            for r in pair:
+                r.num_computed_tokens = done
+            live[spec.request_id] = pair
+            check(live)
+            sm.new_step_starts()
+            om.new_step_starts()
+        if done < length:
+            for m, r in zip((sm, om), pair, strict=True):
+                m.free(r)
+            live.pop(spec.request_id, None)
+            check(live)
+            return False
+        return True
 
     def decode_under_grammar(spec: Any, pair: tuple[Any, Any], length: int) -> bool:
         """Decodes a structured-output request as vLLM's scheduler does: with drafting, each
@@ -164,6 +220,27 @@ def test_multimodal_requests_match_vllms_manager(seed: int) -> None:
             if produced >= spec.max_tokens:
                 return True
             position = length + produced
+            if preemptions.random() < preemption_rate:
+                # vLLM's scheduler preempts the request (its pool short, or a request of a
+                # higher priority): it frees its blocks and drops its drafts; resumed, it is
+                # looked up and computed again with its output tokens, then samples the next
+                # token under its grammar, which kept the tokens it accepted.
+                log.append(("preempt", rid, produced))
+                for m, r in zip((sm, om), pair, strict=True):
+                    m.free(r)
+                    r.status = RequestStatus.PREEMPTED
+                    r.num_computed_tokens = 0
+                    r.spec_token_ids = []
+                    r.num_preemptions += 1
+                live.pop(rid, None)
+                check(live)
+                log.append(("resume", rid))
+                if not prefill(spec, pair, preemptions):
+                    return False
+                for r in pair:
+                    r.status = RequestStatus.RUNNING
+                sampled = [harness.next_token(rid, position)]
+                continue
             drafts = grammar.validate_tokens(
                 [
                     harness.next_token(rid, position + j)
@@ -212,51 +289,9 @@ def test_multimodal_requests_match_vllms_manager(seed: int) -> None:
             for r in pair:
                 r.status = RequestStatus.WAITING  # its grammar compiled
         log.append(("admit", spec.request_id, spec.mm))
-        sm.new_step_starts()
-        om.new_step_starts()
-        # (blocks, hit tokens, shared-prefix boundary)
-        s_got, o_got = (m.get_computed_blocks(r) for m, r in zip((sm, om), pair, strict=True))
-        same("hit", (ids(s_got[0]), *s_got[1:]), (ids(o_got[0]), *o_got[1:]))
-        (s_hit, s_n), (o_hit, o_n) = s_got[:2], o_got[:2]
-        for r, got in zip(pair, (s_got, o_got), strict=True):
-            r.shared_prefix_boundary = got[2]
-        length = len(spec.prompt)
-        done = s_n
-        first = True
-        while done < length:
-            chunk = min(length - done, rng.choice([16, 37, 512]))
-            if layout in harness.MAMBA_LAYOUTS:
-                # vLLM's scheduler ends a Mamba `align` prefill chunk where a state must be
-                # cached (block boundaries, the prompt's checkpoint, a shared-prefix junction).
-                chunk = stock._mamba_block_aligned_split(pair[0], chunk, s_n if first else 0)
-                assert chunk > 0, "the split left nothing to schedule"
-            news = [
-                m.allocate_slots(
-                    r,
-                    chunk,
-                    num_new_computed_tokens=hit_n if first else 0,
-                    new_computed_blocks=hit if first else None,
-                )
-                for m, r, hit, hit_n in zip((sm, om), pair, (s_hit, o_hit), (s_n, o_n), strict=True)
-            ]
-            same("new blocks", ids(news[0]), ids(news[1]))
-            if news[0] is None:
-                break
-            first = False
-            done += chunk
-            for r in pair:
-                r.num_computed_tokens = done
-            live[spec.request_id] = pair
-            check(live)
-            sm.new_step_starts()
-            om.new_step_starts()
-        if done < length:
-            # Out of blocks: this request goes (vLLM's scheduler would preempt it).
-            for m, r in zip((sm, om), pair, strict=True):
-                m.free(r)
-            live.pop(spec.request_id, None)
-            check(live)
+        if not prefill(spec, pair, rng):
             return
+        length = len(spec.prompt)
         if spec.grammar is not None:
             if not decode_under_grammar(spec, pair, length):
                 return

@@ -12,10 +12,13 @@ parallelism, Model Runner V2, data-parallel ranks, the prefill cadence, the per-
 the admission limit, the adaptive long-prefill cap, EAGLE without the trailing-block drop, a
 separate draft model, dynamic speculative decoding, an embedding model); then a chat workload with
 exact duplicates and block-aligned prompts, some of its requests asking for structured output
-(`draw_grammars`: grammars that compile late or fail to, reject drafts or a sampled token); and,
-while it runs, client aborts, prefix-cache resets (with and without preempting the running
-requests) and scheduler pauses at seeded steps. Every step's `SchedulerOutput`, engine-core
-outputs and KV events must be equal on both sides.
+(`draw_grammars`: grammars that compile late or fail to, reject drafts or a sampled token), for
+some cases with what makes vLLM preempt those requests mid-decode and resume them
+(`draw_grammar_preemption`: long decodes arriving in bursts into a pool under pressure, the
+priority policy, async scheduling with their tokens in flight); and, while it runs, client
+aborts, prefix-cache resets (with and without preempting the running requests) and scheduler
+pauses at seeded steps. Every step's `SchedulerOutput`, engine-core outputs and KV events must be
+equal on both sides.
 
 Mamba layouts also draw hashes finer than their blocks (fine-grained partial hash hits, with
 copy-on-write block copies, which the outputs compare too). The fixed tests elsewhere name each
@@ -183,6 +186,54 @@ def as_embedding_requests(
     ]
 
 
+def draw_grammar_preemption(
+    rng: random.Random, options: harness.Options, workload: list[harness.RequestSpec]
+) -> tuple[harness.Options, list[harness.RequestSpec]]:
+    """For about a quarter of the cases (from a generator of its own, so the draws before stay
+    what they were for every seed), what makes vLLM's scheduler preempt structured-output
+    requests mid-decode, after their grammars accepted tokens, and resume them: structured
+    output in the workload (`draw_grammars`) with long decodes, many requests running at once
+    in a pool under pressure, the priority policy preempting those requests first (the lowest
+    priority running), or async scheduling (their deferred tokens in flight when they are
+    preempted). Not for an embedding model (no sampling, no grammar); async scheduling only
+    where vLLM 0.33 takes it (with pipeline parallelism or n-gram drafting it needs Model
+    Runner V2)."""
+    if options.pooling_runner or rng.random() >= 0.25:
+        return options, workload
+    if not any(spec.grammar for spec in workload):
+        workload = harness.draw_grammars(rng, workload, always=True)
+    settings: dict[str, Any] = {"max_num_seqs": max(options.max_num_seqs, rng.choice([16, 64]))}
+    if rng.random() < 0.7:
+        settings["num_blocks"] = int(TIGHT_BLOCKS[options.layout] * rng.choice([0.6, 0.8, 1.0]))
+    priority = rng.random() < 0.4
+    if priority:
+        settings["policy"] = "priority"
+    if (
+        rng.random() < 0.4
+        and (options.v2_model_runner or not options.ngram_tokens)
+        and (options.v2_model_runner or options.pipeline_parallel_size == 1)
+    ):
+        settings["async_scheduling"] = True
+    # Arrivals in bursts: requests enough running together to fill the pool.
+    burst = rng.choice([1, 4, 1000])
+    decoded = []
+    for spec in workload:
+        changes: dict[str, Any] = {"arrival_step": spec.arrival_step // burst}
+        if spec.grammar is not None:
+            room = options.max_model_len - len(spec.prompt)
+            changes["max_tokens"] = max(spec.max_tokens, min(room, rng.randint(24, 160)))
+            # Its grammar compiles as many steps after its arrival as before.
+            changes["grammar"] = dataclasses.replace(
+                spec.grammar,
+                ready_at=spec.grammar.ready_at - spec.arrival_step + changes["arrival_step"],
+            )
+        if priority:
+            # Structured-output requests run at the lowest priorities: the first preempted.
+            changes["priority"] = rng.choice([0, 1, 5] if spec.grammar else [-1, 0, 0])
+        decoded.append(dataclasses.replace(spec, **changes))
+    return dataclasses.replace(options, **settings), decoded
+
+
 def partial_hash_hits(options: harness.Options) -> bool:
     """Whether vLLM turns fine-grained partial hash hits on: a Mamba block above the hash block."""
     return options.prefix_caching and (
@@ -248,8 +299,15 @@ class ChaosDriver(harness.Driver):
     chaos: float = 0.0
     pauses: bool = False
     log: list[Any] = dataclasses.field(default_factory=list)
+    # Structured-output requests the scheduler preempted (not a prefix-cache reset) after their
+    # grammar had accepted tokens, by id: whether their tokens were in flight then (async
+    # scheduling), until a step schedules them again; and each such request, with that flag,
+    # once it is resumed.
+    _grammar_preempted: dict[str, bool] = dataclasses.field(default_factory=dict)
+    grammar_resumed: list[tuple[str, bool]] = dataclasses.field(default_factory=list)
 
     def schedule(self) -> Any:
+        reset_preempted: set[str] = set()
         pause = random.Random(f"{self.seed}-{self.step}-pause")
         if self.pauses and not self.paused and pause.random() < self.chaos / 3:
             mode = pause.choice(["abort", "wait", "keep"])
@@ -265,9 +323,22 @@ class ChaosDriver(harness.Driver):
                 self.log.append(("abort", self.step, victims))
         if rng.random() < self.chaos / 3:
             preempt = rng.random() < 0.5
+            if preempt:
+                reset_preempted = {r.request_id for r in self.scheduler.running}
             reset = self.scheduler.reset_prefix_cache(reset_running_requests=preempt)
             self.log.append(("reset", self.step, preempt, reset))
-        return super().schedule()
+        output = super().schedule()
+        for rid in output.num_scheduled_tokens:
+            if rid in self._grammar_preempted:
+                self.grammar_resumed.append((rid, self._grammar_preempted.pop(rid)))
+        for rid in set(output.preempted_req_ids or ()) - reset_preempted:
+            request = self.scheduler.requests[rid]
+            grammar = (
+                request.structured_output_request.grammar if request.use_structured_output else None
+            )
+            if isinstance(grammar, harness.FakeGrammar) and grammar.num_accepted > 0:
+                self._grammar_preempted[rid] = request.num_stale_output_tokens > 0
+        return output
 
 
 # Draws kept whatever the seed range (without `draw_operator_options`, which came later):
@@ -280,6 +351,10 @@ REGRESSION_SEEDS = (200072, 81001222)
 # token budget without chunked prefill) until client aborts and a pause finish every request, so
 # no block is cached and no KV event is published.
 KEPT_SEEDS = (10300167,)
+# Cases whose draws preempt structured-output requests after their grammars accepted tokens and
+# resume them (`draw_grammar_preemption`): 62 under the priority policy, 97 first come first
+# served with async scheduling (their tokens in flight), 136 both.
+GRAMMAR_PREEMPTION_SEEDS = (62, 97, 136)
 
 
 def vllm_failed_known(error: BaseException) -> bool:
@@ -302,6 +377,26 @@ def vllm_failed_known(error: BaseException) -> bool:
     sorted({*range(FIRST_SEED, FIRST_SEED + NUM_CASES), *REGRESSION_SEEDS, *KEPT_SEEDS}),
 )
 def test_random_configurations_and_workloads_match_vllm(seed: int) -> None:
+    run_case(seed)
+
+
+def test_draws_preempt_structured_output_requests_mid_decode_and_resume_them() -> None:
+    """The draws reach vLLM's preemption of a structured-output request whose grammar accepted
+    tokens (the pool under pressure, the priority policy, async scheduling with the request's
+    tokens in flight) and its resumption, and both schedulers still agree."""
+    resumed = []
+    for seed in GRAMMAR_PREEMPTION_SEEDS:
+        options, driver = run_case(seed)
+        resumed += [(options.policy, options.async_scheduling, *r) for r in driver.grammar_resumed]
+    assert resumed, "no structured-output request was preempted mid-decode and resumed"
+    assert any(policy == "priority" for policy, *_ in resumed)
+    assert any(policy == "fcfs" for policy, *_ in resumed)
+    assert any(asynchronous and in_flight for _, asynchronous, _, in_flight in resumed)
+
+
+def run_case(seed: int) -> tuple[harness.Options, ChaosDriver]:
+    """Runs the case `seed` on stock vLLM and on hybrid-kv, comparing every step; returns its
+    options and stock vLLM's driver."""
     rng = random.Random(seed)
     options = draw_options(rng)
     workload = draw_workload(rng, options)
@@ -319,6 +414,9 @@ def test_random_configurations_and_workloads_match_vllm(seed: int) -> None:
         if options.pooling_runner:
             workload = as_embedding_requests(operator, workload, options.max_model_len)
         workload = harness.draw_grammars(random.Random(f"{seed}-grammar"), workload)
+        options, workload = draw_grammar_preemption(
+            random.Random(f"{seed}-grammar-preemption"), options, workload
+        )
     stock = harness.build_scheduler(options)
     ours = harness.build_scheduler(options, hkv.Scheduler)
     assert ours.uses_hybrid_kv, f"fell back to vLLM's manager for {options}"
@@ -358,7 +456,7 @@ def test_random_configurations_and_workloads_match_vllm(seed: int) -> None:
             assert our_driver.done, f"seed {seed}: hybrid-kv stopped after vLLM failed"
             assert remaining, f"seed {seed}: hybrid-kv did not take the step vLLM failed"
             assert ours.kv_cache_manager.core.num_retained_blocks == 0
-            return
+            return options, stock_driver
         our_out, our_results = next(our_steps)
         where = f"seed {seed}, step {steps}, {options}"
         assert our_driver.log == stock_driver.log, f"{where}: aborts or resets differ"
@@ -374,10 +472,11 @@ def test_random_configurations_and_workloads_match_vllm(seed: int) -> None:
         scheduled = scheduled or stock_out.total_num_scheduled_tokens > 0
     assert steps > 0
     if stalled:
-        return
+        return options, stock_driver
     # Every block kept for a copy-on-write copy went back.
     assert ours.kv_cache_manager.core.num_retained_blocks == 0
     # Events of the last resets, which no later step published.
     assert ours.kv_cache_manager.take_events() == stock.kv_cache_manager.take_events()
     if options.kv_events and options.prefix_caching and scheduled:
         assert stock_events.events, "no KV event was published"
+    return options, stock_driver

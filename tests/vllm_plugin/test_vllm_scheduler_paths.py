@@ -222,3 +222,42 @@ def test_structured_output_requests_whose_grammar_rejects_a_sampled_token_match_
     reasons, _, invalid = run_both(options, workload)
     assert reasons.count(FinishReason.ERROR) >= len(rejecting) // 2
     assert (invalid > 0) == bool(drafting.get("async_scheduling"))
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["v1", "v2"])
+def test_the_fake_model_accepts_no_draft_a_grammar_rejected(v2: bool) -> None:
+    # Under async scheduling, every request's grammar keeps the first half of every draft. Once
+    # the engine core checked a deferred step's drafts, the rejected ones are -1 and the model
+    # accepts none of them (the grammar's bitmask rejects the first); Model Runner V2 accepts no
+    # structured-output draft past the checked ones, so none of a step that sampled without
+    # waiting (its drafts are -1 placeholders to the scheduler).
+    options = harness.Options(
+        layout="full", eagle_tokens=3, async_scheduling=True, v2_model_runner=v2
+    )
+    driver = PathsDriver(
+        harness.build_scheduler(options),
+        WORKLOAD,
+        grammar_at={s.request_id: s.arrival_step for s in WORKLOAD},
+    )
+    model = driver.fake_model_output
+    checked, accepted = 0, 0
+
+    def fake_model_output(output: Any, chunks: set[str]) -> Any:
+        nonlocal checked, accepted
+        runner = model(output, chunks)
+        for rid, sampled in zip(runner.req_ids, runner.sampled_token_ids, strict=True):
+            drafts = output.scheduled_spec_decode_tokens.get(rid, [])
+            if rid not in driver.scheduler.requests:
+                continue  # finished meanwhile: vLLM reads none of its output
+            if rid in (output.num_invalid_spec_tokens or {}) or (v2 and drafts):
+                valid = next((i for i, t in enumerate(drafts) if t < 0), len(drafts))
+                assert len(sampled) - 1 <= valid, (rid, drafts, sampled)
+                checked += 1
+            accepted += max(0, len(sampled) - 1)
+        return runner
+
+    driver.fake_model_output = fake_model_output  # type: ignore[method-assign]
+    for _ in driver.run():
+        pass
+    assert checked > 0
+    assert accepted > 0

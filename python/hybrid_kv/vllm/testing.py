@@ -70,6 +70,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.structured_output.utils import strip_speculative_padding
 
 BLOCK_SIZE = 16
 VOCAB = 32000
@@ -658,13 +659,16 @@ def chat_workload(
     return specs
 
 
-def draw_grammars(rng: random.Random, workload: Sequence[RequestSpec]) -> list[RequestSpec]:
+def draw_grammars(
+    rng: random.Random, workload: Sequence[RequestSpec], always: bool = False
+) -> list[RequestSpec]:
     """`workload` with a share of its requests asking for structured output (from a generator
-    of its own, so the draws before stay what they were for every seed): each grammar compiles
-    at arrival or a few steps later, or fails to (a validation error for that request alone);
-    it accepts a seeded prefix of each draft, or every draft, and rarely rejects a sampled
-    token (vLLM finishes the request with an error)."""
-    if rng.random() >= 0.35:
+    of its own, so the draws before stay what they were for every seed), for about a third of
+    the workloads (every one with `always`): each grammar compiles at arrival or a few steps
+    later, or fails to (a validation error for that request alone); it accepts a seeded prefix
+    of each draft, or every draft, and rarely rejects a sampled token (vLLM finishes the
+    request with an error)."""
+    if rng.random() >= 0.35 and not always:
         return list(workload)
     share = rng.choice([0.2, 0.5, 1.0])
     grammars = []
@@ -968,6 +972,21 @@ class Driver:
             position = request.num_tokens if request is not None else 0
             drafts = output.scheduled_spec_decode_tokens.get(rid, ())
             accepted = _stable_hash(rid, position, "accept") % (len(drafts) + 1)
+            if (
+                request is not None
+                and request.use_structured_output
+                and (
+                    self.scheduler.use_v2_model_runner
+                    or rid in (output.num_invalid_spec_tokens or {})
+                )
+            ):
+                # The model accepts no draft the grammar rejected: the engine core padded
+                # those with -1 once the grammar checked them (deferred sampling), and the
+                # grammar's bitmask row at the first one rejects it. Model Runner V2 also
+                # rejects every draft past the grammar-checked ones (`grammar_invalid_drafts`),
+                # all of them when the step sampled without waiting (its drafts are -1
+                # placeholders to the scheduler).
+                accepted = min(accepted, len(strip_speculative_padding(list(drafts))))
             sampled.append([next_token(rid, position + k) for k in range(accepted + 1)])
         return ModelRunnerOutput(
             req_ids=req_ids,
