@@ -366,7 +366,8 @@ class Request:
         OutOfRangeError: a token id outside [0, 2**32), a bad `block_size`, a negative or
             overflowing multimodal offset or length.
         TypeError: a prompt that is not a 1-D integer array or a sequence of ints (`bytes` and
-            `str` included); `block_hashes` not a sequence of `bytes`.
+            `str` included, and iterators, which read only once); `block_hashes` not a sequence
+            of `bytes`.
         """
     @property
     def request_id(self) -> str: ...
