@@ -587,7 +587,8 @@ class KVCacheManager:
         `mamba_shared_prefix_checkpoint`)."""
     @property
     def num_retained_blocks(self) -> int:
-        """Blocks retained for copy-on-write copies and not released yet."""
+        """Blocks retained (for copy-on-write copies, or popped by `pop_blocks_for_free`) and
+        not released yet."""
     @property
     def usage(self) -> float:
         """Fraction of the usable blocks in use (vLLM's `usage`)."""
@@ -712,7 +713,8 @@ class KVCacheManager:
         `allocate_slots(..., delay_cache_blocks=True)`, once the data arrived)."""
     def pop_blocks_for_free(self, request: Request) -> npt.NDArray[np.int32]:
         """Empties the request's tables without freeing: its blocks in allocation order, groups
-        concatenated, leading nulls dropped; free them later, reversed."""
+        concatenated, leading nulls dropped (vLLM's deferred free). They stay retained, counted
+        in `num_retained_blocks`, until `free_retained_blocks` gets them back, reversed."""
     def evict_blocks(self, block_ids: _BlockIds) -> None:
         """Removes the cache entries of the given blocks (a KV connector's invalidation)."""
     def take_new_block_ids(self) -> npt.NDArray[np.int32]:
@@ -740,8 +742,8 @@ class KVCacheManager:
         """`take_kv_cache_block_copies` with the retained blocks as a list, or None when there
         is no copy."""
     def free_retained_blocks(self, blocks: Sequence[int]) -> None:
-        """Releases blocks `take_kv_cache_block_copies` retained, once their copies ran, in
-        the given order (vLLM's `block_pool.free_blocks`).
+        """Releases blocks `take_kv_cache_block_copies` retained, once their copies ran, or
+        `pop_blocks_for_free` popped, in the given order (vLLM's `block_pool.free_blocks`).
 
         Raises:
             InvalidArgumentError: a block not retained, or released already (nothing changes).
