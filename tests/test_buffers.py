@@ -4,6 +4,7 @@ and padding is where the plan says, in every layout."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import subprocess
 import sys
@@ -286,3 +287,69 @@ def test_mamba_states_of_mixed_widths_stay_aligned_in_every_block(layout: str) -
     # Layers of one group hold the same block ids in separate memory.
     assert buffers.mamba_states["m0"][0][1].item() == 1.5
     assert plan.waste_at(32).waste_bytes > 0
+
+
+def _edited(plan: KVCachePlan, layer: str, **changes: object) -> KVCachePlan:
+    """The plan with one placement's fields changed, as a plan edited by hand would be."""
+    placements = tuple(
+        dataclasses.replace(p, **changes) if p.layer_name == layer else p  # type: ignore[arg-type]
+        for p in plan.placements
+    )
+    return dataclasses.replace(plan, placements=placements)
+
+
+def _inconsistent_plans() -> list[tuple[str, KVCachePlan, str]]:
+    plan = _plan(MIXES["sw+full+sharing"])
+    first = plan.placement("f0")
+    shape, strides = first.view_shape, first.view_strides
+    mamba = _plan(MIXES["mamba-option-a"])
+    m0 = mamba.placement("m0")
+    return [
+        ("past the pool", _edited(plan, "f0", offset_bytes=plan.pool_bytes), "outside the pool"),
+        ("negative offset", _edited(plan, "f0", offset_bytes=-2), "offset_bytes"),
+        (
+            "more blocks than the pool",
+            _edited(plan, "f0", view_shape=(plan.num_blocks + 1, *shape[1:])),
+            "blocks",
+        ),
+        (
+            "fewer blocks than the pool",
+            _edited(plan, "f0", view_shape=(plan.num_blocks - 1, *shape[1:])),
+            "blocks",
+        ),
+        ("three axes", _edited(plan, "f0", view_shape=shape[:3]), "view_shape"),
+        ("negative stride", _edited(plan, "f0", view_strides=(-strides[0], *strides[1:])), "view"),
+        ("element split", _edited(plan, "f0", view_strides=(*strides[:3], 2)), "f0"),
+        ("a str shape", _edited(plan, "f0", view_shape="abcd"), "view_shape"),
+        ("unknown sharing target", _edited(plan, "x0", shared_from="nope"), "nope"),
+        (
+            "Mamba state past the page",
+            _edited(mamba, "m0", view_shape=(*m0.view_shape[:3], m0.view_shape[3] - 1)),
+            "m0",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+@pytest.mark.parametrize(
+    ("plan", "message"),
+    [pytest.param(plan, message, id=name) for name, plan, message in _inconsistent_plans()],
+)
+def test_an_inconsistent_plan_is_refused_before_allocating(
+    plan: KVCachePlan, message: str, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plan whose views leave the pool, miss blocks the manager hands out or name a layer the
+    stage lacks is a `PlanError` naming the layer, on every device (on `meta` torch checks no
+    bounds), before anything is allocated."""
+    import hybrid_kv.buffers as buffers_module
+
+    allocated: list[object] = []
+    real_empty = torch.empty
+    monkeypatch.setattr(
+        buffers_module.torch,
+        "empty",
+        lambda *a, **k: allocated.append(a) or real_empty(*a, **k),  # type: ignore[func-returns-value]
+    )
+    with pytest.raises(PlanError, match=message):
+        allocate_kv_cache(plan, device)
+    assert allocated == []

@@ -824,3 +824,32 @@ def test_partial_hash_hit_copies_the_shared_blocks_and_retains_them_until_releas
     manager.free(b)
     manager.free(a)
     assert manager.num_free_blocks == 63
+
+
+def test_popped_blocks_are_released_by_free_retained_blocks_tail_first() -> None:
+    """`pop_blocks_for_free` hands a request's blocks over without freeing them (vLLM's deferred
+    free); the manager retains them until `free_retained_blocks` gets them back, reversed, as
+    vLLM's scheduler gives them to its block pool. They were held for good before: nothing in
+    the Python API could free them, and the prefix cache could never be reset again."""
+    groups = [
+        {"kind": "full", "block_size": 4},
+        {"kind": "sliding_window", "block_size": 4, "sliding_window": 8},
+    ]
+    manager = hk.KVCacheManager(groups, 32, 256)
+    request = hk.Request("a", list(range(21)), block_size=4)
+    assert manager.allocate_slots(request, 21) is not None
+    free = manager.num_free_blocks
+    popped = manager.pop_blocks_for_free(request)
+    assert len(popped) > 0 and manager.num_free_blocks == free
+    assert manager.num_retained_blocks == len(popped)
+    assert manager.reset_prefix_cache() is False
+    # A block not popped, or popped blocks released twice, are refused whole.
+    with pytest.raises(hk.InvalidArgumentError, match="not retained"):
+        manager.free_retained_blocks([*popped[::-1].tolist(), int(popped[0])])
+    assert manager.num_retained_blocks == len(popped) and manager.num_free_blocks == free
+    manager.free_retained_blocks(popped[::-1].tolist())
+    assert manager.num_retained_blocks == 0
+    assert manager.num_free_blocks == free + len(popped)
+    with pytest.raises(hk.InvalidArgumentError, match="not retained"):
+        manager.free_retained_blocks([int(popped[0])])
+    assert manager.reset_prefix_cache() is True

@@ -237,3 +237,18 @@ def test_a_budget_just_short_advises_more_than_it(capsys: pytest.CaptureFixture[
     assert main(argv) == 2
     assert capsys.readouterr().err.rstrip().endswith("or raise the memory to 16.01 GiB")
     assert main([*argv[:3], "16.01 GiB", *argv[4:]]) == 0
+
+
+@pytest.mark.parametrize("strategy", ["min-waste", "vllm"])
+def test_a_block_size_the_manager_refuses_is_a_plan_error(strategy: str) -> None:
+    """Blocks of more than 2**20 tokens, asked for or grown for a Mamba state, are refused when
+    planning: the manager cannot be built from such a plan."""
+    tiny = FullAttentionSpec(num_kv_heads=1, head_size=1, dtype="fp8_e4m3")
+    with pytest.raises(PlanError, match=r"block_size must be at most 1,048,576 tokens"):
+        plan_kv_cache({"a": tiny}, 2**44, 2**22, block_size=2**21, alignment=2**21)
+    assert manager_from_plan(
+        plan_kv_cache({"a": tiny}, 2**44, 2**22, block_size=2**20, alignment=2**20)
+    ).block_sizes == [2**20]
+    huge_state = MambaSpec(shapes=((2**20,),), dtypes=("fp32",))
+    with pytest.raises(PlanError, match=r"2,097,152 tokens.*at most 1,048,576"):
+        plan_kv_cache({"a": tiny, "m": huge_state}, 2**44, 2**16, strategy=strategy)

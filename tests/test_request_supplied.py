@@ -209,3 +209,24 @@ def test_hashes_of_another_block_size_than_the_managers_are_refused() -> None:
     assert manager.num_requests == 0
     fitting = hk.Request("f", tokens, block_size=32, block_hashes=vllm_like_hashes(tokens, 32))
     assert manager.allocate_slots(fitting, 64) is not None
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [iter([1, 2, 3]), (t for t in [1, 2, 3]), map(int, "123"), reversed([3, 2, 1])],
+    ids=["list_iterator", "generator", "map", "reversed"],
+)
+@pytest.mark.parametrize("supplied", [False, True])
+def test_a_prompt_read_once_is_a_type_error_when_the_request_is_made(
+    prompt: object, supplied: bool
+) -> None:
+    """A request keeps its prompt object and reads it again (`prompt_token_ids`, KV events): an
+    iterator, empty after the first read, is refused when the request is made, not later as a
+    prompt that "changed from 3 to 0 tokens"."""
+    hashes = {"block_hashes": [b"h" * 32]} if supplied else {}
+    with pytest.raises(TypeError, match="iterator"):
+        hk.Request("r", prompt, block_size=2, **hashes)  # type: ignore[arg-type]
+    # Sequences, ranges and arrays are read again as they were.
+    for again in ([1, 2, 3], (1, 2, 3), range(1, 4), np.array([1, 2, 3])):
+        request = hk.Request("r", again, block_size=2, **hashes)
+        assert request.prompt_token_ids.tolist() == [1, 2, 3]

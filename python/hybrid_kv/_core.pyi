@@ -366,7 +366,8 @@ class Request:
         OutOfRangeError: a token id outside [0, 2**32), a bad `block_size`, a negative or
             overflowing multimodal offset or length.
         TypeError: a prompt that is not a 1-D integer array or a sequence of ints (`bytes` and
-            `str` included); `block_hashes` not a sequence of `bytes`.
+            `str` included, and iterators, which read only once); `block_hashes` not a sequence
+            of `bytes`.
         """
     @property
     def request_id(self) -> str: ...
@@ -586,7 +587,8 @@ class KVCacheManager:
         `mamba_shared_prefix_checkpoint`)."""
     @property
     def num_retained_blocks(self) -> int:
-        """Blocks retained for copy-on-write copies and not released yet."""
+        """Blocks retained (for copy-on-write copies, or popped by `pop_blocks_for_free`) and
+        not released yet."""
     @property
     def usage(self) -> float:
         """Fraction of the usable blocks in use (vLLM's `usage`)."""
@@ -711,7 +713,8 @@ class KVCacheManager:
         `allocate_slots(..., delay_cache_blocks=True)`, once the data arrived)."""
     def pop_blocks_for_free(self, request: Request) -> npt.NDArray[np.int32]:
         """Empties the request's tables without freeing: its blocks in allocation order, groups
-        concatenated, leading nulls dropped; free them later, reversed."""
+        concatenated, leading nulls dropped (vLLM's deferred free). They stay retained, counted
+        in `num_retained_blocks`, until `free_retained_blocks` gets them back, reversed."""
     def evict_blocks(self, block_ids: _BlockIds) -> None:
         """Removes the cache entries of the given blocks (a KV connector's invalidation)."""
     def take_new_block_ids(self) -> npt.NDArray[np.int32]:
@@ -739,8 +742,8 @@ class KVCacheManager:
         """`take_kv_cache_block_copies` with the retained blocks as a list, or None when there
         is no copy."""
     def free_retained_blocks(self, blocks: Sequence[int]) -> None:
-        """Releases blocks `take_kv_cache_block_copies` retained, once their copies ran, in
-        the given order (vLLM's `block_pool.free_blocks`).
+        """Releases blocks `take_kv_cache_block_copies` retained, once their copies ran, or
+        `pop_blocks_for_free` popped, in the given order (vLLM's `block_pool.free_blocks`).
 
         Raises:
             InvalidArgumentError: a block not retained, or released already (nothing changes).

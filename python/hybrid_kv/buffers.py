@@ -29,7 +29,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     ) from error
 
 from hybrid_kv import _core
-from hybrid_kv.planner import KVCachePlan, LayerPlacement
+from hybrid_kv.planner import KVCachePlan, LayerPlacement, PlanError
 from hybrid_kv.planner.memory import format_bytes
 from hybrid_kv.specs import DTYPE_SIZES, MambaSpec
 
@@ -87,7 +87,12 @@ def allocate_kv_cache(
     `SwapFree`, within the process's cgroup limits, where Linux tells) is a `MemoryError`
     before anything is allocated: under Linux's default overcommit a pool that fits the machine
     but not its free memory would be granted, and filling it could wake the OOM killer. On a
-    GPU, torch's allocator refuses for itself."""
+    GPU, torch's allocator refuses for itself.
+
+    A plan whose views do not fit it (a view outside the stage's pool, with another block count
+    than `num_blocks`, not four axes of non-negative ints, splitting an element of its dtype, a
+    Mamba state past its page, a KV-sharing layer whose target the stage lacks), as a plan edited
+    by hand may be, is a `PlanError` naming the layer, before anything is allocated."""
     if not isinstance(plan, KVCachePlan):
         raise TypeError(f"allocate_kv_cache needs a KVCachePlan, got {type(plan).__name__}")
     stages = max(len(plan.stages), 1)
@@ -101,6 +106,7 @@ def allocate_kv_cache(
     elif isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < stages:
         raise ValueError(f"stage must be an int in 0..{stages - 1}, got {stage!r}")
     pool_bytes = plan.stages[stage].pool_bytes if plan.stages else plan.pool_bytes
+    _check_views(plan, stage, pool_bytes)
     device = default_device() if device is None else torch.device(device)
     if pool_bytes >= 2**63:
         # torch sizes tensors with signed 64-bit counts (no device holds this much anyway).
@@ -134,20 +140,82 @@ def allocate_kv_cache(
     return KVCacheBuffers(plan, pool, views, states)
 
 
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_views(plan: KVCachePlan, stage: int, pool_bytes: int) -> None:
+    """Every view `allocate_kv_cache` would build for `stage` lies in its pool of `pool_bytes`
+    bytes, has one page per block of the plan and reads whole elements of its dtype; every
+    KV-sharing layer's target is a layer of the stage with a view. A `PlanError` otherwise
+    (torch checks no bounds on `meta`, and elsewhere raises untyped errors or aliases another
+    layer's memory without a word)."""
+    if not _is_count(pool_bytes) or not _is_count(plan.num_blocks):
+        raise PlanError(
+            f"the plan's pool of stage {stage} ({pool_bytes!r} bytes) and num_blocks "
+            f"({plan.num_blocks!r}) must be non-negative ints"
+        )
+    owners = {
+        p.layer_name
+        for p in plan.placements
+        if p.shared_from is None and p.stage == stage and isinstance(p.layer_name, str)
+    }
+    for placement in plan.placements:
+        if placement.stage != stage:
+            continue
+        name = placement.layer_name
+        if placement.shared_from is not None:
+            if placement.shared_from not in owners:
+                raise PlanError(
+                    f"{name}: shares the cache of {placement.shared_from!r}, which has no view "
+                    f"in stage {stage}"
+                )
+            continue
+        shape, strides = placement.view_shape, placement.view_strides
+        offset = placement.offset_bytes
+        for field, value in (("view_shape", shape), ("view_strides", strides)):
+            if not isinstance(value, (tuple, list)) or len(value) != 4:
+                raise PlanError(f"{name}: {field} must hold 4 ints, got {value!r}")
+            if not all(_is_count(v) for v in value):
+                raise PlanError(f"{name}: {field} must be non-negative ints, got {value!r}")
+        if not _is_count(offset):
+            raise PlanError(f"{name}: offset_bytes must be a non-negative int, got {offset!r}")
+        if shape[0] != plan.num_blocks:
+            raise PlanError(
+                f"{name}: its view has {shape[0]} blocks, the plan's pool {plan.num_blocks}"
+            )
+        end = offset + sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + 1
+        if all(shape) and end > pool_bytes:
+            raise PlanError(
+                f"{name}: its view ends at byte {end}, outside the pool of {pool_bytes} bytes"
+            )
+        spec = placement.spec
+        if strides[3] != 1:
+            raise PlanError(f"{name}: view_strides must end in 1 (bytes), got {strides!r}")
+        if isinstance(spec, MambaSpec):
+            if spec.state_bytes > shape[3]:
+                raise PlanError(
+                    f"{name}: its Mamba state of {spec.state_bytes} bytes does not fit its page "
+                    f"view of {shape[3]} bytes"
+                )
+            continue
+        dtype = spec.dtype  # type: ignore[union-attr]
+        size = DTYPE_SIZES[dtype]
+        if offset % size or shape[3] % size or any(s % size for s in strides[:3]):
+            raise PlanError(
+                f"{name}: offset {offset}, strides {strides} or shape {shape} split elements "
+                f"of the {dtype} element size {size}"
+            )
+
+
 def _layer_view(pool: torch.Tensor, placement: LayerPlacement) -> torch.Tensor:
-    """vLLM's per-layer view: the `[B, H, N, C]` byte view, reinterpreted in the KV dtype."""
+    """vLLM's per-layer view: the `[B, H, N, C]` byte view, reinterpreted in the KV dtype
+    (`_check_views` checked it fits)."""
     raw = pool.as_strided(placement.view_shape, placement.view_strides, placement.offset_bytes)
     spec = placement.spec
     if isinstance(spec, MambaSpec):
         return raw
-    dtype = spec.dtype  # type: ignore[union-attr]
-    size = DTYPE_SIZES[dtype]
-    if placement.offset_bytes % size or any(s % size for s in placement.view_strides[:3]):
-        raise ValueError(
-            f"{placement.layer_name}: offset {placement.offset_bytes} or strides "
-            f"{placement.view_strides} are not multiples of the {dtype} element size {size}"
-        )
-    return raw.view(torch_dtype(dtype))
+    return raw.view(torch_dtype(spec.dtype))  # type: ignore[union-attr]
 
 
 def _mamba_states(page: torch.Tensor, spec: MambaSpec) -> tuple[torch.Tensor, ...]:

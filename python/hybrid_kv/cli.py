@@ -46,7 +46,7 @@ from hybrid_kv.planner import (
     pp_partition,
 )
 from hybrid_kv.planner.lengths import parse_token_count
-from hybrid_kv.planner.search import MAX_BLOCKS
+from hybrid_kv.planner.search import MAX_BLOCK_SIZE, MAX_BLOCKS
 
 __all__ = ["VLLM_SEMANTICS_VERSION", "CommandParser", "format_plan_report", "main", "run_command"]
 
@@ -158,9 +158,6 @@ def _run(argv: list[str]) -> int:
         )
         return 1
 
-
-MAX_BLOCK_SIZE = 2**20
-"""Largest block the core takes (tokens)."""
 
 _MEMORY_ADVICE = {
     "demo": "fewer --num-blocks need less",

@@ -43,6 +43,7 @@ use crate::types::{BlockHash, BlockId, CacheKey, GroupId, KvEvent, NULL_BLOCK};
 use coordinator::RunningStep;
 use single_type::{Allocation, Effects, GroupTable};
 use slots::Slots;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -326,10 +327,13 @@ pub struct KVCacheManager {
     /// The serial of the request registered last.
     next_serial: u64,
     stats: PrefixCacheStats,
-    /// Blocks handed out by [`KVCacheManager::take_kv_cache_block_copies`] as retained and not
-    /// yet released: each entry holds one reference until
+    /// Blocks handed out as retained (by [`KVCacheManager::take_kv_cache_block_copies`] and
+    /// [`KVCacheManager::pop_blocks_for_free`]) and not released yet, with how many of their
+    /// references are retained: each holds one reference until
     /// [`KVCacheManager::free_retained_blocks`] drops it.
-    retained: Vec<BlockId>,
+    retained: HashMap<BlockId, u32>,
+    /// The retained references, `retained`'s counts summed.
+    num_retained: usize,
     scratch: Vec<BlockId>,
     /// What `allocate_slots` may change in each table, to undo a failed allocation (kept
     /// between calls for its buffers).
@@ -394,7 +398,8 @@ impl KVCacheManager {
             reset_epoch: 0,
             next_serial: 0,
             stats: PrefixCacheStats::default(),
-            retained: Vec::new(),
+            retained: HashMap::new(),
+            num_retained: 0,
             scratch: Vec::new(),
             marks: Vec::new(),
             #[cfg(test)]
@@ -1654,7 +1659,8 @@ impl KVCacheManager {
 
     /// Empties the request's tables without freeing: its blocks in allocation order, groups
     /// concatenated, leading nulls of each group dropped (vLLM's `pop_blocks_for_free`). The
-    /// caller frees them later, in reverse order.
+    /// blocks stay retained, each keeping the request's reference, until the caller releases
+    /// them with [`KVCacheManager::free_retained_blocks`], in reverse order.
     pub fn pop_blocks_for_free<'a>(
         &mut self,
         request: impl Into<RequestKey<'a>>,
@@ -1663,7 +1669,16 @@ impl KVCacheManager {
         self.effects.forget_offloads(state.request.id());
         let mut out = Vec::new();
         self.coordinator.pop_blocks(&mut state.tables, &mut out);
+        self.retain(&out);
         Ok(out)
+    }
+
+    /// Records one retained reference of each of `blocks`.
+    fn retain(&mut self, blocks: &[BlockId]) {
+        for &b in blocks {
+            *self.retained.entry(b).or_insert(0) += 1;
+        }
+        self.num_retained += blocks.len();
     }
 
     /// Removes the cache entries of the given blocks (reference counts untouched; a KV
@@ -1726,36 +1741,43 @@ impl KVCacheManager {
         pending.sort_by_key(|&(group, _, _)| group);
         let copies: Vec<(BlockId, BlockId)> = pending.iter().map(|&(_, s, d)| (s, d)).collect();
         let retained: Vec<BlockId> = copies.iter().flat_map(|&(s, d)| [s, d]).collect();
-        self.retained.extend_from_slice(&retained);
+        self.retain(&retained);
         (copies, retained)
     }
 
-    /// Releases blocks retained for copies (what `take_kv_cache_block_copies` returned, or
-    /// part of it), in the given order as `BlockPool::free_blocks` does: blocks no one else
-    /// holds join the free order. Only blocks handed out as retained and not released yet are
-    /// accepted; otherwise nothing changes.
+    /// Releases retained blocks (what `take_kv_cache_block_copies` or `pop_blocks_for_free`
+    /// returned, or part of it), in the given order as `BlockPool::free_blocks` does: blocks no
+    /// one else holds join the free order. Only blocks handed out as retained and not released
+    /// yet are accepted (each as many times as it is retained); otherwise nothing changes.
     pub fn free_retained_blocks(&mut self, blocks: &[BlockId]) -> Result<()> {
-        let mut outstanding = self.retained.clone();
+        let mut asked: HashMap<BlockId, u32> = HashMap::with_capacity(blocks.len());
         for &b in blocks {
-            match outstanding.iter().position(|&r| r == b) {
-                Some(i) => {
-                    outstanding.swap_remove(i);
-                }
-                None => {
-                    return Err(CoreError::InvalidArgument(format!(
-                        "block {b} is not retained for a copy (or was released already)"
-                    )))
-                }
+            let n = asked.entry(b).or_insert(0);
+            *n += 1;
+            if *n > self.retained.get(&b).copied().unwrap_or(0) {
+                return Err(CoreError::InvalidArgument(format!(
+                    "block {b} is not retained (for a copy or by pop_blocks_for_free), or was \
+                     released already"
+                )));
             }
         }
         self.pool.free_blocks(blocks)?;
-        self.retained = outstanding;
+        for (b, n) in asked {
+            match self.retained.get_mut(&b) {
+                Some(held) if *held > n => *held -= n,
+                _ => {
+                    self.retained.remove(&b);
+                }
+            }
+        }
+        self.num_retained -= blocks.len();
         Ok(())
     }
 
-    /// Blocks retained for copies and not released yet.
+    /// Block references retained (for copies, or by `pop_blocks_for_free`) and not released
+    /// yet.
     pub fn num_retained_blocks(&self) -> usize {
-        self.retained.len()
+        self.num_retained
     }
 
     /// The Mamba states the request keyed inside a block as its prompt's boundary, when it

@@ -973,10 +973,13 @@ fn pop_blocks_for_free_hands_the_blocks_over_without_freeing() {
     assert_eq!(popped, expected);
     assert_eq!(m.num_free_blocks(), free);
     assert!(m.block_ids("a", 0).unwrap().is_empty());
+    assert_eq!(m.num_retained_blocks(), popped.len());
     let mut tail_first = popped.clone();
     tail_first.reverse();
-    m.pool().free_blocks(&tail_first).unwrap();
+    m.free_retained_blocks(&tail_first).unwrap();
     assert_eq!(m.num_free_blocks(), free + popped.len());
+    assert_eq!(m.num_retained_blocks(), 0);
+    assert!(m.free_retained_blocks(&popped[..1]).is_err());
 }
 
 #[test]

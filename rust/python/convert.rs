@@ -117,7 +117,7 @@ pub(crate) fn count_of(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
     })
 }
 
-fn type_name(obj: &Bound<'_, PyAny>) -> String {
+pub(crate) fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type()
         .name()
         .map(|n| n.to_string())

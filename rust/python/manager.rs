@@ -784,7 +784,7 @@ impl PyKVCacheManager {
         self.inner().manager.mamba_shared_prefix_checkpoint()
     }
 
-    /// Blocks retained for copy-on-write copies and not released yet.
+    /// Blocks retained (for copy-on-write copies, or popped) and not released yet.
     #[getter]
     fn num_retained_blocks(&self) -> usize {
         self.inner().manager.num_retained_blocks()
@@ -996,7 +996,8 @@ impl PyKVCacheManager {
     }
 
     /// Pops the request's blocks without freeing them (groups concatenated, allocation order,
-    /// leading nulls dropped); the caller frees them later, reversed.
+    /// leading nulls dropped); they stay retained until the caller releases them with
+    /// `free_retained_blocks`, reversed.
     fn pop_blocks_for_free<'py>(
         &self,
         py: Python<'py>,
@@ -1094,9 +1095,10 @@ impl PyKVCacheManager {
         Some((copies, retained.into_iter().map(|b| b as i32).collect()))
     }
 
-    /// Releases blocks `take_kv_cache_block_copies` retained, in the given order (vLLM's
-    /// `block_pool.free_blocks` of them once the copies ran). Only blocks retained and not yet
-    /// released are accepted; otherwise nothing changes.
+    /// Releases blocks `take_kv_cache_block_copies` or `pop_blocks_for_free` retained, in the
+    /// given order (vLLM's `block_pool.free_blocks` of them once the copies ran, or the deferred
+    /// free came due). Only blocks retained and not yet released are accepted; otherwise
+    /// nothing changes.
     fn free_retained_blocks(&self, blocks: Vec<i64>) -> PyResult<()> {
         let ids = blocks
             .into_iter()

@@ -1,7 +1,7 @@
 //! `hybrid_kv.Request`: the scheduler's view of a request, a [`RequestRecord`] behind a lock
 //! plus a reference to the caller's prompt.
 
-use super::convert::{read_int_list_in_steps, Count, Text, TokenFn, Tokens, UInt, U32};
+use super::convert::{read_int_list_in_steps, type_name, Count, Text, TokenFn, Tokens, UInt, U32};
 use super::errors::InvalidArgumentError;
 use super::hashing::{extra_keys, DETACH_HASH_TOKENS};
 use crate::error::Result as CoreResult;
@@ -13,7 +13,7 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::pyclass::{PyTraverseError, PyVisit};
-use pyo3::types::{PyBytes, PyList, PySequence};
+use pyo3::types::{PyBytes, PyIterator, PyList, PySequence};
 use std::sync::{Mutex, MutexGuard};
 
 /// Locks a mutex, ignoring poisoning (no panic leaves a record half-updated).
@@ -231,6 +231,15 @@ impl PyRequest {
         lora_id: Option<Count>,
         block_hashes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        // The request keeps its prompt object and reads it again (`prompt_token_ids`, KV
+        // events): an iterator would be empty then.
+        if prompt_token_ids.cast::<PyIterator>().is_ok() {
+            return Err(PyTypeError::new_err(format!(
+                "prompt_token_ids is an iterator ({}), which reads only once, but a Request \
+                 reads its prompt again: give a list, a tuple or an integer array",
+                type_name(prompt_token_ids)
+            )));
+        }
         let mut extra = extra_keys(cache_salt, lora_name, mm_inputs)?;
         extra.lora_id = lora_id.map(|id| id.0);
         let hasher = BlockHasher::new(block_size.get(), HashAlgo::parse(&hash_algo)?, &hash_seed)?;

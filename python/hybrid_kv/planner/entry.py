@@ -34,6 +34,7 @@ from hybrid_kv.planner.plan import (
     measure_waste,
 )
 from hybrid_kv.planner.search import (
+    MAX_BLOCK_SIZE,
     MAX_BLOCKS,
     Bucket,
     Candidate,
@@ -159,6 +160,11 @@ def plan_kv_cache(
     budgets = _budgets(memory_bytes)
     max_model_len = _check_int("max_model_len", max_model_len)
     block_size = _check_int("block_size", block_size)
+    if block_size > MAX_BLOCK_SIZE:
+        raise PlanError(
+            f"block_size must be at most {MAX_BLOCK_SIZE:,} tokens (the manager's largest "
+            f"block), got {block_size:,}"
+        )
     alignment = _check_int("alignment", alignment)
     in_flight = _in_flight(
         max_in_flight_tokens,
@@ -267,6 +273,14 @@ def plan_kv_cache(
             f"(attention: {attention_token_bytes(buckets)} B/token)"
         )
     reasons.extend(chosen.sizing.notes)
+    largest = max(chosen.sizing.block_sizes)
+    if largest > MAX_BLOCK_SIZE:
+        raise PlanError(
+            f"the plan needs blocks of {largest:,} tokens (grown for Mamba states of "
+            f"{max_state_bytes(buckets):,} B, attention {attention_token_bytes(buckets)} B/token), "
+            f"but the manager takes at most {MAX_BLOCK_SIZE:,}: use a wider KV dtype or smaller "
+            "Mamba states"
+        )
     return _build_plan(settings, layers, buckets, chosen, distribution, reasons, alternatives)
 
 

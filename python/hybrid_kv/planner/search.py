@@ -50,6 +50,9 @@ __all__ = [
     "vllm_candidate",
 ]
 
+MAX_BLOCK_SIZE = 2**20
+"""Tokens a block holds at most: the largest block size the manager (its core) takes."""
+
 MAX_BLOCKS = 2**31 - 1
 """Blocks a pool can hold: block ids are int32 (vLLM's block tables and hybrid-kv's core). A
 larger budget makes a pool of this many blocks (the plan's reasons say so)."""
