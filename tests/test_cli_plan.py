@@ -4,12 +4,14 @@ traceback."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -330,17 +332,27 @@ def test_plan_draws_the_layout(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert str(path) in capsys.readouterr().out
 
 
-def test_plan_figure_labels_axes_and_lists_only_present_kinds() -> None:
+@contextlib.contextmanager
+def _figure(plan: Any, **kwargs: Any) -> Iterator[Any]:
+    """`plan_figure(plan, **kwargs)`, closed after the block (skips without matplotlib)."""
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
-    from hybrid_kv import load_model, plan_kv_cache
     from hybrid_kv.plot import plan_figure
+
+    figure = plan_figure(plan, **kwargs)
+    try:
+        yield figure
+    finally:
+        plt.close(figure)
+
+
+def test_plan_figure_labels_axes_and_lists_only_present_kinds() -> None:
+    from hybrid_kv import load_model, plan_kv_cache
 
     layers = load_model("gemma-3-27b").layers
     plan = plan_kv_cache(layers, 40 * 2**30, 4096)
     vllm = plan_kv_cache(layers, 40 * 2**30, 4096, strategy="vllm")
-    figure = plan_figure(plan, baseline=vllm, title="gemma-3-27b")
-    try:
+    with _figure(plan, baseline=vllm, title="gemma-3-27b") as figure:
         (legend,) = figure.legends
         labels = [text.get_text() for text in legend.get_texts()]
         assert labels == ["full attention", "sliding window", "padding"]
@@ -349,8 +361,6 @@ def test_plan_figure_labels_axes_and_lists_only_present_kinds() -> None:
             assert axis.get_ylabel() == "KV cache group"
             assert "page within a block" in axis.get_xlabel()
             assert all(float(t).is_integer() for t in axis.get_xticks())
-    finally:
-        plt.close(figure)
 
 
 def _drawn_rows(axis: Any) -> dict[int, list[tuple[str, float]]]:
@@ -394,18 +404,14 @@ def _assert_stage_panel(axis: Any, plan: KVCachePlan, stage: PipelineStage) -> N
 
 
 def test_plan_figure_draws_each_pipeline_stages_gpu_for_both_plans() -> None:
-    pytest.importorskip("matplotlib")
-    import matplotlib.pyplot as plt
     from hybrid_kv import load_model, plan_kv_cache
-    from hybrid_kv.plot import plan_figure
 
     model = load_model("gemma-3-27b")
     options = {"pipeline_parallel_size": 2, "num_hidden_layers": model.num_hidden_layers}
     plan = plan_kv_cache(model.layers, 16 * 2**30, 131072, **options)
     vllm = plan_kv_cache(model.layers, 16 * 2**30, 131072, strategy="vllm", **options)
     assert plan.stages[0].block_bytes < plan.block_bytes  # not the whole model's block
-    figure = plan_figure(plan, baseline=vllm, title="gemma-3-27b")
-    try:
+    with _figure(plan, baseline=vllm, title="gemma-3-27b") as figure:
         panels = [(plan, plan.stages[0]), (plan, plan.stages[1])]
         panels += [(vllm, vllm.stages[0]), (vllm, vllm.stages[1])]
         assert len(figure.axes) == len(panels)
@@ -416,15 +422,10 @@ def test_plan_figure_draws_each_pipeline_stages_gpu_for_both_plans() -> None:
         assert figure.axes[0].get_title().startswith("min-waste: 7 groups, 1.25 MiB blocks")
         assert figure.axes[2].get_title().startswith("vllm: 7 groups")
         assert "2 pipeline stages, 16.00 GiB budget per GPU" in figure._suptitle.get_text()
-    finally:
-        plt.close(figure)
 
 
 def test_plan_figure_draws_each_stage_against_its_own_budget() -> None:
-    pytest.importorskip("matplotlib")
-    import matplotlib.pyplot as plt
     from hybrid_kv import load_model, plan_kv_cache
-    from hybrid_kv.plot import plan_figure
 
     model = load_model("gemma-3-27b")
     # Stage 0 holds layers 0-4: one sliding-window layer in each of five groups, none of the
@@ -439,8 +440,7 @@ def test_plan_figure_draws_each_stage_against_its_own_budget() -> None:
     )
     first, second = plan.stages
     assert first.budget_blocks > second.budget_blocks == plan.num_blocks
-    figure = plan_figure(plan)
-    try:
+    with _figure(plan) as figure:
         top, bottom = figure.axes
         _assert_stage_panel(top, plan, first)
         _assert_stage_panel(bottom, plan, second)
@@ -452,22 +452,16 @@ def test_plan_figure_draws_each_stage_against_its_own_budget() -> None:
         rows = _drawn_rows(top)
         assert rows[5] == rows[6] == [("#dddddd", 1.0)]
         assert "16.00 GiB / 12.00 GiB budget per GPU" in figure._suptitle.get_text()
-    finally:
-        plt.close(figure)
 
 
 def test_plan_figure_of_a_stage_draws_no_page_for_its_kv_sharing_layers() -> None:
-    pytest.importorskip("matplotlib")
-    import matplotlib.pyplot as plt
     from hybrid_kv import load_model, plan_kv_cache
-    from hybrid_kv.plot import plan_figure
 
     model = load_model("gemma-3n-e4b")
     plan = plan_kv_cache(
         model.layers, 16 * 2**30, 32768, pipeline_parallel_size=2, num_hidden_layers=35
     )
-    figure = plan_figure(plan)
-    try:
+    with _figure(plan) as figure:
         top, bottom = figure.axes
         _assert_stage_panel(top, plan, plan.stages[0])
         _assert_stage_panel(bottom, plan, plan.stages[1])
@@ -475,23 +469,17 @@ def test_plan_figure_of_a_stage_draws_no_page_for_its_kv_sharing_layers() -> Non
         assert "18 KV-cache layers, 128.00 KiB blocks" in top.get_title()
         assert "2 KV-cache layers, 15 sharing theirs, 32.00 KiB blocks" in bottom.get_title()
         assert len([p for p in bottom.patches if p.get_hatch() is None]) == 2
-    finally:
-        plt.close(figure)
 
 
 def test_plan_figure_of_one_stage_draws_the_whole_block() -> None:
-    pytest.importorskip("matplotlib")
-    import matplotlib.pyplot as plt
     from hybrid_kv import load_model, plan_kv_cache
     from hybrid_kv.planner import format_bytes
-    from hybrid_kv.plot import plan_figure
 
     model = load_model("gemma-3-27b")
     plan = plan_kv_cache(model.layers, 16 * 2**30, 32768, pipeline_parallel_size=1)
     vllm = plan_kv_cache(model.layers, 16 * 2**30, 32768, strategy="vllm")
     assert len(plan.stages) == 1
-    figure = plan_figure(plan, baseline=vllm, title="gemma-3-27b")
-    try:
+    with _figure(plan, baseline=vllm, title="gemma-3-27b") as figure:
         assert len(figure.axes) == 2
         for axis, current in zip(figure.axes, (plan, vllm), strict=True):
             (unit,) = {p.page_bytes for p in current.placements}
@@ -509,23 +497,15 @@ def test_plan_figure_of_one_stage_draws_the_whole_block() -> None:
         assert figure._suptitle.get_text() == (
             "gemma-3-27b: 16.00 GiB budget, max_model_len 32,768, layout LBNHC"
         )
-    finally:
-        plt.close(figure)
 
 
 def test_plan_figure_title_counts_one_group_in_the_singular() -> None:
-    pytest.importorskip("matplotlib")
-    import matplotlib.pyplot as plt
     from hybrid_kv import load_model, plan_kv_cache
-    from hybrid_kv.plot import plan_figure
 
     plan = plan_kv_cache(load_model("llama-3.1-8b").layers, 16 * 2**30, 32768)
     assert plan.num_groups == 1
-    figure = plan_figure(plan, title="llama-3.1-8b")
-    try:
+    with _figure(plan, title="llama-3.1-8b") as figure:
         assert figure.axes[0].get_title().startswith("min-waste: 1 group, ")
-    finally:
-        plt.close(figure)
 
 
 def test_plan_plot_with_pipeline_stages_draws_each_gpu(
