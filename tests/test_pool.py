@@ -69,6 +69,21 @@ def test_events_report_stored_removed_and_cleared() -> None:
     assert pool.num_cached_blocks == 0
 
 
+@pytest.mark.parametrize(
+    ("tokens", "block_size"),
+    [([1], 4), (list(range(7)), 4), (list(range(9)), 4), (list(range(8)), 0), ([1, 2], 2**32 - 1)],
+)
+def test_token_ids_that_are_not_the_blocks_tokens_are_refused_before_caching(
+    tokens: list[int], block_size: int
+) -> None:
+    # The event's token ids are the stored blocks' tokens: block_size for every block.
+    pool = hk.BlockPool(3, enable_kv_events=True)
+    ids = pool.get_new_blocks(2)
+    with pytest.raises(hk.InvalidArgumentError, match="token_ids holds"):
+        pool.cache_full_blocks(ids, [7, 8], 1, token_ids=tokens, block_size=block_size)
+    assert pool.num_cached_blocks == 0 and pool.take_events() == []
+
+
 def test_events_are_off_by_default() -> None:
     pool = hk.BlockPool(3)
     pool.cache_full_blocks(pool.get_new_blocks(1), [1])

@@ -230,7 +230,8 @@ class BlockPool:
         `token_ids` and `block_size` only fill the `BlockStored` event.
 
         Raises:
-            InvalidArgumentError: `block_ids` and `block_hashes` differ in length.
+            InvalidArgumentError: `block_ids` and `block_hashes` differ in length, or
+                `token_ids` (given) are not `block_size` tokens for every block.
             BlockNotInUseError: a (non-null) block is free.
         """
     def get_cached_block(

@@ -3,6 +3,7 @@
 use super::convert::{
     block_id_arg, extract_hash, extract_hashes, extract_ids, ids_to_numpy, Count, UInt, U32,
 };
+use super::errors::InvalidArgumentError;
 use crate::pool::BlockPool;
 use crate::types::{EventKey, KvEvent, StoreInfo};
 use numpy::PyArray1;
@@ -93,6 +94,16 @@ impl PyBlockPool {
             .into_iter()
             .map(U32::get)
             .collect();
+        // Given, they are the blocks' tokens (the event's `token_ids`): every block's, no more.
+        let covered = ids.len() as u64 * u64::from(block_size);
+        if !tokens.is_empty() && tokens.len() as u64 != covered {
+            return Err(InvalidArgumentError::new_err(format!(
+                "token_ids holds {} tokens, but {} blocks of block_size {block_size} hold \
+                 {covered}",
+                tokens.len(),
+                ids.len()
+            )));
+        }
         let info = StoreInfo {
             parent_block_hash: parent,
             token_ids: &tokens,
