@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from hybrid_kv.planner import KVCachePlan, PipelineStage, PlanError, format_bytes
+from hybrid_kv.planner.memory import format_count
 
 __all__ = ["plan_figure", "plot_plan", "plot_target", "require_matplotlib"]
 
@@ -104,7 +105,7 @@ def plan_figure(plan: KVCachePlan, *, baseline: KVCachePlan | None = None, title
     panels = [(current, stage) for current in plans for stage in _panel_stages(current)]
     height = sum(max(current.num_groups, 1) for current, _ in panels)
     # A stage's panel has two or three title lines where a plan's one has one.
-    titles = sum(_title_lines(current, stage) - 1 for current, stage in panels)
+    titles = sum(_panel_title(current, stage).count("\n") for current, stage in panels)
     figure, axes = plt.subplots(
         len(panels),
         1,
@@ -136,12 +137,6 @@ def _panel_stages(plan: KVCachePlan) -> tuple[PipelineStage | None, ...]:
     return plan.stages if len(plan.stages) > 1 else (None,)
 
 
-def _title_lines(plan: KVCachePlan, stage: PipelineStage | None) -> int:
-    if stage is None:
-        return 1
-    return 3 if stage.index == 0 else 2
-
-
 def _budget_text(plan: KVCachePlan) -> str:
     """The suptitle's budget: the plan's, or with stages each stage GPU's."""
     if len(plan.stages) <= 1:
@@ -153,10 +148,17 @@ def _budget_text(plan: KVCachePlan) -> str:
 
 def _summary(plan: KVCachePlan, block: str) -> str:
     return (
-        f"{plan.strategy}: {plan.num_groups} group{'' if plan.num_groups == 1 else 's'}, {block}, "
+        f"{plan.strategy}: {format_count(plan.num_groups, 'group')}, {block}, "
         f"{plan.waste.waste_percent:.2f}% expected waste, "
         f"max concurrency {plan.max_concurrency or 0:.2f}x"
     )
+
+
+def _panel_title(plan: KVCachePlan, stage: PipelineStage | None) -> str:
+    """A panel's title: the plan's line for its whole block, or `_stage_title`."""
+    if stage is None:
+        return _summary(plan, f"{format_bytes(plan.block_bytes)} blocks")
+    return _stage_title(plan, stage)
 
 
 def _stage_title(plan: KVCachePlan, stage: PipelineStage) -> str:
@@ -241,9 +243,5 @@ def _draw(
     axis.set_ylabel("KV cache group")
     axis.set_yticks([g.group_id + 0.5 for g in plan.groups])
     axis.set_yticklabels([f"{g.group_id}: {g.kind} bs={g.block_size}" for g in plan.groups])
-    if stage is None:
-        title = _summary(plan, f"{format_bytes(plan.block_bytes)} blocks")
-    else:
-        title = _stage_title(plan, stage)
-    axis.set_title(title, fontsize=9)
+    axis.set_title(_panel_title(plan, stage), fontsize=9)
     return kinds, padded

@@ -21,7 +21,7 @@ from hybrid_kv.planner.layout import (
     place_groups,
 )
 from hybrid_kv.planner.lengths import LengthDistribution
-from hybrid_kv.planner.memory import format_bytes, format_bytes_at_least
+from hybrid_kv.planner.memory import format_bytes, format_bytes_at_least, format_count
 from hybrid_kv.planner.plan import (
     STRATEGIES,
     CandidateSummary,
@@ -321,11 +321,6 @@ def _in_flight(
     )
 
 
-def _count(n: int, noun: str) -> str:
-    """`n noun`, plural unless one."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
 @dataclass(frozen=True)
 class _Settings:
     """The validated arguments every step of planning reads."""
@@ -583,12 +578,12 @@ def _choose(
         else f"at most {vllm.num_attention_groups + EXTRA_ATTENTION_GROUPS} attention groups"
     )
     reasons.append(
-        f"min-waste: tried {_count(len(candidates), 'grouping')} ({cap_text}); chose "
-        f"{_count(chosen.num_groups, 'group')}, {format_bytes(chosen.block_bytes)} blocks, "
+        f"min-waste: tried {format_count(len(candidates), 'grouping')} ({cap_text}); chose "
+        f"{format_count(chosen.num_groups, 'group')}, {format_bytes(chosen.block_bytes)} blocks, "
         f"{float(chosen.waste_fraction * 100):.2f}% expected waste over "
         f"{scorer.lengths.source}"
         + (
-            f" (vLLM's grouping: {_count(vllm.num_groups, 'group')}, "
+            f" (vLLM's grouping: {format_count(vllm.num_groups, 'group')}, "
             f"{float(vllm.waste_fraction * 100):.2f}%)"
             if vllm_problem is None
             else ""

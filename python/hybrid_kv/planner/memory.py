@@ -72,6 +72,11 @@ def format_bytes(num_bytes: int) -> str:
     raise AssertionError("unreachable")
 
 
+def format_count(n: int, noun: str) -> str:
+    """`n noun`, the noun plural unless `n` is one: `1 group`, `7 groups`."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def format_bytes_at_least(num_bytes: int) -> str:
     """`format_bytes` rounded up instead of to nearest: a size `--memory` takes that holds
     `num_bytes` (to advise a budget: `16.00 GiB` would be short of 16.002 GiB)."""
