@@ -4,7 +4,12 @@
 //! Identical content may be cached in several blocks (block tables stay append-only), so a key
 //! may have several entries; lookups return the first one inserted that is still cached.
 //!
-//! Layout: the key's 64-bit mix picks a shard (top bits) and a home slot (low bits). Each shard
+//! Layout: the key's 64-bit mix picks a shard (top bits) and a home slot (low bits). The mix is
+//! the block hash's, plus the group id: one hash's keys in a layout's groups (a hybrid model's
+//! groups share their block hashes) have neighbouring home slots in one shard, so that the
+//! lookups of one hash across groups (a hit's window groups after its full-attention ones, each
+//! group's block of a filled position cached in turn) read the lines the first one loaded. Each
+//! shard
 //! is a linear-probing table of `(lo, hi, group | id)` slots (keys inline, so a lookup touches
 //! one cache line) sized from the pool (`2·num_blocks` slots in all), grown only if a shard ever
 //! passes 3/4 full. Inserts go to the first empty slot of the probe sequence, so duplicates of
@@ -89,12 +94,15 @@ fn salt() -> u64 {
 }
 
 /// Keys are already uniformly distributed hashes: one folded multiply (salted) mixes them enough.
+/// The group is added after mixing, so that one hash's groups have consecutive home slots (see
+/// the module's docs); the shard, from the top bits, is the hash's unless the addition carries
+/// into them.
 #[inline]
 fn mix(salt: u64, lo: u64, hi: u64, group: u32) -> u64 {
-    let a = lo ^ salt ^ (group as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let a = lo ^ salt;
     let b = hi ^ 0xA076_1D64_78BD_642F;
     let m = (a as u128).wrapping_mul(b as u128);
-    (m as u64) ^ ((m >> 64) as u64)
+    ((m as u64) ^ ((m >> 64) as u64)).wrapping_add(u64::from(group))
 }
 
 #[inline]
@@ -666,6 +674,43 @@ mod tests {
         assert_eq!(map.first(&key(201)), None);
     }
 
+    /// One block hash's keys in a layout's groups have neighbouring home slots in one shard
+    /// (a lookup of each group's block of a hash reads the lines the first one loaded), and
+    /// each is found there.
+    #[test]
+    fn one_hashs_keys_in_several_groups_sit_in_neighbouring_slots() {
+        let map = CacheMap::with_capacity(100_000).unwrap();
+        assert!(map.shards.len() > 1);
+        for i in 1..=50u32 {
+            let hash =
+                BlockHash(u128::from(i).wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835));
+            let key = |group| CacheKey { hash, group };
+            let (lo, hi) = key_parts(&key(0));
+            let index = map.shard_index(mix(map.salt, lo, hi, 0));
+            let homes: Vec<usize> = (0..7u32)
+                .map(|group| {
+                    let h = mix(map.salt, lo, hi, group);
+                    assert_eq!(
+                        map.shard_index(h),
+                        index,
+                        "group {group} in the hash's shard"
+                    );
+                    h as usize & (map.first_len - 1)
+                })
+                .collect();
+            for pair in homes.windows(2) {
+                assert_eq!(pair[1], (pair[0] + 1) & (map.first_len - 1));
+            }
+            for group in 0..7u32 {
+                assert!(map.insert(key(group), i * 8 + group + 1));
+            }
+            for group in 0..7u32 {
+                assert_eq!(map.first(&key(group)), Some(i * 8 + group + 1));
+            }
+        }
+        map.validate();
+    }
+
     /// Random inserts and removals over few keys (many duplicates, long clusters that wrap
     /// around the table's end, growth) agree with the model after every step.
     #[test]
@@ -676,6 +721,11 @@ mod tests {
             keys.extend((0..num_keys as u128).map(|i| CacheKey {
                 hash: BlockHash(i * 7919),
                 group: (i % 2) as u32,
+            }));
+            // One hash in many groups: runs of neighbouring home slots.
+            keys.extend((0..8).map(|group| CacheKey {
+                hash: BlockHash(104_729),
+                group,
             }));
             let mut model = Model(Vec::new());
             let mut rng = 0x1234_5678_9abc_def1u64;
