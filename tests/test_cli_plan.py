@@ -812,3 +812,22 @@ def test_a_max_model_len_above_the_models_is_used_with_a_note(
     )
     assert main(["plan", "llama-3.1-8b", "--memory", "80GiB", "--max-model-len", "131072"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_a_lengths_file_that_decompresses_past_the_limit_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A small gzip file that expands to gigabytes is not read into memory whole.
+    monkeypatch.setattr("hybrid_kv.inputs.MAX_INPUT_CHARS", 1 << 20)
+    bomb = tmp_path / "bomb.json.gz"
+    with gzip.open(bomb, "wt", compresslevel=9) as f:
+        f.write(json.dumps({"requests": [{"prompt": [1] * 100, "output": [2]}]}))
+        for _ in range(4):
+            f.write(" " * (1 << 20))
+    assert bomb.stat().st_size < 20_000
+    assert main(["plan", "llama-3.1-8b", "--memory", "8GiB", "--lengths", str(bomb)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        f"hybrid-kv plan: error: cannot read {bomb}: more than 1,048,576 characters once "
+        "decompressed, more than hybrid-kv reads from one input file\n"
+    )
