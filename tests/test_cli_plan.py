@@ -725,6 +725,7 @@ def test_plot_without_an_extension_writes_and_names_a_png(
         (".", "not a file name"),
         ("dir.png", "is a directory"),
         ("plots", "--plot plots is a directory"),  # not written as plots.png
+        ("", "not a file name"),  # `--plot "$UNSET"`: no plot, and no word of it
     ],
 )
 @pytest.mark.parametrize("command", ["plan", "simulate"])

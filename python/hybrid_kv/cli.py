@@ -471,8 +471,9 @@ def _add_plan_parser(subparsers: Any) -> None:
 
 
 def _plot_target(args: argparse.Namespace) -> Path | None:
-    """Where `--plot` writes (checked before any work), or None without `--plot`."""
-    if not args.plot:
+    """Where `--plot` writes (checked before any work), or None without `--plot` (an empty
+    name, as `--plot "$UNSET"` gives, is refused rather than taken for no plot)."""
+    if args.plot is None:
         return None
     from hybrid_kv.plot import plot_target, require_matplotlib
 

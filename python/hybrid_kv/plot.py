@@ -46,7 +46,7 @@ def plot_target(path: str | Path) -> Path:
 
     target = Path(path)
     if not target.name or target.name in (".", ".."):
-        raise PlanError(f"--plot {path}: not a file name")
+        raise PlanError(f"--plot {str(path)!r}: not a file name")
     if target.is_dir():
         # Not `path.png` beside it: a directory given is a mistake, not a file name.
         raise PlanError(f"--plot {target} is a directory")
