@@ -832,3 +832,42 @@ def test_a_lengths_file_that_decompresses_past_the_limit_is_refused(
         f"hybrid-kv plan: error: cannot read {bomb}: more than 1,048,576 characters once "
         "decompressed, more than hybrid-kv reads from one input file\n"
     )
+
+
+@pytest.mark.parametrize("command", ["plan", "simulate"])
+@pytest.mark.parametrize("interruption", [KeyboardInterrupt, OSError(28, "No space left")])
+def test_a_plot_cut_short_leaves_no_file_and_an_earlier_plot_whole(
+    command: str,
+    interruption: BaseException,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # matplotlib writes the file as it draws: Ctrl-C or a full disk in the middle left a
+    # truncated image where the plot was asked for (over an earlier plot of that name).
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    save = Image.Image.save
+
+    def cut_short(self: Image.Image, fp: Any, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(fp, (str, os.PathLike)):
+            # matplotlib's dry run into memory, to lay the figure out.
+            return save(self, fp, *args, **kwargs)
+        with open(fp, "wb") as f:
+            f.write(b"\x89PNG\r\n\x1a\n cut")
+        raise interruption
+
+    monkeypatch.setattr(Image.Image, "save", cut_short)
+    earlier = tmp_path / "earlier.png"
+    earlier.write_bytes(b"an earlier plot")
+    argv = [command, "gpt-oss-20b", "--memory", "8GiB"]
+    if command == "simulate":
+        argv += ["--requests", "2", "--no-progress"]
+    for target in (tmp_path / "new.png", earlier):
+        code = main([*argv, "--plot", str(target)])
+        assert code == (130 if interruption is KeyboardInterrupt else 2)
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier.png"]
+    assert earlier.read_bytes() == b"an earlier plot"
