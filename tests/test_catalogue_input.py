@@ -736,6 +736,38 @@ def test_a_rope_factor_that_is_no_number_is_refused() -> None:
         max_model_len_from_config(config)
 
 
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        # An int past a float's range, with or without a scaling factor to multiply.
+        ({"max_position_embeddings": 10**400}, None),
+        (
+            {"max_position_embeddings": 10**400, "rope_scaling": {"type": "linear", "factor": 2.0}},
+            "too large",
+        ),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 1e308}}, "too large"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": float("inf")}}, "finite"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": float("nan")}}, "finite"),
+    ],
+)
+def test_a_length_or_rope_factor_past_a_floats_range_is_a_catalogue_error(
+    changes: dict[str, Any], message: str | None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # They were an OverflowError traceback (an int too large for a float, a float infinity
+    # made an int) or, for NaN, a ValueError from int() that did not name the field.
+    config = {**_LLAMA_4K, **changes}
+    if message is None:
+        # Without RoPE scaling vLLM keeps the length an int, as given.
+        assert max_model_len_from_config(config) == 10**400
+        return
+    with pytest.raises(CatalogueError, match=f"RoPE 'factor'.*{message}"):
+        max_model_len_from_config(config)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert main(["plan", str(path), "--memory", "8GiB"]) == 2
+    assert capsys.readouterr().err.startswith("hybrid-kv plan: error: llama config: RoPE")
+
+
 def test_mixtral_with_mixed_layer_types_runs_full_as_in_vllm() -> None:
     # vLLM 0.33's Mixtral attention has only the model-wide window, set when every layer
     # slides; Mistral's (Llama's) reads layer_types per layer.

@@ -293,16 +293,27 @@ def max_model_len_from_config(config: Config) -> int:
     if "longrope" in rope_types and config.get("original_max_position_embeddings") is not None:
         key = "original_max_position_embeddings"
         return _int(config, key, model_type, config[key])
+    if not rope or "gemma3" in str(config.get("model_type")):
+        # vLLM scales nothing: the length stays the int given.
+        return max(1, length)
     factor: Any = 1.0
-    if "gemma3" not in str(config.get("model_type")):
-        for params, rope_type in zip(rope, rope_types, strict=True):
-            if rope_type not in _PRESCALED_ROPE:
-                factor = params.get("factor", factor)
+    for params, rope_type in zip(rope, rope_types, strict=True):
+        if rope_type not in _PRESCALED_ROPE:
+            factor = params.get("factor", factor)
     if factor is None:
         factor = 1.0
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
         raise CatalogueError(f"{model_type} config: RoPE 'factor' must be > 0, got {factor!r}")
-    return max(1, int(length * factor))
+    if not math.isfinite(factor):
+        raise CatalogueError(f"{model_type} config: RoPE 'factor' must be finite, got {factor!r}")
+    try:
+        # vLLM's float product, truncated.
+        return max(1, int(length * factor))
+    except OverflowError:
+        raise CatalogueError(
+            f"{model_type} config: RoPE 'factor' ({factor!r}) times {key} is too large for the "
+            "float vLLM scales the length in"
+        ) from None
 
 
 def layer_specs_from_config(
