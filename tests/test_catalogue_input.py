@@ -23,7 +23,13 @@ from hybrid_kv.catalogue import (
     weight_estimate_note,
 )
 from hybrid_kv.cli import main
-from hybrid_kv.planner import PlanError, kv_cache_budget
+from hybrid_kv.planner import (
+    InsufficientMemoryError,
+    PlanError,
+    format_bytes,
+    kv_cache_budget,
+    plan_kv_cache,
+)
 from hybrid_kv.specs import KVSharingSpec, MambaSpec
 from hypothesis import given
 from hypothesis import strategies as st
@@ -766,6 +772,49 @@ def test_a_length_or_rope_factor_past_a_floats_range_is_a_catalogue_error(
     path.write_text(json.dumps(config))
     assert main(["plan", str(path), "--memory", "8GiB"]) == 2
     assert capsys.readouterr().err.startswith("hybrid-kv plan: error: llama config: RoPE")
+
+
+@pytest.mark.parametrize(
+    ("preset", "key", "argv"),
+    [
+        ("llama-3.1-8b", "hidden_size", ["--gpu-memory", "80GiB"]),
+        ("gemma-2-9b", "head_dim", ["--gpu-memory", "80GiB"]),
+        ("bamba-9b", "mamba_d_head", ["--memory", "40GiB"]),
+    ],
+)
+def test_sizes_past_a_floats_range_are_counted_exactly_and_refused_in_one_line(
+    preset: str,
+    key: str,
+    argv: list[str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The weight estimate divided them as floats and `format_bytes` made them floats: an
+    # OverflowError traceback, where a budget they cannot fit is an error like any other.
+    config = {**load_config(preset), key: 10**400}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert main(["plan", str(path), "--max-model-len", "4096", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith("hybrid-kv plan: error: ")
+    assert "TiB" in captured.err
+
+
+def test_weights_and_sizes_past_a_floats_range_are_exact() -> None:
+    config = {**load_config("llama-3.1-8b"), "hidden_size": 10**400}
+    assert estimate_weight_bytes(config) > 10**800
+    assert format_bytes(10**400).endswith(" TiB")
+    assert [format_bytes(n) for n in (0, 1023, 1024, 1536, 2**30 * 3 // 2)] == [
+        "0 B",
+        "1023 B",
+        "1.00 KiB",
+        "1.50 KiB",
+        "1.50 GiB",
+    ]
+    bamba = {**load_config("bamba-9b"), "mamba_d_head": 10**400}
+    with pytest.raises(InsufficientMemoryError):
+        plan_kv_cache(layer_specs_from_config(bamba), 40 * GIB, 4096)
 
 
 def test_mixtral_with_mixed_layer_types_runs_full_as_in_vllm() -> None:

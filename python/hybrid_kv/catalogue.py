@@ -1328,8 +1328,10 @@ def estimate_weight_bytes(config: Config, tensor_parallel_size: int = 1) -> int:
     ctx = _weights_context(config)
     layer_bits, expert_bits, _ = _quantized_bits(ctx, config)
     embeddings = _embedding_parameters(ctx, config)
-    total = embeddings * 2 + (dense - embeddings) * layer_bits / 8 + experts * expert_bits / 8
-    return -(-int(total) // tensor_parallel_size)
+    # Exact (sizes past a float's range are counted, not an OverflowError).
+    bits = (dense - embeddings) * Fraction(layer_bits) + experts * Fraction(expert_bits)
+    total = embeddings * 2 + math.floor(bits / 8)
+    return -(-total // tensor_parallel_size)
 
 
 # vLLM 0.33's models that build the input embeddings on the first pipeline stage only and the
