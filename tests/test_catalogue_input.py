@@ -801,6 +801,25 @@ def test_sizes_past_a_floats_range_are_counted_exactly_and_refused_in_one_line(
     assert "TiB" in captured.err
 
 
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_a_context_length_past_a_floats_range_plans_with_its_kv_cache_tokens(
+    json_flag: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Mistral-7B slides on every layer, so a request of any length reserves a window's blocks:
+    # the plan is made, and its token count (max concurrency times max_model_len, a float
+    # product in vLLM) was an OverflowError traceback.
+    config = {**load_config("mistral-7b-v0.1"), "max_position_embeddings": 10**400}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert main(["plan", str(path), "--memory", "40GiB", "--strategy", "vllm", *json_flag]) == 0
+    out = capsys.readouterr().out
+    if json_flag:
+        tokens = json.loads(out)["plan"]["kv_cache_tokens"]
+        assert 10**400 < tokens < 10**403
+    else:
+        assert "KV cache tokens" in out
+
+
 def test_weights_and_sizes_past_a_floats_range_are_exact() -> None:
     config = {**load_config("llama-3.1-8b"), "hidden_size": 10**400}
     assert estimate_weight_bytes(config) > 10**800
