@@ -489,3 +489,34 @@ def test_an_input_that_decompresses_past_the_limit_is_refused_before_it_is_read_
         assert list(tmp_path.glob("o.jsonl*")) == []
     # A file of exactly the limit is read.
     assert _run(tmp_path, fits, trace) == 0
+
+
+def test_a_header_whose_pool_does_not_fit_in_memory_is_one_line_and_exit_1(
+    conformance_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    # `python -m hybrid_kv.replay` printed the MemoryError's traceback; `hybrid-kv replay`
+    # advised a smaller KV cache budget, which replay has no option for.
+    from hybrid_kv.cli import main as cli_main
+
+    real = conformance_dir / "full-attn.eviction.workload.json.gz"
+    head = replay_module.read_header(conformance_dir / "full-attn.eviction.vllm.jsonl.gz")
+    head["kv_cache"]["num_blocks"] = 2**31 - 1
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps(head) + "\n")
+
+    def out_of_memory(*args: Any, **kwargs: Any) -> Any:
+        raise MemoryError("out of memory: cannot allocate 313538904096 bytes for the pool")
+
+    monkeypatch.setattr(replay_module, "manager_from_header", out_of_memory)
+    for prog, run in (
+        ("replay", lambda argv: replay_module.main(argv)),
+        ("hybrid-kv replay", lambda argv: cli_main(["replay", *argv])),
+    ):
+        argv = [str(real), "--groups-from", str(trace), "--out", str(tmp_path / "o.jsonl")]
+        assert run(argv) == 1
+        assert capsys.readouterr().err == (
+            f"{prog}: error: cannot build a manager from the header of {trace}: out of memory: "
+            "cannot allocate 313538904096 bytes for the pool (the header's pool has "
+            "2,147,483,647 blocks)\n"
+        )
+        assert list(tmp_path.glob("o.jsonl*")) == []

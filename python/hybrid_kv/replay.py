@@ -806,6 +806,14 @@ def run(args: argparse.Namespace, prog: str = "replay") -> int:
                 f"cannot build a manager from the header of {args.groups_from} and the "
                 f"workload's max_model_len {sched['max_model_len']}: {failure}"
             ) from None
+        except MemoryError as failure:
+            # The core refuses a pool this machine cannot hold before taking any of it.
+            blocks = vllm_header["kv_cache"]["num_blocks"]
+            return error(
+                f"cannot build a manager from the header of {args.groups_from}: "
+                f"{str(failure) or 'out of memory'} (the header's pool has {blocks:,} blocks)",
+                1,
+            )
     except ValueError as failure:
         return error(failure, 2)
     header = {
