@@ -871,3 +871,20 @@ def test_a_plot_cut_short_leaves_no_file_and_an_earlier_plot_whole(
         assert "Traceback" not in err and err.count("\n") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier.png"]
     assert earlier.read_bytes() == b"an earlier plot"
+
+
+def test_a_plot_through_a_symlink_is_written_to_its_target(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Written beside the file the link names and renamed over it, as matplotlib writes through
+    # the link: the link stays a link.
+    pytest.importorskip("matplotlib")
+    (tmp_path / "plots").mkdir()
+    real = tmp_path / "plots" / "run.png"
+    real.write_bytes(b"an earlier plot")
+    link = tmp_path / "latest.png"
+    link.symlink_to(real)
+    assert main(["plan", "gpt-oss-20b", "--memory", "8GiB", "--plot", str(link)]) == 0
+    assert capsys.readouterr().out.endswith(f"memory layout written to {link}\n")
+    assert link.is_symlink() and real.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["latest.png", "plots", "run.png"]

@@ -86,8 +86,9 @@ def save_figure(figure: Any, path: str | Path, *, dpi: int) -> None:
 
     matplotlib writes the file as it draws, so the figure goes to `path.partial` beside it and
     is renamed over `path` once complete: Ctrl-C or a full disk in the middle leaves no cut
-    image, and an earlier file of that name whole. A `path` that exists and is not a regular
-    file (/dev/null, a FIFO) is written directly. Raises `PlanError` when it cannot be written.
+    image, and an earlier file of that name whole. A symlink's target is the file replaced; a
+    `path` that exists and is not a regular file (/dev/null, a FIFO) is written directly.
+    Raises `PlanError` when it cannot be written.
     """
     import matplotlib.pyplot as plt
 
@@ -95,11 +96,13 @@ def save_figure(figure: Any, path: str | Path, *, dpi: int) -> None:
     if not target.suffix:
         target = target.with_name(target.name + ".png")
     direct = target.exists() and not target.is_file()
-    partial = target if direct else target.with_name(target.name + ".partial")
+    # Through a symlink, the file it names is replaced (as matplotlib writes through it).
+    final = Path(os.path.realpath(target)) if target.is_symlink() else target
+    partial = target if direct else final.with_name(final.name + ".partial")
     try:
         figure.savefig(partial, dpi=dpi, format=target.suffix[1:].lower())
         if not direct:
-            os.replace(partial, target)
+            os.replace(partial, final)
     except OSError as error:
         raise PlanError(f"cannot write plot {target}: {error}") from None
     finally:
