@@ -7,6 +7,8 @@ and so must the results of a fixed run of normal operations afterwards.
 
 from __future__ import annotations
 
+import re
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -735,3 +737,31 @@ def test_unaligned_arrays_are_read_as_their_values(dtype: Any) -> None:
     assert pool.get_cached_block(odd_hash, [0]).tolist() == [held[1]]
     pool.free_blocks(odd_ids)
     assert [pool.ref_count(b) for b in held] == [0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    ("group", "field"),
+    [
+        ({"kind": "full", "block_size": 16, "sliding_windw": 128}, "'sliding_windw'"),
+        ({"kind": "mamba", "block_size": 16, "mamba_cache_mod": "none"}, "'mamba_cache_mod'"),
+        ({"kind": "full", "block_size": 16, "kind ": "sliding_window"}, "'kind '"),
+        ({"kind": "full", "block_size": 16, 1: 2}, "1"),
+        (
+            types.MappingProxyType(
+                {"kind": "sliding_window", "block_size": 16, "sliding_window": 8, "window": 4}
+            ),
+            "'window'",
+        ),
+    ],
+)
+def test_a_group_mapping_with_an_unknown_field_is_refused(group: Any, field: str) -> None:
+    # A misspelt field was dropped: the manager was built without it (a Mamba group in
+    # `align` mode for `mamba_cache_mod: "none"`), as if it had not been given.
+    with pytest.raises(hk.InvalidConfigError, match=f"group 1: unknown field {re.escape(field)}"):
+        hk.KVCacheManager([{"kind": "full", "block_size": 16}, group], 64, 1024)
+
+
+def test_a_group_object_may_have_attributes_the_core_does_not_read() -> None:
+    # vLLM's spec objects (and any other object) carry more than the fields the core reads.
+    spec = types.SimpleNamespace(kind="full", block_size=16, head_size=128, dtype="bf16")
+    assert hk.KVCacheManager([spec], 64, 1024).groups == [{"block_size": 16, "kind": "full"}]

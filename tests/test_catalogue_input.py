@@ -23,7 +23,13 @@ from hybrid_kv.catalogue import (
     weight_estimate_note,
 )
 from hybrid_kv.cli import main
-from hybrid_kv.planner import PlanError, kv_cache_budget
+from hybrid_kv.planner import (
+    InsufficientMemoryError,
+    PlanError,
+    format_bytes,
+    kv_cache_budget,
+    plan_kv_cache,
+)
 from hybrid_kv.specs import KVSharingSpec, MambaSpec
 from hypothesis import given
 from hypothesis import strategies as st
@@ -734,6 +740,100 @@ def test_a_rope_factor_that_is_no_number_is_refused() -> None:
     config = {**_LLAMA_4K, "rope_scaling": {"rope_type": "linear", "factor": "4"}}
     with pytest.raises(CatalogueError, match="RoPE 'factor' must be > 0"):
         max_model_len_from_config(config)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        # An int past a float's range, with or without a scaling factor to multiply.
+        ({"max_position_embeddings": 10**400}, None),
+        (
+            {"max_position_embeddings": 10**400, "rope_scaling": {"type": "linear", "factor": 2.0}},
+            "too large",
+        ),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 1e308}}, "too large"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": float("inf")}}, "finite"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": float("nan")}}, "finite"),
+    ],
+)
+def test_a_length_or_rope_factor_past_a_floats_range_is_a_catalogue_error(
+    changes: dict[str, Any], message: str | None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # They were an OverflowError traceback (an int too large for a float, a float infinity
+    # made an int) or, for NaN, a ValueError from int() that did not name the field.
+    config = {**_LLAMA_4K, **changes}
+    if message is None:
+        # Without RoPE scaling vLLM keeps the length an int, as given.
+        assert max_model_len_from_config(config) == 10**400
+        return
+    with pytest.raises(CatalogueError, match=f"RoPE 'factor'.*{message}"):
+        max_model_len_from_config(config)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert main(["plan", str(path), "--memory", "8GiB"]) == 2
+    assert capsys.readouterr().err.startswith("hybrid-kv plan: error: llama config: RoPE")
+
+
+@pytest.mark.parametrize(
+    ("preset", "key", "argv"),
+    [
+        ("llama-3.1-8b", "hidden_size", ["--gpu-memory", "80GiB"]),
+        ("gemma-2-9b", "head_dim", ["--gpu-memory", "80GiB"]),
+        ("bamba-9b", "mamba_d_head", ["--memory", "40GiB"]),
+    ],
+)
+def test_sizes_past_a_floats_range_are_counted_exactly_and_refused_in_one_line(
+    preset: str,
+    key: str,
+    argv: list[str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The weight estimate divided them as floats and `format_bytes` made them floats: an
+    # OverflowError traceback, where a budget they cannot fit is an error like any other.
+    config = {**load_config(preset), key: 10**400}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert main(["plan", str(path), "--max-model-len", "4096", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith("hybrid-kv plan: error: ")
+    assert "TiB" in captured.err
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_a_context_length_past_a_floats_range_plans_with_its_kv_cache_tokens(
+    json_flag: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Mistral-7B slides on every layer, so a request of any length reserves a window's blocks:
+    # the plan is made, and its token count (max concurrency times max_model_len, a float
+    # product in vLLM) was an OverflowError traceback.
+    config = {**load_config("mistral-7b-v0.1"), "max_position_embeddings": 10**400}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert main(["plan", str(path), "--memory", "40GiB", "--strategy", "vllm", *json_flag]) == 0
+    out = capsys.readouterr().out
+    if json_flag:
+        tokens = json.loads(out)["plan"]["kv_cache_tokens"]
+        assert 10**400 < tokens < 10**403
+    else:
+        assert "KV cache tokens" in out
+
+
+def test_weights_and_sizes_past_a_floats_range_are_exact() -> None:
+    config = {**load_config("llama-3.1-8b"), "hidden_size": 10**400}
+    assert estimate_weight_bytes(config) > 10**800
+    assert format_bytes(10**400).endswith(" TiB")
+    assert [format_bytes(n) for n in (0, 1023, 1024, 1536, 2**30 * 3 // 2)] == [
+        "0 B",
+        "1023 B",
+        "1.00 KiB",
+        "1.50 KiB",
+        "1.50 GiB",
+    ]
+    bamba = {**load_config("bamba-9b"), "mamba_d_head": 10**400}
+    with pytest.raises(InsufficientMemoryError):
+        plan_kv_cache(layer_specs_from_config(bamba), 40 * GIB, 4096)
 
 
 def test_mixtral_with_mixed_layer_types_runs_full_as_in_vllm() -> None:

@@ -725,6 +725,7 @@ def test_plot_without_an_extension_writes_and_names_a_png(
         (".", "not a file name"),
         ("dir.png", "is a directory"),
         ("plots", "--plot plots is a directory"),  # not written as plots.png
+        ("", "not a file name"),  # `--plot "$UNSET"`: no plot, and no word of it
     ],
 )
 @pytest.mark.parametrize("command", ["plan", "simulate"])
@@ -812,3 +813,78 @@ def test_a_max_model_len_above_the_models_is_used_with_a_note(
     )
     assert main(["plan", "llama-3.1-8b", "--memory", "80GiB", "--max-model-len", "131072"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_a_lengths_file_that_decompresses_past_the_limit_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A small gzip file that expands to gigabytes is not read into memory whole.
+    monkeypatch.setattr("hybrid_kv.inputs.MAX_INPUT_CHARS", 1 << 20)
+    bomb = tmp_path / "bomb.json.gz"
+    with gzip.open(bomb, "wt", compresslevel=9) as f:
+        f.write(json.dumps({"requests": [{"prompt": [1] * 100, "output": [2]}]}))
+        for _ in range(4):
+            f.write(" " * (1 << 20))
+    assert bomb.stat().st_size < 20_000
+    assert main(["plan", "llama-3.1-8b", "--memory", "8GiB", "--lengths", str(bomb)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        f"hybrid-kv plan: error: cannot read {bomb}: more than 1,048,576 characters once "
+        "decompressed, more than hybrid-kv reads from one input file\n"
+    )
+
+
+@pytest.mark.parametrize("command", ["plan", "simulate"])
+@pytest.mark.parametrize("interruption", [KeyboardInterrupt, OSError(28, "No space left")])
+def test_a_plot_cut_short_leaves_no_file_and_an_earlier_plot_whole(
+    command: str,
+    interruption: BaseException,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # matplotlib writes the file as it draws: Ctrl-C or a full disk in the middle left a
+    # truncated image where the plot was asked for (over an earlier plot of that name).
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    save = Image.Image.save
+
+    def cut_short(self: Image.Image, fp: Any, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(fp, (str, os.PathLike)):
+            # matplotlib's dry run into memory, to lay the figure out.
+            return save(self, fp, *args, **kwargs)
+        with open(fp, "wb") as f:
+            f.write(b"\x89PNG\r\n\x1a\n cut")
+        raise interruption
+
+    monkeypatch.setattr(Image.Image, "save", cut_short)
+    earlier = tmp_path / "earlier.png"
+    earlier.write_bytes(b"an earlier plot")
+    argv = [command, "gpt-oss-20b", "--memory", "8GiB"]
+    if command == "simulate":
+        argv += ["--requests", "2", "--no-progress"]
+    for target in (tmp_path / "new.png", earlier):
+        code = main([*argv, "--plot", str(target)])
+        assert code == (130 if interruption is KeyboardInterrupt else 2)
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier.png"]
+    assert earlier.read_bytes() == b"an earlier plot"
+
+
+def test_a_plot_through_a_symlink_is_written_to_its_target(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Written beside the file the link names and renamed over it, as matplotlib writes through
+    # the link: the link stays a link.
+    pytest.importorskip("matplotlib")
+    (tmp_path / "plots").mkdir()
+    real = tmp_path / "plots" / "run.png"
+    real.write_bytes(b"an earlier plot")
+    link = tmp_path / "latest.png"
+    link.symlink_to(real)
+    assert main(["plan", "gpt-oss-20b", "--memory", "8GiB", "--plot", str(link)]) == 0
+    assert capsys.readouterr().out.endswith(f"memory layout written to {link}\n")
+    assert link.is_symlink() and real.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["latest.png", "plots", "run.png"]

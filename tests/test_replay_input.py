@@ -451,3 +451,72 @@ def test_hybrid_kv_replay_names_its_command_in_errors(
     assert capsys.readouterr().err.startswith("hybrid-kv replay: error: ")
     assert main(["replay", str(tmp_path), "--groups-from", str(trace), "--out", str(out)]) == 2
     assert capsys.readouterr().err.startswith("hybrid-kv replay: error: ")
+
+
+def _gzip_bomb(path: Path, document: str, padding: int) -> Path:
+    """`document` followed by `padding` spaces, gzip-compressed: valid JSON a thousand times
+    larger than its file."""
+    with gzip.open(path, "wt", compresslevel=9) as f:
+        f.write(document)
+        for _ in range(padding >> 20):
+            f.write(" " * (1 << 20))
+    return path
+
+
+def test_an_input_that_decompresses_past_the_limit_is_refused_before_it_is_read_whole(
+    conformance_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    # A few kilobytes of gzip that expand to gigabytes would be read into memory (and parsed)
+    # before anything was checked; the limit, lowered here, refuses them as it reads.
+    monkeypatch.setattr("hybrid_kv.inputs.MAX_INPUT_CHARS", 1 << 20)
+    small = workload({"rid": "a", "prompt": [1, 2, 3], "output": [4], "arrival_step": 0})
+    bomb = _gzip_bomb(tmp_path / "bomb.json.gz", json.dumps(small), 4 << 20)
+    assert bomb.stat().st_size < 20_000
+    trace = conformance_dir / "full-attn.eviction.vllm.jsonl.gz"
+    header = replay_module.read_header(trace)
+    trace_bomb = _gzip_bomb(tmp_path / "t.jsonl.gz", "", 4 << 20)
+    with gzip.open(trace_bomb, "at") as f:
+        f.write("\n" + json.dumps(header) + "\n")
+    fits = tmp_path / "fits.json"
+    fits.write_text(json.dumps(small).ljust(1 << 20))
+    for workload_path, trace_path, expected in (
+        (bomb, trace, f"workload {bomb}: more than 1,048,576 characters once decompressed"),
+        (fits, trace_bomb, f"trace {trace_bomb}: more than 1,048,576 characters once"),
+    ):
+        assert _run(tmp_path, workload_path, trace_path) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("replay: error: ") and expected in err and err.count("\n") == 1
+        assert list(tmp_path.glob("o.jsonl*")) == []
+    # A file of exactly the limit is read.
+    assert _run(tmp_path, fits, trace) == 0
+
+
+def test_a_header_whose_pool_does_not_fit_in_memory_is_one_line_and_exit_1(
+    conformance_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    # `python -m hybrid_kv.replay` printed the MemoryError's traceback; `hybrid-kv replay`
+    # advised a smaller KV cache budget, which replay has no option for.
+    from hybrid_kv.cli import main as cli_main
+
+    real = conformance_dir / "full-attn.eviction.workload.json.gz"
+    head = replay_module.read_header(conformance_dir / "full-attn.eviction.vllm.jsonl.gz")
+    head["kv_cache"]["num_blocks"] = 2**31 - 1
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps(head) + "\n")
+
+    def out_of_memory(*args: Any, **kwargs: Any) -> Any:
+        raise MemoryError("out of memory: cannot allocate 313538904096 bytes for the pool")
+
+    monkeypatch.setattr(replay_module, "manager_from_header", out_of_memory)
+    for prog, run in (
+        ("replay", lambda argv: replay_module.main(argv)),
+        ("hybrid-kv replay", lambda argv: cli_main(["replay", *argv])),
+    ):
+        argv = [str(real), "--groups-from", str(trace), "--out", str(tmp_path / "o.jsonl")]
+        assert run(argv) == 1
+        assert capsys.readouterr().err == (
+            f"{prog}: error: cannot build a manager from the header of {trace}: out of memory: "
+            "cannot allocate 313538904096 bytes for the pool (the header's pool has "
+            "2,147,483,647 blocks)\n"
+        )
+        assert list(tmp_path.glob("o.jsonl*")) == []

@@ -349,3 +349,20 @@ def test_the_report_counts_one_group_in_the_singular(capsys: pytest.CaptureFixtu
     argv = ["simulate", "llama-3.1-8b", "--memory", "24GiB", "--requests", "2", "--no-progress"]
     assert main(argv) == 0
     assert capsys.readouterr().out.startswith("model llama-3.1-8b: 1 group (1 full bs 16)\n")
+
+
+def test_ctrl_c_on_a_terminal_ends_the_bar_before_saying_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The bar's line is ended first, so the message is a line of its own (it was written at
+    # the end of the bar's line).
+    stream = _Tty()
+    monkeypatch.setattr("sys.stderr", stream)
+
+    def interrupted(*args: Any, progress: Any, **kwargs: Any) -> None:
+        progress(3, 1, 4)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(simulate_module, "simulate", interrupted)
+    assert main(["simulate", "gpt-oss-20b", "--memory", "8GiB", "--requests", "4"]) == 130
+    assert stream.getvalue().endswith("1/4 requests, step 3\nhybrid-kv: interrupted\n")

@@ -293,16 +293,27 @@ def max_model_len_from_config(config: Config) -> int:
     if "longrope" in rope_types and config.get("original_max_position_embeddings") is not None:
         key = "original_max_position_embeddings"
         return _int(config, key, model_type, config[key])
+    if not rope or "gemma3" in str(config.get("model_type")):
+        # vLLM scales nothing: the length stays the int given.
+        return max(1, length)
     factor: Any = 1.0
-    if "gemma3" not in str(config.get("model_type")):
-        for params, rope_type in zip(rope, rope_types, strict=True):
-            if rope_type not in _PRESCALED_ROPE:
-                factor = params.get("factor", factor)
+    for params, rope_type in zip(rope, rope_types, strict=True):
+        if rope_type not in _PRESCALED_ROPE:
+            factor = params.get("factor", factor)
     if factor is None:
         factor = 1.0
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
         raise CatalogueError(f"{model_type} config: RoPE 'factor' must be > 0, got {factor!r}")
-    return max(1, int(length * factor))
+    if not math.isfinite(factor):
+        raise CatalogueError(f"{model_type} config: RoPE 'factor' must be finite, got {factor!r}")
+    try:
+        # vLLM's float product, truncated.
+        return max(1, int(length * factor))
+    except OverflowError:
+        raise CatalogueError(
+            f"{model_type} config: RoPE 'factor' ({factor!r}) times {key} is too large for the "
+            "float vLLM scales the length in"
+        ) from None
 
 
 def layer_specs_from_config(
@@ -1317,8 +1328,10 @@ def estimate_weight_bytes(config: Config, tensor_parallel_size: int = 1) -> int:
     ctx = _weights_context(config)
     layer_bits, expert_bits, _ = _quantized_bits(ctx, config)
     embeddings = _embedding_parameters(ctx, config)
-    total = embeddings * 2 + (dense - embeddings) * layer_bits / 8 + experts * expert_bits / 8
-    return -(-int(total) // tensor_parallel_size)
+    # Exact (sizes past a float's range are counted, not an OverflowError).
+    bits = (dense - embeddings) * Fraction(layer_bits) + experts * Fraction(expert_bits)
+    total = embeddings * 2 + math.floor(bits / 8)
+    return -(-total // tensor_parallel_size)
 
 
 # vLLM 0.33's models that build the input embeddings on the first pipeline stage only and the

@@ -471,8 +471,9 @@ def _add_plan_parser(subparsers: Any) -> None:
 
 
 def _plot_target(args: argparse.Namespace) -> Path | None:
-    """Where `--plot` writes (checked before any work), or None without `--plot`."""
-    if not args.plot:
+    """Where `--plot` writes (checked before any work), or None without `--plot` (an empty
+    name, as `--plot "$UNSET"` gives, is refused rather than taken for no plot)."""
+    if args.plot is None:
         return None
     from hybrid_kv.plot import plot_target, require_matplotlib
 
@@ -872,26 +873,27 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     _note_long_max_model_len(model, args.max_model_len)
     progress = None if args.no_progress else ProgressBar(args.requests)
     try:
-        report = simulate(
-            model,
-            args.workload,
-            memory,
-            args.requests,
-            args.max_model_len,
-            args.seed,
-            progress=progress,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            strategy=args.strategy,
-            kv_cache_layout=args.kv_cache_layout,
-        )
+        try:
+            report = simulate(
+                model,
+                args.workload,
+                memory,
+                args.requests,
+                args.max_model_len,
+                args.seed,
+                progress=progress,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                strategy=args.strategy,
+                kv_cache_layout=args.kv_cache_layout,
+            )
+        finally:
+            # Before any message (an error, Ctrl-C's): it goes on a line of its own.
+            if progress is not None:
+                progress.close()
     except SimulationError as error:
-        if progress is not None:
-            progress.close()
         print(f"hybrid-kv simulate: error: {error}", file=sys.stderr)
         return 1
-    if progress is not None:
-        progress.close()
     if args.json:
         document = report.to_dict()
         print(json.dumps({**document, "schema_version": JSON_SCHEMA_VERSION}, indent=2))

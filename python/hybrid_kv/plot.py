@@ -4,6 +4,7 @@ Imports matplotlib lazily."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any
 from hybrid_kv.planner import KVCachePlan, PipelineStage, PlanError, format_bytes
 from hybrid_kv.planner.memory import format_count
 
-__all__ = ["plan_figure", "plot_plan", "plot_target", "require_matplotlib"]
+__all__ = ["plan_figure", "plot_plan", "plot_target", "require_matplotlib", "save_figure"]
 
 _COLOURS = {
     "full": "#4c72b0",
@@ -46,7 +47,7 @@ def plot_target(path: str | Path) -> Path:
 
     target = Path(path)
     if not target.name or target.name in (".", ".."):
-        raise PlanError(f"--plot {path}: not a file name")
+        raise PlanError(f"--plot {str(path)!r}: not a file name")
     if target.is_dir():
         # Not `path.png` beside it: a directory given is a mistake, not a file name.
         raise PlanError(f"--plot {target} is a directory")
@@ -75,16 +76,40 @@ def plot_plan(
     baseline: KVCachePlan | None = None,
     title: str = "",
 ) -> None:
-    """Write `plan_figure` as a PNG."""
-    figure = plan_figure(plan, baseline=baseline, title=title)
+    """Write `plan_figure` to `path` (`save_figure`)."""
+    save_figure(plan_figure(plan, baseline=baseline, title=title), path, dpi=120)
+
+
+def save_figure(figure: Any, path: str | Path, *, dpi: int) -> None:
+    """Write `figure` to `path` whole or not at all, in the format its extension names (PNG
+    without one, written to `path.png` as matplotlib writes it), and close the figure.
+
+    matplotlib writes the file as it draws, so the figure goes to `path.partial` beside it and
+    is renamed over `path` once complete: Ctrl-C or a full disk in the middle leaves no cut
+    image, and an earlier file of that name whole. A symlink's target is the file replaced; a
+    `path` that exists and is not a regular file (/dev/null, a FIFO) is written directly.
+    Raises `PlanError` when it cannot be written.
+    """
     import matplotlib.pyplot as plt
 
+    target = Path(path)
+    if not target.suffix:
+        target = target.with_name(target.name + ".png")
+    direct = target.exists() and not target.is_file()
+    # Through a symlink, the file it names is replaced (as matplotlib writes through it).
+    final = Path(os.path.realpath(target)) if target.is_symlink() else target
+    partial = target if direct else final.with_name(final.name + ".partial")
     try:
-        figure.savefig(path, dpi=120)
+        figure.savefig(partial, dpi=dpi, format=target.suffix[1:].lower())
+        if not direct:
+            os.replace(partial, final)
     except OSError as error:
-        raise PlanError(f"cannot write plot {path}: {error}") from None
+        raise PlanError(f"cannot write plot {target}: {error}") from None
     finally:
         plt.close(figure)
+        if not direct:
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
 
 
 def plan_figure(plan: KVCachePlan, *, baseline: KVCachePlan | None = None, title: str = "") -> Any:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import gzip
 import hashlib
 import json
 import os
@@ -30,6 +29,7 @@ from typing import IO, Any, Protocol
 import numpy as np
 
 from hybrid_kv._core import KVCacheManager, Request
+from hybrid_kv.inputs import read_lines, read_text
 from hybrid_kv.manager import manager_from_header
 
 __all__ = [
@@ -66,22 +66,18 @@ TIMED_OPS = (
 )
 
 
-def _open(path: str | Path) -> IO[str]:
-    return gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)  # noqa: SIM115
-
-
 def load_json(path: str | Path) -> Any:
-    with _open(path) as f:
-        return json.load(f)
+    """The JSON document of `path` (`.gz`: gzip-compressed), of at most `MAX_INPUT_CHARS`
+    characters."""
+    return json.loads(read_text(path))
 
 
 def read_header(trace_path: str | Path) -> dict[str, Any]:
     """The `header` line of a kvtrace/1 file."""
-    with _open(trace_path) as f:
-        for line in f:
-            record = json.loads(line)
-            if isinstance(record, dict) and record.get("kind") == "header":
-                return record
+    for line in read_lines(trace_path):
+        record = json.loads(line)
+        if isinstance(record, dict) and record.get("kind") == "header":
+            return record
     raise ValueError(f"{trace_path}: no header line")
 
 
@@ -810,6 +806,14 @@ def run(args: argparse.Namespace, prog: str = "replay") -> int:
                 f"cannot build a manager from the header of {args.groups_from} and the "
                 f"workload's max_model_len {sched['max_model_len']}: {failure}"
             ) from None
+        except MemoryError as failure:
+            # The core refuses a pool this machine cannot hold before taking any of it.
+            blocks = vllm_header["kv_cache"]["num_blocks"]
+            return error(
+                f"cannot build a manager from the header of {args.groups_from}: "
+                f"{str(failure) or 'out of memory'} (the header's pool has {blocks:,} blocks)",
+                1,
+            )
     except ValueError as failure:
         return error(failure, 2)
     header = {

@@ -388,13 +388,7 @@ def report_figure(report: SimulationReport) -> Any:
 
 
 def plot_report(report: SimulationReport, path: str) -> None:
-    """Write `report_figure` as a PNG."""
-    import matplotlib.pyplot as plt
+    """Write `report_figure` to `path` (`hybrid_kv.plot.save_figure`: whole or not at all)."""
+    from hybrid_kv.plot import save_figure
 
-    fig = report_figure(report)
-    try:
-        fig.savefig(path, dpi=110)
-    except OSError as error:
-        raise ValueError(f"cannot write plot {path}: {error}") from None
-    finally:
-        plt.close(fig)
+    save_figure(report_figure(report), path, dpi=110)

@@ -209,6 +209,40 @@ pub(crate) struct PyKVCacheManager {
     num_groups: usize,
 }
 
+/// The fields a group spec reads; a mapping with any other key is refused (a misspelt field
+/// would otherwise be dropped unseen).
+const GROUP_FIELDS: [&str; 10] = [
+    "kind",
+    "block_size",
+    "sliding_window",
+    "attention_chunk_size",
+    "rswa_window",
+    "bounded_replay",
+    "mamba_cache_mode",
+    "num_speculative_blocks",
+    "num_prefill_checkpoint_blocks",
+    "prefill_checkpoint_alignment",
+];
+
+/// `InvalidConfigError` for the first key of a group mapping that is not a group field.
+fn check_group_keys(keys: &Bound<'_, PyList>, index: usize) -> PyResult<()> {
+    for key in keys.iter() {
+        let known = key
+            .cast::<PyString>()
+            .ok()
+            .and_then(|k| k.to_str().ok().map(|k| GROUP_FIELDS.contains(&k)))
+            .unwrap_or(false);
+        if !known {
+            return Err(InvalidConfigError::new_err(format!(
+                "group {index}: unknown field {} (known: {})",
+                key.repr()?,
+                GROUP_FIELDS.join(", ")
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// A group spec from a mapping or an object with the same attributes.
 fn group_from_py(
     obj: &Bound<'_, PyAny>,
@@ -216,12 +250,17 @@ fn group_from_py(
     enable_caching: bool,
 ) -> PyResult<GroupSpec> {
     // A dict, any other mapping (`MappingProxyType`, `UserDict`, ...), or an object whose
-    // attributes are the fields.
+    // attributes are the fields (an object may have others: vLLM's specs do).
     let dict = obj.cast::<PyDict>().ok();
     let mapping = match dict {
         Some(_) => None,
         None => obj.cast::<PyMapping>().ok(),
     };
+    if let Some(d) = &dict {
+        check_group_keys(&d.keys(), index)?;
+    } else if let Some(m) = &mapping {
+        check_group_keys(&m.keys()?, index)?;
+    }
     let get = |name: &str| -> PyResult<Option<Bound<'_, PyAny>>> {
         let value = if let Some(d) = &dict {
             d.get_item(name)?

@@ -18,7 +18,6 @@ requests resident in the pool, with lengths drawn from a `LengthDistribution`:
 from __future__ import annotations
 
 import bisect
-import gzip
 import json
 import math
 import operator
@@ -31,6 +30,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from hybrid_kv.inputs import InputTooLargeError, read_text
 from hybrid_kv.planner.errors import PlanError
 
 __all__ = ["MAX_POINTS", "LengthDistribution", "parse_token_count"]
@@ -173,11 +173,9 @@ class LengthDistribution:
         if not path.is_file():
             what = "a directory" if path.is_dir() else "not a regular file"
             raise PlanError(f"--lengths {path} is {what}")
-        opener = gzip.open if path.suffix == ".gz" else open
         try:
-            with opener(path, "rt") as f:  # type: ignore[operator]
-                text = f.read()
-        except (OSError, EOFError, UnicodeDecodeError, zlib.error) as error:
+            text = read_text(path)
+        except (OSError, EOFError, UnicodeDecodeError, InputTooLargeError, zlib.error) as error:
             # EOFError: a gzip file cut short.
             raise PlanError(f"cannot read {path}: {error}") from None
         lengths = _lengths_from_text(text, path)

@@ -63,11 +63,17 @@ def parse_memory(text: str | int) -> int:
 
 
 def format_bytes(num_bytes: int) -> str:
-    """Human-readable binary size: `1.50 GiB`."""
-    value = float(num_bytes)
+    """Human-readable binary size: `1.50 GiB` (rounded half to even, as a float's `.2f` rounds;
+    exact, so sizes past a float's range are written too)."""
+    value = Fraction(num_bytes)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+            if unit == "B":
+                return f"{round(value)} {unit}"
+            hundredths = round(value * 100)
+            sign = "-" if hundredths < 0 else ""
+            whole, cents = divmod(abs(hundredths), 100)
+            return f"{sign}{whole}.{cents:02d} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
 

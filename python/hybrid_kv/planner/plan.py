@@ -485,9 +485,15 @@ class KVCachePlan:
 
     @property
     def kv_cache_tokens(self) -> int:
-        """vLLM's "KV cache size" in tokens: `int(max_concurrency * max_model_len)`."""
+        """vLLM's "KV cache size" in tokens: `int(max_concurrency * max_model_len)` (a float
+        product, as vLLM's; exact where it is past a float's range)."""
         concurrency = self.max_concurrency
-        return 0 if concurrency is None else int(concurrency * self.max_model_len)
+        if concurrency is None:
+            return 0
+        try:
+            return int(concurrency * self.max_model_len)
+        except OverflowError:
+            return self.num_blocks * self.max_model_len // self.blocks_per_request
 
     @property
     def kv_sharing(self) -> dict[str, str]:
