@@ -347,8 +347,17 @@ pub(crate) fn aligned<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny
     }
 }
 
+/// `InvalidArgumentError` for an array of more than one dimension; `TypeError` for a 0-d one (a
+/// numpy scalar or `np.array(5)`: one value, no sequence, as an `int` given there).
 fn check_1d(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<()> {
     if let Ok(ndim) = obj.getattr("ndim").and_then(|n| n.extract::<usize>()) {
+        if ndim == 0 {
+            return Err(PyTypeError::new_err(format!(
+                "{what} must be a 1-D integer numpy array or a sequence of ints, got a \
+                 0-dimensional {}",
+                obj.get_type().name()?
+            )));
+        }
         if ndim != 1 {
             return Err(InvalidArgumentError::new_err(format!(
                 "{what} must be one-dimensional, got {ndim} dimensions"
