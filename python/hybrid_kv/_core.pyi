@@ -34,6 +34,7 @@ __all__ = [
     "Request",
     "UnknownRequestError",
     "_CallTimer",
+    "_GROUP_FIELDS",
     "_RunningBlocks",
     "_RunningSteps",
     "_VllmSlot",
@@ -257,6 +258,9 @@ class BlockPool:
 def _available_memory() -> int | None:
     """Bytes this process can take without the kernel killing anyone (`MemAvailable` plus
     `SwapFree`, within its cgroups' memory limits; Linux); None where that is not known."""
+
+_GROUP_FIELDS: tuple[str, ...]
+"""The fields a group given to `KVCacheManager` as a mapping may hold."""
 
 def _int_layout() -> str | None:
     """How the extension reads one-digit `int`s straight from the objects: "size_then_digits"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hybrid_kv._core import _GROUP_FIELDS as _CORE_GROUP_FIELDS
 from hybrid_kv._core import KVCacheManager
 from hybrid_kv.planner import KVCachePlan
 
@@ -62,17 +63,9 @@ _SPEC_KINDS: dict[str, str | None] = {
     "CircularBufferSpec": "circular_buffer",
     "UniformTypeKVCacheSpecs": None,
 }
-# A header group's fields the core's group spec reads (vLLM's spec attributes of the same name).
-_GROUP_FIELDS = (
-    "sliding_window",
-    "attention_chunk_size",
-    "rswa_window",
-    "bounded_replay",
-    "mamba_cache_mode",
-    "num_speculative_blocks",
-    "num_prefill_checkpoint_blocks",
-    "prefill_checkpoint_alignment",
-)
+# A header group's fields the core's group spec reads besides its kind and block size (vLLM's
+# spec attributes of the same name).
+_GROUP_FIELDS = tuple(f for f in _CORE_GROUP_FIELDS if f not in ("kind", "block_size"))
 
 
 def _header_group(index: int, g: dict[str, Any]) -> dict[str, Any]:

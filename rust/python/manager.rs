@@ -210,7 +210,7 @@ pub(crate) struct PyKVCacheManager {
 }
 
 /// The fields a group spec reads; a mapping with any other key is refused (a misspelt field
-/// would otherwise be dropped unseen).
+/// would otherwise be dropped unseen). `hybrid_kv._core._GROUP_FIELDS` in Python.
 const GROUP_FIELDS: [&str; 10] = [
     "kind",
     "block_size",
@@ -1467,6 +1467,8 @@ impl PyKVCacheManager {
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // What a group mapping may hold, for the Python code that builds one from a trace header.
+    m.add("_GROUP_FIELDS", PyTuple::new(m.py(), GROUP_FIELDS)?)?;
     m.add_class::<PyRequest>()?;
     m.add_class::<PyKVCacheBlocks>()?;
     m.add_class::<PyKVCacheManager>()?;
