@@ -44,6 +44,8 @@ class Run:
     partial_hits: int = 0
     # Copy-on-write block copies handed to the worker.
     copies: int = 0
+    # Steps handing the worker blocks to zero.
+    zeroed: int = 0
 
 
 def run_both(
@@ -80,6 +82,7 @@ def run_both(
         run.hits += sum(1 for _, _, n in expected["new"] if n > 0)
         run.partial_hits += sum(1 for _, _, n in expected["new"] if n % options.block_size)
         run.copies += len(expected["copies"] or ())
+        run.zeroed += bool(expected["zero"])
         # New requests list their hit blocks too: count those past the hit. Resumed requests
         # list their whole table: left out.
         handed = [ids[-1][n // options.block_size :] for _, ids, n in expected["new"]]
@@ -101,6 +104,18 @@ DENSE_LAYOUTS = [
     ("llama4", 1200),
     ("mixed-bs", 330),
 ]
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["caching", "no-caching"])
+@pytest.mark.parametrize("layout", ["swa-mamba", "mixed-precision"])
+def test_blocks_to_zero_are_vllms_in_its_order(layout: str, prefix_caching: bool) -> None:
+    # vLLM zeroes new attention blocks for a layout with Mamba layers or of two cache
+    # precisions, and lists them group by group (every request's full-attention blocks of the
+    # step, then the window's): hybrid-kv once listed them request by request, and zeroed none
+    # for a cache of two precisions.
+    options = harness.Options(layout=layout, num_blocks=700, prefix_caching=prefix_caching)
+    run = run_both(options, WORKLOAD)
+    assert run.zeroed > 0 and run.preempted > 0
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["caching", "no-caching"])

@@ -174,10 +174,23 @@ LAYOUTS: dict[str, Callable[[int], list[KVCacheSpec]]] = {
     # every bs tokens unless `prefix_match_unit` says otherwise): vLLM's fine-grained partial
     # hash hits land inside the Mamba blocks.
     "jamba-2x": lambda bs: [FullAttentionSpec(**_attention(bs)), _mamba(2 * bs)],
+    # Full attention, sliding window (64) and Mamba: two attention groups whose new blocks the
+    # worker zeroes (a layout with Mamba layers).
+    "swa-mamba": lambda bs: [
+        FullAttentionSpec(**_attention(bs)),
+        SlidingWindowSpec(**_attention(bs), sliding_window=64),
+        _mamba(bs),
+    ],
+    # gpt-oss with its sliding-window layers' cache in FP8: a cache of two precisions, whose new
+    # attention blocks the worker zeroes (vLLM's `KVCacheConfig.needs_kv_cache_zeroing`).
+    "mixed-precision": lambda bs: [
+        FullAttentionSpec(**_attention(bs)),
+        SlidingWindowSpec(**dict(_attention(bs), dtype=torch.float8_e4m3fn), sliding_window=128),
+    ],
 }
 
 # Layouts with Mamba groups (vLLM then picks mamba_cache_mode "align" with prefix caching).
-MAMBA_LAYOUTS = ("jamba", "granite4", "jamba-2x")
+MAMBA_LAYOUTS = ("jamba", "granite4", "jamba-2x", "swa-mamba")
 
 
 @dataclass(frozen=True)
