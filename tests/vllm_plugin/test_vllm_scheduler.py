@@ -106,6 +106,35 @@ DENSE_LAYOUTS = [
 ]
 
 
+def test_a_window_only_model_with_mtp_lookahead_hashes_is_served_where_vllm_fails() -> None:
+    # One sliding-window group and multi-token prediction's lookahead hashes: a 33-token prompt
+    # has one block hash (its second block's hash needs a token past it), but vLLM 0.33's
+    # single-group coordinator looks up the 2 blocks of the tokens but the last, and its
+    # sliding-window manager indexes past the hashes (IndexError) on the first lookup.
+    # hybrid-kv looks up the blocks with a hash, and serves the prompt and its resend.
+    options = harness.Options(
+        layout="window-only", num_blocks=200, eagle_tokens=2, eagle_method="mtp"
+    )
+    prompt = tuple(range(1, 34))
+    workload = [
+        harness.RequestSpec("first", prompt, 3, 0),
+        harness.RequestSpec("again", prompt, 3, 6),
+    ]
+    stock = harness.build_scheduler(options)
+    assert stock.num_hash_lookahead_tokens > 0
+    with pytest.raises(IndexError):
+        list(harness.Driver(stock, workload).run())
+    ours = harness.build_scheduler(options, hkv.Scheduler)
+    assert ours.uses_hybrid_kv
+    driver = harness.Driver(ours, workload)
+    outputs = [out for out, _ in driver.run()]
+    assert driver.done
+    finished = [r for out in outputs for r in out.finished_req_ids]
+    assert sorted(finished) == ["again", "first"]
+    hits = [r.num_computed_tokens for out in outputs for r in out.scheduled_new_reqs]
+    assert hits == [0, 16]
+
+
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["caching", "no-caching"])
 @pytest.mark.parametrize("layout", ["swa-mamba", "mixed-precision"])
 def test_blocks_to_zero_are_vllms_in_its_order(layout: str, prefix_caching: bool) -> None:

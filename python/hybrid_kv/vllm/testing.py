@@ -174,6 +174,8 @@ LAYOUTS: dict[str, Callable[[int], list[KVCacheSpec]]] = {
     # every bs tokens unless `prefix_match_unit` says otherwise): vLLM's fine-grained partial
     # hash hits land inside the Mamba blocks.
     "jamba-2x": lambda bs: [FullAttentionSpec(**_attention(bs)), _mamba(2 * bs)],
+    # Mistral-7B-v0.1-like: every layer a sliding window (64), one group.
+    "window-only": lambda bs: [SlidingWindowSpec(**_attention(bs), sliding_window=64)],
     # Three full-attention groups of block sizes 16, 32 and 64 (layers with fewer KV heads get
     # larger blocks of the same page size): scheduler block 64, hashes every 16 tokens.
     "full-3bs": lambda bs: [
