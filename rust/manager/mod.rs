@@ -1690,7 +1690,7 @@ impl KVCacheManager {
     }
 
     /// Drains the ids of newly allocated attention blocks the worker must zero (recorded when
-    /// the layout has Mamba layers, as vLLM's `needs_kv_cache_zeroing`).
+    /// [`ManagerConfig::needs_kv_cache_zeroing`] says so), group by group.
     pub fn take_new_block_ids(&mut self) -> Vec<BlockId> {
         self.effects.take_new_block_ids()
     }
