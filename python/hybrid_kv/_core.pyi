@@ -499,6 +499,7 @@ class KVCacheManager:
         scheduler_block_size: int | None = None,
         hash_block_size: int | None = None,
         enable_mamba_shared_prefix_checkpoint: bool = False,
+        needs_kv_cache_zeroing: bool | None = None,
     ) -> KVCacheManager:
         """A manager over a pool of `num_blocks` blocks (the null block included), with
         vLLM 0.33's `KVCacheManager` semantics as vLLM configures itself by default.
@@ -555,6 +556,10 @@ class KVCacheManager:
             enable_mamba_shared_prefix_checkpoint: vLLM's `CacheConfig` option: Mamba groups
                 also cache the state at a request's shared-prefix junction; acts only with
                 EAGLE groups, partial hash hits and `num_prefill_lookahead` at most 1.
+            needs_kv_cache_zeroing: whether the worker zeroes newly allocated attention blocks
+                (vLLM's `KVCacheConfig.needs_kv_cache_zeroing`: Mamba layers, or a cache of
+                more than one precision), which `take_new_block_ids` then lists, group by
+                group. None: when a group is a Mamba group.
 
         Raises:
             InvalidConfigError: an unknown kind, a missing field, block sizes that do not
@@ -723,7 +728,8 @@ class KVCacheManager:
     def evict_blocks(self, block_ids: _BlockIds) -> None:
         """Removes the cache entries of the given blocks (a KV connector's invalidation)."""
     def take_new_block_ids(self) -> npt.NDArray[np.int32]:
-        """Drains the new attention blocks the worker must zero (layouts with Mamba layers)."""
+        """Drains the new attention blocks the worker must zero (`needs_kv_cache_zeroing`),
+        group by group in group order, as vLLM concatenates its per-group lists."""
     def _get_blocks(self, request_id: str) -> KVCacheBlocks:
         """The request's block tables as `KVCacheBlocks`."""
     def _take_new_block_id_list(self) -> list[int]:

@@ -116,7 +116,9 @@ impl Coordinator {
         let mamba_shared_prefix_checkpoint = config.mamba_shared_prefix_checkpoint(hash_block_size);
         let max_in_flight = config.max_in_flight_tokens.unwrap_or(config.max_model_len);
         let extra_retained = config.extra_retained_tokens();
-        let needs_zeroing = specs.iter().any(|g| g.is_mamba());
+        let needs_zeroing = config
+            .needs_kv_cache_zeroing
+            .unwrap_or_else(|| specs.iter().any(|g| g.is_mamba()));
         let mut spec_groups: Vec<SpecGroup> = Vec::new();
         for (i, g) in specs.iter().enumerate() {
             if !g.prefix_cacheable() {

@@ -1690,9 +1690,9 @@ impl KVCacheManager {
     }
 
     /// Drains the ids of newly allocated attention blocks the worker must zero (recorded when
-    /// the layout has Mamba layers, as vLLM's `needs_kv_cache_zeroing`).
+    /// [`ManagerConfig::needs_kv_cache_zeroing`] says so), group by group.
     pub fn take_new_block_ids(&mut self) -> Vec<BlockId> {
-        std::mem::take(&mut self.effects.new_block_ids)
+        self.effects.take_new_block_ids()
     }
 
     /// Records the request's attention blocks from `start_token` on for zeroing again (blocks
@@ -1716,9 +1716,7 @@ impl KVCacheManager {
         for (m, t) in groups.iter().zip(&state.tables) {
             if m.records_new_blocks {
                 let start = (start_token / m.spec.block_size).min(t.blocks.len());
-                self.effects
-                    .new_block_ids
-                    .extend_from_slice(&t.blocks[start..]);
+                self.effects.record_new(m.id, &t.blocks[start..]);
             }
         }
         Ok(())

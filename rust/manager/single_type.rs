@@ -95,8 +95,9 @@ pub(crate) struct Effects {
     /// Mamba: keys cached in this scheduler step; a hit ending on one waits a step (its state
     /// is only written by this step's forward pass).
     pub(crate) cached_this_step: HashSet<CacheKey>,
-    /// Newly allocated attention blocks the worker must zero (when the layout needs it).
-    pub(crate) new_block_ids: Vec<BlockId>,
+    /// Newly allocated attention blocks the worker must zero (when the layout needs it), with
+    /// their group: vLLM lists them group by group (`take_new_block_ids`).
+    pub(crate) new_block_ids: Vec<(GroupId, BlockId)>,
     /// Mamba align: `(group, block, boundary tokens)` of each state committed to the cache
     /// this step, for KV connectors; keyed by request id.
     pub(crate) boundary_offloads: Vec<(String, GroupId, BlockId, usize)>,
@@ -114,6 +115,23 @@ pub(crate) struct EffectsMark {
 }
 
 impl Effects {
+    /// Records `blocks`, new in `group`, for zeroing.
+    pub(crate) fn record_new(&mut self, group: GroupId, blocks: &[BlockId]) {
+        self.new_block_ids
+            .extend(blocks.iter().map(|&block| (group, block)));
+    }
+
+    /// Drains the blocks recorded for zeroing, group by group (each group's in the order they
+    /// were recorded), as vLLM concatenates its per-group lists.
+    pub(crate) fn take_new_block_ids(&mut self) -> Vec<BlockId> {
+        let mut recorded = std::mem::take(&mut self.new_block_ids);
+        if !recorded.is_sorted_by_key(|&(group, _)| group) {
+            // Stable: each group's blocks keep their order.
+            recorded.sort_by_key(|&(group, _)| group);
+        }
+        recorded.into_iter().map(|(_, block)| block).collect()
+    }
+
     pub(crate) fn mark(&self) -> EffectsMark {
         EffectsMark {
             new_block_ids: self.new_block_ids.len(),
@@ -660,9 +678,7 @@ impl GroupManager {
         let start = table.blocks.len();
         pool.get_new_blocks_into(new, &mut table.blocks)?;
         if self.records_new_blocks && record_new {
-            effects
-                .new_block_ids
-                .extend_from_slice(&table.blocks[start..]);
+            effects.record_new(self.id, &table.blocks[start..]);
         }
         Ok(())
     }
@@ -677,7 +693,7 @@ impl GroupManager {
         if table.blocks.is_empty() {
             pool.get_new_blocks_into(1, &mut table.blocks)?;
             if self.records_new_blocks && record_new {
-                effects.new_block_ids.push(table.blocks[0]);
+                effects.new_block_ids.push((self.id, table.blocks[0]));
             }
         }
         Ok(())
@@ -730,7 +746,7 @@ impl GroupManager {
             // The hit ends inside `source`, shared with others: the request writes on into a
             // private copy instead (recorded for zeroing whatever the layout, as vLLM does).
             let copy = self.copy_on_write(pool, table, idx, source, effects)?;
-            effects.new_block_ids.push(copy);
+            effects.new_block_ids.push((self.id, copy));
             out.push(copy);
         }
         let new = num_tokens.div_ceil(bs).saturating_sub(table.blocks.len());
@@ -782,9 +798,7 @@ impl GroupManager {
     ) {
         out.extend_from_slice(&table.blocks[start..]);
         if self.records_new_blocks {
-            effects
-                .new_block_ids
-                .extend_from_slice(&table.blocks[start..]);
+            effects.record_new(self.id, &table.blocks[start..]);
         }
     }
 

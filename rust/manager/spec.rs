@@ -415,6 +415,11 @@ pub struct ManagerConfig {
     /// hash hits and no multi-token re-prefill (see
     /// [`ManagerConfig::mamba_shared_prefix_checkpoint`]).
     pub enable_mamba_shared_prefix_checkpoint: bool,
+    /// Whether the worker zeroes newly allocated attention blocks (vLLM's
+    /// `KVCacheConfig.needs_kv_cache_zeroing`: a layout with Mamba layers, or a cache of more
+    /// than one precision), so the manager records them (`take_new_block_ids`). `None`: when
+    /// a group is a Mamba group (the groups do not say their precision).
+    pub needs_kv_cache_zeroing: Option<bool>,
 }
 
 impl ManagerConfig {
@@ -438,6 +443,7 @@ impl ManagerConfig {
             num_hash_lookahead_tokens: 0,
             num_prefill_lookahead: 0,
             enable_mamba_shared_prefix_checkpoint: false,
+            needs_kv_cache_zeroing: None,
         }
     }
 

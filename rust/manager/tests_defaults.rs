@@ -332,6 +332,63 @@ fn mamba_boundary_states_are_offered_and_attention_blocks_recorded_for_zeroing()
     ));
 }
 
+#[test]
+fn blocks_to_zero_are_taken_group_by_group_as_vllms_managers_list_them() {
+    // vLLM keeps one list per group and concatenates them in group order: with two attention
+    // groups the blocks of every request's full-attention group come before any window block.
+    let mut m = manager(
+        vec![
+            GroupSpec::full(4),
+            GroupSpec::sliding_window(4, 8),
+            GroupSpec::mamba(4),
+        ],
+        64,
+        Some(0),
+    );
+    let mut new = Vec::new();
+    for id in ["a", "b"] {
+        m.add_request(id, &tokens(0, 10), ExtraKeys::default())
+            .unwrap();
+        new.push(m.allocate_slots(id, &chunk(8, 0)).unwrap().unwrap());
+    }
+    let expected: Vec<BlockId> = [&new[0][0], &new[1][0], &new[0][1], &new[1][1]]
+        .into_iter()
+        .flatten()
+        .copied()
+        .collect();
+    assert_eq!(m.take_new_block_ids(), expected);
+}
+
+#[test]
+fn a_mixed_precision_layout_zeroes_new_attention_blocks_without_mamba_layers() {
+    // vLLM's `needs_kv_cache_zeroing` also holds for caches of more than one precision,
+    // which the caller says; without it, only Mamba layouts zero.
+    let groups = vec![GroupSpec::full(4), GroupSpec::sliding_window(4, 8)];
+    let mut plain = manager(groups.clone(), 64, Some(0));
+    let mut c = config(groups, 64, Some(0));
+    c.needs_kv_cache_zeroing = Some(true);
+    let mut mixed = KVCacheManager::new(&c).unwrap();
+    for m in [&mut plain, &mut mixed] {
+        m.add_request("a", &tokens(0, 10), ExtraKeys::default())
+            .unwrap();
+    }
+    plain.allocate_slots("a", &chunk(8, 0)).unwrap().unwrap();
+    let new = mixed.allocate_slots("a", &chunk(8, 0)).unwrap().unwrap();
+    assert!(plain.take_new_block_ids().is_empty());
+    assert_eq!(
+        mixed.take_new_block_ids(),
+        [new[0].clone(), new[1].clone()].concat()
+    );
+    // And a Mamba layout told otherwise zeroes nothing.
+    let mut c = config(vec![GroupSpec::full(4), GroupSpec::mamba(4)], 64, Some(0));
+    c.needs_kv_cache_zeroing = Some(false);
+    let mut m = KVCacheManager::new(&c).unwrap();
+    m.add_request("a", &tokens(0, 10), ExtraKeys::default())
+        .unwrap();
+    m.allocate_slots("a", &chunk(8, 0)).unwrap().unwrap();
+    assert!(m.take_new_block_ids().is_empty());
+}
+
 // ----- Mamba prefill checkpoint exports ---------------------------------------------------------
 
 fn mamba2(retention: Option<usize>) -> KVCacheManager {

@@ -628,7 +628,7 @@ impl PyKVCacheManager {
 #[pymethods]
 impl PyKVCacheManager {
     #[new]
-    #[pyo3(signature = (groups, num_blocks, max_model_len, *, enable_caching = true, enable_kv_events = false, hash_algo = Text::Static("xxh3"), hash_seed = Text::Static(""), watermark = 0.0, max_in_flight_tokens = None, prefix_cache_retention_interval = Some(UInt(0)), use_eagle = false, eagle_groups = None, num_hash_lookahead_tokens = UInt(0), num_prefill_lookahead = UInt(0), scheduler_block_size = None, hash_block_size = None, enable_mamba_shared_prefix_checkpoint = false), text_signature = "(groups, num_blocks, max_model_len, *, enable_caching=True, enable_kv_events=False, hash_algo='xxh3', hash_seed='', watermark=0.0, max_in_flight_tokens=None, prefix_cache_retention_interval=0, use_eagle=False, eagle_groups=None, num_hash_lookahead_tokens=0, num_prefill_lookahead=0, scheduler_block_size=None, hash_block_size=None, enable_mamba_shared_prefix_checkpoint=False)")]
+    #[pyo3(signature = (groups, num_blocks, max_model_len, *, enable_caching = true, enable_kv_events = false, hash_algo = Text::Static("xxh3"), hash_seed = Text::Static(""), watermark = 0.0, max_in_flight_tokens = None, prefix_cache_retention_interval = Some(UInt(0)), use_eagle = false, eagle_groups = None, num_hash_lookahead_tokens = UInt(0), num_prefill_lookahead = UInt(0), scheduler_block_size = None, hash_block_size = None, enable_mamba_shared_prefix_checkpoint = false, needs_kv_cache_zeroing = None), text_signature = "(groups, num_blocks, max_model_len, *, enable_caching=True, enable_kv_events=False, hash_algo='xxh3', hash_seed='', watermark=0.0, max_in_flight_tokens=None, prefix_cache_retention_interval=0, use_eagle=False, eagle_groups=None, num_hash_lookahead_tokens=0, num_prefill_lookahead=0, scheduler_block_size=None, hash_block_size=None, enable_mamba_shared_prefix_checkpoint=False, needs_kv_cache_zeroing=None)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -649,6 +649,7 @@ impl PyKVCacheManager {
         scheduler_block_size: Option<Count>,
         hash_block_size: Option<Count>,
         enable_mamba_shared_prefix_checkpoint: bool,
+        needs_kv_cache_zeroing: Option<bool>,
     ) -> PyResult<Self> {
         if groups.is_instance_of::<PyString>() || groups.is_instance_of::<PyDict>() {
             return Err(PyTypeError::new_err(
@@ -676,6 +677,7 @@ impl PyKVCacheManager {
         config.scheduler_block_size = scheduler_block_size.map(Count::get);
         config.hash_block_size = hash_block_size.map(Count::get);
         config.enable_mamba_shared_prefix_checkpoint = enable_mamba_shared_prefix_checkpoint;
+        config.needs_kv_cache_zeroing = needs_kv_cache_zeroing;
         let manager = KVCacheManager::new(&config)?;
         let num_groups = manager.num_groups();
         let id = manager.id();

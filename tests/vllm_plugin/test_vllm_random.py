@@ -56,6 +56,21 @@ TIGHT_BLOCKS = {
     "granite4": 700,
     "jamba-2x": 700,
 }
+# Layouts of unusual group mixes, run on the draws of a few seeds each
+# (`test_unusual_layouts_match_vllm`), with their pool blocks under pressure. Not drawn by
+# `draw_options` (its draws stay what they were for every seed).
+UNUSUAL_BLOCKS = {
+    "full-3bs": 400,
+    "small-window": 330,
+    "block-window": 330,
+    "odd-window": 330,
+    "odd-chunk": 330,
+    "small-chunk": 330,
+    "mamba-first": 700,
+    "two-mamba": 700,
+    "swa-mamba": 700,
+    "mixed-precision": 330,
+}
 LORAS = (
     None,
     ("alpha", 1, "/adapters/alpha"),
@@ -204,7 +219,8 @@ def draw_grammar_preemption(
         workload = harness.draw_grammars(rng, workload, always=True)
     settings: dict[str, Any] = {"max_num_seqs": max(options.max_num_seqs, rng.choice([16, 64]))}
     if rng.random() < 0.7:
-        settings["num_blocks"] = int(TIGHT_BLOCKS[options.layout] * rng.choice([0.6, 0.8, 1.0]))
+        tight = TIGHT_BLOCKS.get(options.layout) or UNUSUAL_BLOCKS[options.layout]
+        settings["num_blocks"] = int(tight * rng.choice([0.6, 0.8, 1.0]))
     priority = rng.random() < 0.4
     if priority:
         settings["policy"] = "priority"
@@ -394,11 +410,37 @@ def test_draws_preempt_structured_output_requests_mid_decode_and_resume_them() -
     assert any(asynchronous and in_flight for _, asynchronous, _, in_flight in resumed)
 
 
-def run_case(seed: int) -> tuple[harness.Options, ChaosDriver]:
-    """Runs the case `seed` on stock vLLM and on hybrid-kv, comparing every step; returns its
-    options and stock vLLM's driver."""
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("layout", sorted(UNUSUAL_BLOCKS))
+def test_unusual_layouts_match_vllm(layout: str, seed: int) -> None:
+    # Several full-attention groups of different block sizes, windows and chunks smaller than
+    # a block, equal to it or not a multiple of it, the Mamba group before the drafter's,
+    # two Mamba groups, full attention with a window and Mamba, a cache of two precisions.
+    run_case(seed, layout)
+
+
+def with_layout(rng: random.Random, options: harness.Options, layout: str) -> harness.Options:
+    """The drawn `options` on `layout` instead, its pool drawn from `UNUSUAL_BLOCKS`, without
+    what vLLM refuses there (a retention interval without windows, hashes finer than the
+    block without Mamba)."""
+    changes: dict[str, Any] = {
+        "layout": layout,
+        "num_blocks": int(UNUSUAL_BLOCKS[layout] * rng.choice([0.6, 0.8, 1.0, 3.0])),
+    }
+    if not windowed(layout):
+        changes["retention_interval"] = 0
+    if layout not in harness.MAMBA_LAYOUTS:
+        changes["prefix_match_unit"] = None
+    return dataclasses.replace(options, **changes)
+
+
+def run_case(seed: int, layout: str | None = None) -> tuple[harness.Options, ChaosDriver]:
+    """Runs the case `seed` (on `layout` instead of the drawn one, if given) on stock vLLM and
+    on hybrid-kv, comparing every step; returns its options and stock vLLM's driver."""
     rng = random.Random(seed)
     options = draw_options(rng)
+    if layout is not None:
+        options = with_layout(random.Random(f"{seed}-{layout}"), options, layout)
     workload = draw_workload(rng, options)
     chaos = rng.choice([0.0, 0.03, 0.1])
     # vLLM's prefix-caching hash, from a generator of its own (the draws above stay the same).

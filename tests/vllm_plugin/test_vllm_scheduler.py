@@ -44,6 +44,8 @@ class Run:
     partial_hits: int = 0
     # Copy-on-write block copies handed to the worker.
     copies: int = 0
+    # Steps handing the worker blocks to zero.
+    zeroed: int = 0
 
 
 def run_both(
@@ -80,6 +82,7 @@ def run_both(
         run.hits += sum(1 for _, _, n in expected["new"] if n > 0)
         run.partial_hits += sum(1 for _, _, n in expected["new"] if n % options.block_size)
         run.copies += len(expected["copies"] or ())
+        run.zeroed += bool(expected["zero"])
         # New requests list their hit blocks too: count those past the hit. Resumed requests
         # list their whole table: left out.
         handed = [ids[-1][n // options.block_size :] for _, ids, n in expected["new"]]
@@ -101,6 +104,47 @@ DENSE_LAYOUTS = [
     ("llama4", 1200),
     ("mixed-bs", 330),
 ]
+
+
+def test_a_window_only_model_with_mtp_lookahead_hashes_is_served_where_vllm_fails() -> None:
+    # One sliding-window group and multi-token prediction's lookahead hashes: a 33-token prompt
+    # has one block hash (its second block's hash needs a token past it), but vLLM 0.33's
+    # single-group coordinator looks up the 2 blocks of the tokens but the last, and its
+    # sliding-window manager indexes past the hashes (IndexError) on the first lookup.
+    # hybrid-kv looks up the blocks with a hash, and serves the prompt and its resend.
+    options = harness.Options(
+        layout="window-only", num_blocks=200, eagle_tokens=2, eagle_method="mtp"
+    )
+    prompt = tuple(range(1, 34))
+    workload = [
+        harness.RequestSpec("first", prompt, 3, 0),
+        harness.RequestSpec("again", prompt, 3, 6),
+    ]
+    stock = harness.build_scheduler(options)
+    assert stock.num_hash_lookahead_tokens > 0
+    with pytest.raises(IndexError):
+        list(harness.Driver(stock, workload).run())
+    ours = harness.build_scheduler(options, hkv.Scheduler)
+    assert ours.uses_hybrid_kv
+    driver = harness.Driver(ours, workload)
+    outputs = [out for out, _ in driver.run()]
+    assert driver.done
+    finished = [r for out in outputs for r in out.finished_req_ids]
+    assert sorted(finished) == ["again", "first"]
+    hits = [r.num_computed_tokens for out in outputs for r in out.scheduled_new_reqs]
+    assert hits == [0, 16]
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["caching", "no-caching"])
+@pytest.mark.parametrize("layout", ["swa-mamba", "mixed-precision"])
+def test_blocks_to_zero_are_vllms_in_its_order(layout: str, prefix_caching: bool) -> None:
+    # vLLM zeroes new attention blocks for a layout with Mamba layers or of two cache
+    # precisions, and lists them group by group (every request's full-attention blocks of the
+    # step, then the window's): hybrid-kv once listed them request by request, and zeroed none
+    # for a cache of two precisions.
+    options = harness.Options(layout=layout, num_blocks=700, prefix_caching=prefix_caching)
+    run = run_both(options, WORKLOAD)
+    assert run.zeroed > 0 and run.preempted > 0
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["caching", "no-caching"])

@@ -495,6 +495,8 @@ class HybridKVCacheManager(_RunningSteps):
                 scheduler_block_size=scheduler_block_size,
                 hash_block_size=hash_block_size,
                 enable_mamba_shared_prefix_checkpoint=enable_mamba_shared_prefix_checkpoint,
+                # Mamba layers or a cache of two precisions: the worker zeroes new blocks.
+                needs_kv_cache_zeroing=kv_cache_config.needs_kv_cache_zeroing,
             )
         except (hk.InvalidConfigError, hk.OutOfRangeError) as error:
             # A combination vLLM accepts and the core refuses (a pool of the null block alone,

@@ -174,10 +174,59 @@ LAYOUTS: dict[str, Callable[[int], list[KVCacheSpec]]] = {
     # every bs tokens unless `prefix_match_unit` says otherwise): vLLM's fine-grained partial
     # hash hits land inside the Mamba blocks.
     "jamba-2x": lambda bs: [FullAttentionSpec(**_attention(bs)), _mamba(2 * bs)],
+    # Mistral-7B-v0.1-like: every layer a sliding window (64), one group.
+    "window-only": lambda bs: [SlidingWindowSpec(**_attention(bs), sliding_window=64)],
+    # Three full-attention groups of block sizes 16, 32 and 64 (layers with fewer KV heads get
+    # larger blocks of the same page size): scheduler block 64, hashes every 16 tokens.
+    "full-3bs": lambda bs: [
+        FullAttentionSpec(**_attention(bs)),
+        FullAttentionSpec(**_attention(2 * bs, num_kv_heads=4)),
+        FullAttentionSpec(**_attention(4 * bs, num_kv_heads=2)),
+    ],
+    # A sliding window smaller than a block (8), and one equal to it.
+    "small-window": lambda bs: [
+        FullAttentionSpec(**_attention(bs)),
+        SlidingWindowSpec(**_attention(bs), sliding_window=bs // 2),
+    ],
+    "block-window": lambda bs: [
+        FullAttentionSpec(**_attention(bs)),
+        SlidingWindowSpec(**_attention(bs), sliding_window=bs),
+    ],
+    # Chunked local attention with chunks not a multiple of the block (100), and smaller than
+    # one (8).
+    "odd-chunk": lambda bs: [
+        FullAttentionSpec(**_attention(bs)),
+        ChunkedLocalAttentionSpec(**_attention(bs), attention_chunk_size=100),
+    ],
+    "small-chunk": lambda bs: [
+        FullAttentionSpec(**_attention(bs)),
+        ChunkedLocalAttentionSpec(**_attention(bs), attention_chunk_size=bs // 2),
+    ],
+    # The Mamba group first: the drafter's full-attention layers join group 1.
+    "mamba-first": lambda bs: [_mamba(bs), FullAttentionSpec(**_attention(bs))],
+    # Two Mamba groups of different state shapes (as a model with two kinds of mixers).
+    "two-mamba": lambda bs: [
+        FullAttentionSpec(**_attention(bs)),
+        _mamba(bs),
+        dataclasses.replace(_mamba(bs), shapes=((4, 64), (16, 64))),
+    ],
+    # Full attention, sliding window (64) and Mamba: two attention groups whose new blocks the
+    # worker zeroes (a layout with Mamba layers).
+    "swa-mamba": lambda bs: [
+        FullAttentionSpec(**_attention(bs)),
+        SlidingWindowSpec(**_attention(bs), sliding_window=64),
+        _mamba(bs),
+    ],
+    # gpt-oss with its sliding-window layers' cache in FP8: a cache of two precisions, whose new
+    # attention blocks the worker zeroes (vLLM's `KVCacheConfig.needs_kv_cache_zeroing`).
+    "mixed-precision": lambda bs: [
+        FullAttentionSpec(**_attention(bs)),
+        SlidingWindowSpec(**dict(_attention(bs), dtype=torch.float8_e4m3fn), sliding_window=128),
+    ],
 }
 
 # Layouts with Mamba groups (vLLM then picks mamba_cache_mode "align" with prefix caching).
-MAMBA_LAYOUTS = ("jamba", "granite4", "jamba-2x")
+MAMBA_LAYOUTS = ("jamba", "granite4", "jamba-2x", "swa-mamba", "mamba-first", "two-mamba")
 
 
 @dataclass(frozen=True)
@@ -317,8 +366,12 @@ def kv_cache_config(options: Options, config: VllmConfig | None = None) -> KVCac
         # vLLM's planner flags the groups holding draft layers for every EAGLE-family drafter
         # that keeps the trailing-block drop (with or without lookahead hashes, with or
         # without prefix caching): the drafter's full-attention layers join the
-        # full-attention group.
-        groups[0].is_eagle_group = True
+        # full-attention group (the first one, whatever groups come before it).
+        drafter = next(
+            (g for g in groups if type(g.kv_cache_spec) in (FullAttentionSpec, MLAAttentionSpec)),
+            groups[0],
+        )
+        drafter.is_eagle_group = True
     return KVCacheConfig(
         num_blocks=options.num_blocks,
         kv_cache_tensors=[],
