@@ -9,10 +9,9 @@
 //! groups share their block hashes) have neighbouring home slots in one shard, so that the
 //! lookups of one hash across groups (a hit's window groups after its full-attention ones, each
 //! group's block of a filled position cached in turn) read the lines the first one loaded. Each
-//! shard
-//! is a linear-probing table of `(lo, hi, group | id)` slots (keys inline, so a lookup touches
-//! one cache line) sized from the pool (`2·num_blocks` slots in all), grown only if a shard ever
-//! passes 3/4 full. Inserts go to the first empty slot of the probe sequence, so duplicates of
+//! shard is a linear-probing table of `(lo, hi, group | id)` slots (keys inline, so a lookup
+//! touches one cache line) sized from the pool (`2·num_blocks` slots in all), grown only if a
+//! shard ever passes 3/4 full. Inserts go to the first empty slot of the probe sequence, so duplicates of
 //! a key sit in insertion order; removals shift the rest of the cluster back (no tombstones,
 //! nothing to rebuild), which keeps that order. The shards' first tables are one array, so a
 //! key's home slot's address follows from its mix alone: a walk's prefetches issue the home
