@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from fractions import Fraction
 
 from hybrid_kv.planner.errors import PlanError
@@ -65,12 +66,18 @@ def parse_memory(text: str | int) -> int:
 def format_bytes(num_bytes: int) -> str:
     """Human-readable binary size: `1.50 GiB` (rounded half to even, as a float's `.2f` rounds;
     exact, so sizes past a float's range are written too)."""
+    return _format_binary(num_bytes, round)
+
+
+def _format_binary(num_bytes: int, hundredths_of: Callable[[Fraction], int]) -> str:
+    """`num_bytes` in the largest binary unit (up to TiB) that keeps it from 1 up, with two
+    decimals rounded by `hundredths_of` (a hundredth's count from the exact value)."""
     value = Fraction(num_bytes)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(value) < 1024 or unit == "TiB":
             if unit == "B":
                 return f"{round(value)} {unit}"
-            hundredths = round(value * 100)
+            hundredths = hundredths_of(value * 100)
             sign = "-" if hundredths < 0 else ""
             whole, cents = divmod(abs(hundredths), 100)
             return f"{sign}{whole}.{cents:02d} {unit}"
@@ -86,15 +93,9 @@ def format_count(n: int, noun: str) -> str:
 def format_bytes_at_least(num_bytes: int) -> str:
     """`format_bytes` rounded up instead of to nearest: a size `--memory` takes that holds
     `num_bytes` (to advise a budget: `16.00 GiB` would be short of 16.002 GiB)."""
-    value = Fraction(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            if unit == "B":
-                return f"{num_bytes} B"
-            hundredths = math.ceil(value * 100)
-            return f"{hundredths // 100}.{hundredths % 100:02d} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
+    if num_bytes < 1024:
+        return f"{num_bytes} B"
+    return _format_binary(num_bytes, math.ceil)
 
 
 def kv_cache_budget(gpu_memory_bytes: int, utilization: float, weight_bytes: int) -> int:
