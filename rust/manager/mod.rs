@@ -332,8 +332,6 @@ pub struct KVCacheManager {
     /// references are retained: each holds one reference until
     /// [`KVCacheManager::free_retained_blocks`] drops it.
     retained: HashMap<BlockId, u32>,
-    /// The retained references, `retained`'s counts summed.
-    num_retained: usize,
     scratch: Vec<BlockId>,
     /// What `allocate_slots` may change in each table, to undo a failed allocation (kept
     /// between calls for its buffers).
@@ -399,7 +397,6 @@ impl KVCacheManager {
             next_serial: 0,
             stats: PrefixCacheStats::default(),
             retained: HashMap::new(),
-            num_retained: 0,
             scratch: Vec::new(),
             marks: Vec::new(),
             #[cfg(test)]
@@ -1678,7 +1675,6 @@ impl KVCacheManager {
         for &b in blocks {
             *self.retained.entry(b).or_insert(0) += 1;
         }
-        self.num_retained += blocks.len();
     }
 
     /// Removes the cache entries of the given blocks (reference counts untouched; a KV
@@ -1768,14 +1764,13 @@ impl KVCacheManager {
                 }
             }
         }
-        self.num_retained -= blocks.len();
         Ok(())
     }
 
     /// Block references retained (for copies, or by `pop_blocks_for_free`) and not released
     /// yet.
     pub fn num_retained_blocks(&self) -> usize {
-        self.num_retained
+        self.retained.values().map(|&n| n as usize).sum()
     }
 
     /// The Mamba states the request keyed inside a block as its prompt's boundary, when it
